@@ -1,0 +1,12 @@
+"""wfpass: weight formats inside the PyTorch compiler.
+
+    model = torch.compile(model, backend="wformat")
+    print(wfpass.last_report())
+"""
+from .api import apply, explain, restore
+from .backend import backend, last_report
+from .config import Config
+from .report import Record, Report
+
+__all__ = ["apply", "backend", "explain", "last_report", "restore", "Config", "Record", "Report"]
+__version__ = "0.1.0"

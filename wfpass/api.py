@@ -1,0 +1,73 @@
+"""``apply``, ``explain`` and ``restore``: wfpass outside of ``torch.compile``."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .backend import _set_last, backend
+from .config import Config
+from .graph import PassContext
+from .passes import run_passes
+from .report import Report
+from .storage import restore_tensor
+
+__all__ = ["apply", "explain", "restore"]
+
+
+def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> Report:
+    """Rewrite a ``torch.fx.GraphModule`` (e.g. from ``symbolic_trace``) in place.
+
+    The parameters of ``gm`` (shared with the traced model) are moved into
+    fused storage; the graph calls the fused kernels. Returns the report.
+    """
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"wfpass.apply expects a torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model)), got {type(gm).__name__}")
+    if config is not None and options:
+        raise ValueError("wfpass.apply: pass either config= or keyword options, not both")
+    config = config or Config.from_options(**options)
+    report = Report(f"wfpass report ({type(gm).__name__}, {len(list(gm.graph.nodes))} nodes)")
+    ctx = PassContext(gm, config, report)
+    run_passes(gm, ctx)
+    ctx.run_deferred()
+    _set_last(report)
+    return report
+
+
+def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
+    """Dry run: what ``backend="wformat"`` would rewrite or skip for these
+    inputs, and why. Nothing in ``model`` changes: a deep copy is compiled
+    and run once under ``no_grad``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wfpass.explain expects an nn.Module, got {type(model).__name__}")
+    probe = copy.deepcopy(model)
+    be = backend(inner="eager", dry_run=True)
+    reports = Report(f"wfpass explain ({type(model).__name__}, dry run: nothing changed)")
+
+    def collect(gm, example_inputs):
+        out = be(gm, example_inputs)
+        from .backend import last_report
+
+        reports.extend(last_report())
+        return out
+
+    with torch.no_grad():
+        torch.compile(probe, backend=collect)(*args, **kwargs)
+    return reports
+
+
+def restore(model: torch.nn.Module) -> int:
+    """Give every parameter and buffer wfpass fused its own storage again, with
+    the same values and the same objects. Returns how many tensors moved."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
+    n = 0
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        n += restore_tensor(t)
+    return n

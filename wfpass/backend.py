@@ -1,0 +1,141 @@
+"""The ``wformat`` Dynamo backend: wfpass passes, then an inner compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(model, backend="wformat")`` works without importing wfpass.
+``wfpass.backend(**options)`` builds one with options.
+
+Prologue hoisting: a fused format finds its block at run time by checking that
+the parameters are still views of one buffer; the block is an alias of their
+storage, which AOTAutograd cannot trace. So every prologue node is lifted out
+of the graph: it becomes a new trailing placeholder, and the callable we return
+computes it from the real arguments before calling the compiled graph::
+
+    compiled = inner(gm_without_prologues, example_inputs + [blocks...])
+    call(*args) = compiled(*args, *[prologue(args...) for each])
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, List, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from . import _compat
+from .config import Config
+from .graph import PassContext
+from .ops.runtime import is_prologue
+from .passes import run_passes
+from .report import Report
+
+__all__ = ["backend", "wformat", "last_report"]
+
+_LAST: List[Report] = []
+
+
+def last_report() -> Report:
+    """The report of the graph wfpass compiled or rewrote most recently.
+    (A model that graph-breaks compiles several graphs; each has its own.)"""
+    if not _LAST:
+        return Report("wfpass report (nothing compiled yet)")
+    return _LAST[-1]
+
+
+def _set_last(report: Report) -> None:
+    _LAST[:] = [report]
+    if os.environ.get("WFPASS_REPORT", "") not in ("", "0"):
+        print(report)
+
+
+def _resolve_inner(inner: Any) -> Callable:
+    if callable(inner):
+        return inner
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner)
+
+
+_ArgSpec = Tuple[str, Any]  # ("arg", index) or ("const", value)
+
+
+def _hoist_prologues(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    """Lift prologue nodes into trailing placeholders. Returns the list of
+    (fn, argspec) to compute per call, and the extended example inputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    hoisted: List[Tuple[Callable, List[_ArgSpec]]] = []
+    extra_examples: List[Any] = []
+    last = placeholders[-1] if placeholders else None
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not is_prologue(node.target):
+            continue
+        spec: List[_ArgSpec] = []
+        for a in node.args:
+            if isinstance(a, fx.Node):
+                if a not in index:
+                    raise RuntimeError(f"wfpass: prologue {node.name} reads {a.name}, which is not a graph input")
+                spec.append(("arg", index[a]))
+            else:
+                spec.append(("const", a))
+        # The example value only needs the right shape and dtype: use the
+        # prologue's copying fallback so compiling bumps no runtime counter.
+        make = getattr(node.target, "example", node.target)
+        value = make(*[example_inputs[v] if k == "arg" else v for k, v in spec])
+        with gm.graph.inserting_after(last) if last is not None else gm.graph.inserting_before(None):
+            ph = gm.graph.placeholder(f"wfpass_{node.name}")
+        ph.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value")})
+        _compat.mark_lifted_input(ph)
+        last = ph
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        hoisted.append((node.target, spec))
+        extra_examples.append(value)
+    if hoisted:
+        gm.graph.lint()
+        gm.recompile()
+    return hoisted, list(example_inputs) + extra_examples
+
+
+def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    gm = _compat.clone_dynamo_graph(gm)
+    report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)")
+    ctx = PassContext(gm, config, report, example_inputs=example_inputs)
+    run_passes(gm, ctx)
+    _set_last(report)
+    hoisted, inputs = _hoist_prologues(gm, example_inputs)
+    inner = _resolve_inner(config.inner)
+    compiled = inner(gm, inputs)
+    ctx.run_deferred()
+    if not hoisted:
+        return compiled
+
+    def call(*args):
+        extra = [fn(*[args[v] if k == "arg" else v for k, v in spec]) for fn, spec in hoisted]
+        return compiled(*args, *extra)
+
+    call._wfpass_report = report
+    return call
+
+
+def backend(**options: Any) -> Callable:
+    """A ``torch.compile`` backend with options, e.g.
+    ``torch.compile(m, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))``.
+    Unknown options or bad values raise ``ValueError``/``TypeError`` now."""
+    config = Config.from_options(**options)
+    fn = functools.partial(_compile, config)
+    fn.__name__ = "wformat"  # type: ignore[attr-defined]
+    fn.config = config  # type: ignore[attr-defined]
+    return fn
+
+
+def wformat(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """The registered ``"wformat"`` backend with default options."""
+    return _compile(_DEFAULT, gm, example_inputs)
+
+
+_DEFAULT = Config()

@@ -1,0 +1,93 @@
+"""Options of the wformat backend and of :func:`wfpass.apply`.
+
+A frozen dataclass, checked once when it is built: a bad value raises a
+``ValueError``/``TypeError`` that names the option and the allowed values, so a
+typo fails at ``torch.compile`` time instead of deep inside a kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Union
+
+__all__ = ["Config", "INNER_BACKENDS", "LINEAR_PATHS", "PASS_NAMES"]
+
+#: Inner compilers that can be named by string. Any callable backend
+#: ``(gm, example_inputs) -> callable`` is accepted too.
+INNER_BACKENDS = ("inductor", "eager", "aot_eager")
+#: How a fused sibling-linear group computes: one GEMM over the block,
+#: one GEMM per member over its view of the block, or chosen from the shape.
+LINEAR_PATHS = ("auto", "fused", "split")
+#: Every pass wfpass knows, in the order the pipeline runs them.
+PASS_NAMES = ("fuse_linears", "fuse_rnn", "fp32_batchnorm")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"wfpass option {name!r} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"wfpass option {name!r} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """All wfpass options. Build with keywords; every field is checked.
+
+    inner:            compiler the rewritten graph goes to: one of
+                      ``INNER_BACKENDS`` or a backend callable.
+    passes:           names of the passes to run (subset of ``PASS_NAMES``).
+    linear_path:      ``"auto"`` picks per group from the static row count M
+                      (``fused`` when M <= ``fused_max_rows``), or force one.
+    fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
+    min_group_size:   smallest sibling group worth fusing (>= 2).
+    seq_threshold:    RNN calls with at most this many time steps take the
+                      unfused per-step path; ``"auto"`` measures once per shape.
+    fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
+                      (inference only).
+    dry_run:          decide and report, change nothing (used by ``explain``).
+    """
+
+    inner: Union[str, Callable] = "inductor"
+    passes: tuple = PASS_NAMES
+    linear_path: str = "auto"
+    fused_max_rows: int = 16
+    min_group_size: int = 2
+    seq_threshold: Union[int, str] = 1
+    fold_batchnorm: bool = False
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, str):
+            if self.inner not in INNER_BACKENDS:
+                raise ValueError(
+                    f"wfpass option 'inner' must be one of {INNER_BACKENDS} or a backend callable, got {self.inner!r}"
+                )
+        elif not callable(self.inner):
+            raise TypeError(
+                f"wfpass option 'inner' must be a string {INNER_BACKENDS} or a callable, got {type(self.inner).__name__}"
+            )
+        if isinstance(self.passes, str) or not isinstance(self.passes, (tuple, list)):
+            raise TypeError(f"wfpass option 'passes' must be a tuple of pass names from {PASS_NAMES}, got {self.passes!r}")
+        unknown = [p for p in self.passes if p not in PASS_NAMES]
+        if unknown:
+            raise ValueError(f"wfpass option 'passes' has unknown pass names {unknown}; allowed: {PASS_NAMES}")
+        object.__setattr__(self, "passes", tuple(self.passes))
+        if self.linear_path not in LINEAR_PATHS:
+            raise ValueError(f"wfpass option 'linear_path' must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+        _check_int("fused_max_rows", self.fused_max_rows, 0)
+        _check_int("min_group_size", self.min_group_size, 2)
+        if self.seq_threshold != "auto":
+            if isinstance(self.seq_threshold, str):
+                raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0 or 'auto', got {self.seq_threshold!r}")
+            _check_int("seq_threshold", self.seq_threshold, 0)
+        for flag in ("fold_batchnorm", "dry_run"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "Config":
+        """``Config(**options)`` with a clear error for an unknown option name."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"unknown wfpass option(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**options)

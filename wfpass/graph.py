@@ -1,0 +1,208 @@
+"""One view of the graphs wfpass rewrites.
+
+Three flavours reach the passes:
+
+* Dynamo graphs: parameters and buffers are ``placeholder`` nodes; the real
+  tensors are the backend's ``example_inputs`` and Dynamo's ``grapharg`` names
+  the module attribute each came from.
+* ``torch.fx.symbolic_trace`` graphs: ``call_module`` nodes and ``get_attr``.
+* Either of them with functional calls (``F.linear``, ``torch._C._nn.linear``).
+
+:class:`PassContext` resolves any node argument to a :class:`TensorRef` (the
+real tensor plus its qualified name) so a pass never needs to know the flavour.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from . import _compat
+from .config import Config
+from .report import Report
+
+__all__ = ["PassContext", "TensorRef", "LinearSite", "linear_sites", "meta_value", "rows_of"]
+
+LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+
+
+@dataclasses.dataclass
+class TensorRef:
+    """A node argument resolved to the real tensor behind it."""
+
+    name: str
+    tensor: torch.Tensor
+    kind: str  # "parameter" | "buffer" | "tensor"
+    node: fx.Node
+
+    @property
+    def is_state(self) -> bool:
+        """A Parameter or buffer of the model: something whose storage we may own."""
+        return self.kind in ("parameter", "buffer")
+
+
+class PassContext:
+    """What every pass receives next to the graph.
+
+    ``example_inputs`` is given for Dynamo graphs, ``root`` (the GraphModule's
+    own submodules and attributes) for traced graphs.
+    """
+
+    def __init__(self, gm: fx.GraphModule, config: Config, report: Report, example_inputs: Optional[Sequence[Any]] = None):
+        self.gm = gm
+        self.config = config
+        self.report = report
+        self.example_inputs = list(example_inputs) if example_inputs is not None else None
+        self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._state_cache: Optional[List[TensorRef]] = None
+        self._deferred: List[Callable[[], None]] = []
+
+    def defer(self, move: Callable[[], None]) -> None:
+        """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
+        each input's storage offset and dtype at trace time and AOTAutograd
+        checks them again, so the backend runs these after the inner compile;
+        ``wfpass.apply`` runs them at once."""
+        self._deferred.append(move)
+
+    def run_deferred(self) -> None:
+        moves, self._deferred = self._deferred, []
+        for move in moves:
+            move()
+
+    @property
+    def is_dynamo(self) -> bool:
+        return self.example_inputs is not None
+
+    # -- resolving ----------------------------------------------------------
+    def resolve(self, arg: Any) -> Optional[TensorRef]:
+        if not isinstance(arg, fx.Node):
+            return None
+        if arg.op == "placeholder" and self.example_inputs is not None:
+            idx = self._placeholders.index(arg)
+            if idx >= len(self.example_inputs):
+                return None
+            t = self.example_inputs[idx]
+            if not isinstance(t, torch.Tensor):
+                return None
+            src = _compat.dynamo_source_name(arg)
+            qual = _compat.qualified_name_from_source(src) if src else None
+            if isinstance(t, torch.nn.Parameter):
+                kind = "parameter"
+            elif qual is not None and "_buffers[" in (src or ""):
+                kind = "buffer"
+            else:
+                kind = "tensor"
+            return TensorRef(qual or arg.name, t, kind, arg)
+        if arg.op == "get_attr":
+            t = _getattr_path(self.gm, arg.target)
+            if not isinstance(t, torch.Tensor):
+                return None
+            kind = "parameter" if isinstance(t, torch.nn.Parameter) else ("buffer" if self._is_buffer(arg.target) else "tensor")
+            return TensorRef(arg.target, t, kind, arg)
+        return None
+
+    def module_of(self, node: fx.Node) -> Optional[torch.nn.Module]:
+        if node.op != "call_module":
+            return None
+        return self.gm.get_submodule(node.target)
+
+    def _is_buffer(self, target: str) -> bool:
+        mod_path, _, attr = target.rpartition(".")
+        mod = self.gm.get_submodule(mod_path) if mod_path else self.gm
+        return attr in getattr(mod, "_buffers", {})
+
+    # -- everything that may share storage ----------------------------------
+    def state_tensors(self) -> List[TensorRef]:
+        """Every parameter/buffer the graph can see: the whole root module for
+        traced graphs, every tensor input for Dynamo graphs."""
+        if self._state_cache is None:
+            out: List[TensorRef] = []
+            if self.example_inputs is not None:
+                for n in self._placeholders:
+                    r = self.resolve(n)
+                    if r is not None:
+                        out.append(r)
+            else:
+                for name, p in self.gm.named_parameters(remove_duplicate=False):
+                    out.append(TensorRef(name, p, "parameter", None))
+                for name, b in self.gm.named_buffers(remove_duplicate=False):
+                    out.append(TensorRef(name, b, "buffer", None))
+            self._state_cache = out
+        return self._state_cache
+
+    def invalidate(self) -> None:
+        self._state_cache = None
+
+    def get_attr_node(self, qualname: str, before: fx.Node) -> fx.Node:
+        """A ``get_attr`` node for ``qualname`` placed before ``before``."""
+        with self.gm.graph.inserting_before(before):
+            return self.gm.graph.get_attr(qualname)
+
+
+def _getattr_path(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def meta_value(node: Any) -> Any:
+    """The fake/example value FX or Dynamo recorded for a node, if any."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def rows_of(x: fx.Node) -> Optional[int]:
+    """M, the number of rows a linear over ``x`` multiplies; None if unknown or symbolic."""
+    v = meta_value(x)
+    shape = getattr(v, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return int(math.prod(int(s) for s in shape[:-1]))
+    except (TypeError, ValueError, RuntimeError):
+        return None  # a SymInt that is not static
+
+
+@dataclasses.dataclass
+class LinearSite:
+    """A linear call ``y = x @ W.T + b`` in any flavour."""
+
+    node: fx.Node
+    x: fx.Node
+    weight: Optional[TensorRef]
+    bias: Optional[TensorRef]
+    has_bias: bool
+    module_name: Optional[str] = None  # call_module flavour only
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.tensor.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.tensor.shape[1]
+
+
+def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
+    """Every linear in the graph whose input is a node. Weights that cannot be
+    resolved to a tensor come back with ``weight=None`` so the pass can report why."""
+    for node in ctx.gm.graph.nodes:
+        if node.op == "call_function" and node.target in LINEAR_TARGETS:
+            x = node.args[0] if node.args else node.kwargs.get("input")
+            w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if not isinstance(x, fx.Node):
+                continue
+            yield LinearSite(node, x, ctx.resolve(w), ctx.resolve(b), b is not None)
+        elif node.op == "call_module":
+            mod = ctx.module_of(node)
+            if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
+                w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
+                b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
+                yield LinearSite(node, node.args[0], w, b, mod.bias is not None, module_name=node.target)

@@ -1,0 +1,44 @@
+"""The pass pipeline: the order is written once, here.
+
+Each pass is ``(gm, ctx) -> int`` (the number of patterns it rewrote) and
+writes its decisions into ``ctx.report``. After every pass the graph is
+cleaned up the same way: dead code eliminated, linted, recompiled.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Tuple
+
+import torch.fx as fx
+
+from ..graph import PassContext
+from .fuse_linears import fuse_linears
+
+__all__ = ["PIPELINE", "run_passes"]
+
+log = logging.getLogger("wfpass")
+
+PassFn = Callable[[fx.GraphModule, PassContext], int]
+
+#: (name, pass) in the order they run. Names match ``Config.passes``.
+PIPELINE: List[Tuple[str, PassFn]] = [
+    ("fuse_linears", fuse_linears),
+]
+
+
+def _cleanup(gm: fx.GraphModule) -> None:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for name, fn in PIPELINE:
+        if name not in ctx.config.passes:
+            continue
+        counts[name] = fn(gm, ctx)
+        if counts[name] and not ctx.config.dry_run:
+            _cleanup(gm)
+        log.debug("pass %s rewrote %d pattern(s)", name, counts[name])
+    return counts

@@ -1,0 +1,274 @@
+"""Sibling-linear fusion (Q/K/V, gate/up): one GEMM over one weight block.
+
+Before (three linears reading the same ``x``)::
+
+    q = linear(x, q_w, q_b); k = linear(x, k_w, None); v = linear(x, v_w, v_b)
+
+After, when the group computes on the fused path (see ``fused_linear.py``)::
+
+    w = fused_linear_weight("g0", q_w, k_w, v_w)
+    b = fused_linear_bias("g0", q_b, None, v_b)
+    y = fused_linear(x, w, b, spec, q_w, k_w, v_w, q_b, v_b)
+    q, k, v = split(y, [dq, dk, dv], -1)
+
+On the split path (large M, where one GEMM gains nothing here) the graph is
+left as it was; the storage is fused either way, which costs nothing and lets
+each shape take the faster path.
+
+Guards, each a skip record when it fails: the weight resolves to a model
+Parameter/buffer; same dtype, device and in_features as the group; bias dtype
+equal to the weight's; no member's weight or bias shared with another tensor
+(ties stay tied); no member depends on another member's output (networkx
+proves the fused node creates no cycle); at least ``min_group_size`` left.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ..graph import LinearSite, PassContext, linear_sites, rows_of
+from ..ops.fused_linear import fused_linear, fused_linear_bias, fused_linear_weight
+from ..ops.runtime import Group, register_group
+from ..storage import FusedStorage, fuse, fused_storage_of, sharing_problem
+
+__all__ = ["fuse_linears"]
+
+_gid_counter = itertools.count()
+
+
+def _dependency_graph(gm: fx.GraphModule) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        g.add_node(n)
+        for u in n.users:
+            g.add_edge(n, u)
+    return g
+
+
+def _fusion_keeps_dag(dep: nx.DiGraph, members: Sequence[fx.Node]) -> bool:
+    """Would contracting ``members`` into one node create a cycle? It does iff
+    some member reaches another through a path (a data dependence)."""
+    contracted = dep.copy()
+    keep = members[0]
+    for m in members[1:]:
+        contracted = nx.contracted_nodes(contracted, keep, m, self_loops=False, copy=False)
+    return nx.is_directed_acyclic_graph(contracted)
+
+
+def _member_problem(ctx: PassContext, site: LinearSite) -> Optional[str]:
+    w = site.weight
+    if w is None:
+        return "weight is not a tensor the pass can resolve (computed in the graph?)"
+    if not w.is_state:
+        return f"weight {w.name} is not a Parameter or buffer of the model (a graph input or computed tensor)"
+    if w.tensor.dim() != 2:
+        return f"weight {w.name} is not 2-D"
+    if site.has_bias:
+        b = site.bias
+        if b is None or not b.is_state:
+            return "bias is not a Parameter or buffer of the model"
+        if b.tensor.dtype != w.tensor.dtype or b.tensor.device != w.tensor.device:
+            return f"bias {b.name} has dtype/device {b.tensor.dtype}/{b.tensor.device}, weight has {w.tensor.dtype}/{w.tensor.device}"
+    return None
+
+
+def _params(sites: Sequence[LinearSite]) -> List[str]:
+    out = []
+    for s in sites:
+        out.append(s.weight.name if s.weight else s.node.name)
+        if s.has_bias and s.bias is not None:
+            out.append(s.bias.name)
+    return out
+
+
+def _choose_path(ctx: PassContext, x: fx.Node) -> tuple:
+    mode = ctx.config.linear_path
+    m = rows_of(x)
+    if mode != "auto":
+        return mode, f"linear_path={mode!r}"
+    if m is None:
+        # A symbolic row count: decode and prefill share one graph. The block
+        # GEMM is never slower by much at large M (measured 0.92-1.01x) and
+        # wins at decode shapes, so take it.
+        return "fused", "rows symbolic: fused GEMM"
+    if m <= ctx.config.fused_max_rows:
+        return "fused", f"M={m} <= fused_max_rows={ctx.config.fused_max_rows}: one GEMM"
+    return "split", f"M={m} > fused_max_rows={ctx.config.fused_max_rows}: one GEMM per member over views of the fused block"
+
+
+def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Fuse sibling linears in ``gm``; returns the number of groups rewritten."""
+    by_input: Dict[fx.Node, List[LinearSite]] = defaultdict(list)
+    for site in linear_sites(ctx):
+        by_input[site.x].append(site)
+
+    dep = None
+    rewritten = 0
+    for x, sites in by_input.items():
+        if len(sites) < 2:
+            continue  # a lone linear is not a pattern: nothing to report
+        ok: List[LinearSite] = []
+        for s in sites:
+            why = _member_problem(ctx, s)
+            if why:
+                ctx.report.add("linear", "skipped", why, _params([s]))
+            else:
+                ok.append(s)
+        # The same Parameter twice in one group cannot sit at two offsets.
+        seen: Dict[int, LinearSite] = {}
+        dup = set()
+        for s in ok:
+            if id(s.weight.tensor) in seen:
+                dup.add(id(s.weight.tensor))
+            seen.setdefault(id(s.weight.tensor), s)
+        for s in [s for s in ok if id(s.weight.tensor) in dup]:
+            ctx.report.add("linear", "skipped", f"the same weight {s.weight.name} is used by two linears of this group; left unfused so the tie stays", _params([s]))
+        ok = [s for s in ok if id(s.weight.tensor) not in dup]
+
+        # Partition by what one GEMM needs to agree on.
+        buckets: Dict[tuple, List[LinearSite]] = defaultdict(list)
+        for s in ok:
+            w = s.weight.tensor
+            buckets[(w.dtype, w.device, w.shape[1])].append(s)
+        if len(buckets) > 1:
+            largest = max(buckets.values(), key=len)
+            for key, b in buckets.items():
+                if b is not largest:
+                    ctx.report.add("linear", "skipped", f"dtype/device/in_features {key} differ from the siblings' {tuple(largest[0].weight.tensor.dtype for _ in [0])[0]}/{largest[0].weight.tensor.device}/{largest[0].in_features}", _params(b))
+            ok = largest
+        else:
+            ok = next(iter(buckets.values()), [])
+
+        # Data dependence: add members greedily while the contraction stays a DAG.
+        if len(ok) >= 2:
+            dep = dep if dep is not None else _dependency_graph(gm)
+            chosen: List[LinearSite] = []
+            for s in ok:
+                if _fusion_keeps_dag(dep, [c.node for c in chosen] + [s.node]):
+                    chosen.append(s)
+                else:
+                    ctx.report.add("linear", "skipped", "depends on the output of a sibling linear (fusing would create a cycle)", _params([s]))
+            ok = chosen
+
+        if len(ok) < ctx.config.min_group_size:
+            if ok:
+                ctx.report.add("linear", "skipped", f"group of {len(ok)} left after the checks; min_group_size={ctx.config.min_group_size}", _params(ok))
+            continue
+        if _rewrite_group(gm, ctx, x, ok, dep):
+            rewritten += 1
+            dep = None  # the graph changed
+    return rewritten
+
+
+def _storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int, str]:
+    others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+    group_tensors = [s.weight.tensor for s in sites] + [s.bias.tensor for s in sites if s.has_bias]
+    problems = {}
+    for i, s in enumerate(sites):
+        refs = [s.weight] + ([s.bias] if s.has_bias else [])
+        for r in refs:
+            fs = fused_storage_of(r.tensor)
+            if fs is not None:
+                # Already ours: fine only if it is this very group (idempotence).
+                if all(fs.is_member(t) for t in group_tensors if t.untyped_storage().data_ptr() == r.tensor.untyped_storage().data_ptr()):
+                    continue
+            why = sharing_problem(r.tensor, r.name, others, allowed=group_tensors if fs is not None else ())
+            if why:
+                problems[i] = why
+                break
+    return problems
+
+
+def _existing_storage(tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> Optional[FusedStorage]:
+    fs = fused_storage_of(tensors[0])
+    if fs is None:
+        return None
+    if [m for m in fs.members] == list(tensors) or (len(fs.members) == len(tensors) and all(a is b for a, b in zip(fs.members, tensors))):
+        if list(fs.offsets) == list(offsets):
+            return fs
+    return None
+
+
+def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List[LinearSite], dep) -> bool:
+    problems = _storage_problems(ctx, sites)
+    for i, why in problems.items():
+        ctx.report.add("linear", "skipped", why, _params([sites[i]]))
+    sites = [s for i, s in enumerate(sites) if i not in problems]
+    if len(sites) < ctx.config.min_group_size:
+        if sites:
+            ctx.report.add("linear", "skipped", f"group of {len(sites)} left after the sharing checks; min_group_size={ctx.config.min_group_size}", _params(sites))
+        return False
+
+    # Keep graph order so the block's rows read like the model's attributes.
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sites.sort(key=lambda s: order[s.node])
+    sizes = tuple(s.out_features for s in sites)
+    has_bias = tuple(s.has_bias for s in sites)
+    path, why = _choose_path(ctx, x)
+    weights = [s.weight.tensor for s in sites]
+    w_offsets, acc = [], 0
+    for w in weights:
+        w_offsets.append(acc)
+        acc += w.numel()
+    biases = [s.bias.tensor for s in sites if s.has_bias]
+    b_slot = [sum(sizes[:i]) for i in range(len(sizes))]
+    b_offsets = [o for o, hb in zip(b_slot, has_bias) if hb]
+    zero_slots = sum(sz for sz, hb in zip(sizes, has_bias) if not hb) if any(has_bias) else 0
+    params = _params(sites)
+    detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
+                  extra_bytes=zero_slots * weights[0].element_size())
+
+    if ctx.config.dry_run:
+        ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why} [dry run]", params, **detail)
+        return True
+
+    fs = _existing_storage(weights, w_offsets)
+    note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+    record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}", params, **detail)
+    gid = f"linear{next(_gid_counter)}"
+    grp = Group(gid, record, fs, spec=(sizes, has_bias))
+    register_group(grp)
+    if fs is None:
+        wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
+
+        def move() -> None:
+            grp.storage = fuse("linear.weight", wnames, weights, w_offsets, acc)
+            if biases and _existing_storage(biases, b_offsets) is None:
+                fuse("linear.bias", bnames, biases, b_offsets, sum(sizes))
+
+        ctx.defer(move)
+    record.stats.setdefault("fused_calls", 0)
+    record.stats.setdefault("fallback_calls", 0)
+    if path == "split":
+        # The graph keeps one linear per member; they read views of the block.
+        record.stats.pop("fused_calls")
+        record.stats.pop("fallback_calls")
+        return True
+
+    g = gm.graph
+    first = min((s.node for s in sites), key=lambda n: order[n])
+    w_nodes, b_nodes = [], []
+    for s in sites:
+        w_nodes.append(s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first))
+        if s.has_bias:
+            b_nodes.append(s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first))
+    b_args, it = [], iter(b_nodes)
+    for hb in has_bias:
+        b_args.append(next(it) if hb else None)
+    with g.inserting_before(first):
+        w_block = g.call_function(fused_linear_weight, (gid, *w_nodes))
+        b_block = g.call_function(fused_linear_bias, (gid, *b_args)) if any(has_bias) else None
+        y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
+        parts = g.call_function(torch.split, (y, list(sizes), -1))
+        outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sites))]
+    for s, out in zip(sites, outs):
+        out.meta.update({k: v for k, v in s.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        s.node.replace_all_uses_with(out)
+        g.erase_node(s.node)
+    return True

@@ -1,0 +1,160 @@
+"""Fused storage: a group's existing tensors moved once into one buffer.
+
+``fuse`` allocates one zero-filled buffer, copies each member in at a fixed
+element offset and points the member at its slice (``tensor.data = view``).
+The member objects (the user's ``nn.Parameter``s, the optimizer's leaves) stay
+the same; only where their bytes live changes, exactly as PyTorch's own
+``flatten_parameters`` does for cuDNN RNNs. Slots no member covers stay zero:
+they are the "fake biases" a fused kernel needs where a member has none.
+
+Nothing here keeps a member alive: the registry holds weak references, so a
+deleted model frees its buffer.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _compat
+
+__all__ = ["FusedStorage", "fuse", "fused_storage_of", "restore_tensor", "overlaps", "sharing_problem", "byte_extent"]
+
+# storage data_ptr -> FusedStorage. A stale entry (its members gone or moved)
+# fails ``intact()`` and is replaced on the next fuse of that address.
+_REGISTRY: Dict[Tuple[str, int], "FusedStorage"] = {}
+
+
+def _key(t: torch.Tensor) -> Tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def byte_extent(t: torch.Tensor) -> Tuple[int, int]:
+    """[start, end) in bytes of the storage ``t`` can touch."""
+    es = t.element_size()
+    if t.numel() == 0:
+        return (t.storage_offset() * es, t.storage_offset() * es)
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return (t.storage_offset() * es, (t.storage_offset() + last + 1) * es)
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if ``a`` and ``b`` can read or write the same bytes (the data_ptr check the forum thread asks for)."""
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = byte_extent(a)
+    b0, b1 = byte_extent(b)
+    return a0 < b1 and b0 < a1
+
+
+class FusedStorage:
+    """One buffer and the members that are views into it."""
+
+    def __init__(self, kind: str, block: torch.Tensor, names: Sequence[str], members: Sequence[torch.Tensor], offsets: Sequence[int]):
+        self.kind = kind
+        self.names = list(names)
+        self.offsets = list(offsets)
+        self.shapes = [tuple(m.shape) for m in members]
+        self.numel = block.numel()
+        self._members = [weakref.ref(m) for m in members]
+        self._key = _key(block)
+        self.refusions = 0
+
+    @property
+    def members(self) -> List[Optional[torch.Tensor]]:
+        return [r() for r in self._members]
+
+    def intact(self) -> bool:
+        """Are all members still views at their offsets of one live buffer?"""
+        ms = self.members
+        if any(m is None for m in ms):
+            return False
+        ptr = ms[0].untyped_storage().data_ptr()
+        base = ms[0].storage_offset() - self.offsets[0]
+        for m, off, shape in zip(ms, self.offsets, self.shapes):
+            if (
+                m.untyped_storage().data_ptr() != ptr
+                or m.storage_offset() != base + off
+                or tuple(m.shape) != shape
+                or not m.is_contiguous()
+            ):
+                return False
+        return True
+
+    def is_member(self, t: torch.Tensor) -> bool:
+        return any(m is t for m in self.members)
+
+
+def fused_storage_of(t: torch.Tensor) -> Optional[FusedStorage]:
+    """The live FusedStorage ``t`` belongs to, if any."""
+    fs = _REGISTRY.get(_key(t))
+    if fs is not None and fs.is_member(t) and fs.intact():
+        return fs
+    return None
+
+
+def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> FusedStorage:
+    """Move ``members`` into one new zero-filled buffer of ``numel`` elements.
+
+    Members must share dtype and device; ``offsets`` are element offsets and
+    must not overlap. Values are copied exactly; the old storages are freed
+    when nothing else holds them (the caller has checked nothing does).
+    """
+    first = members[0]
+    block = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    with torch.no_grad():
+        for m, off in zip(members, offsets):
+            view = block[off : off + m.numel()].view(m.shape)
+            view.copy_(m.detach())
+            m.data = view
+    fs = FusedStorage(kind, block, names, members, offsets)
+    _REGISTRY[fs._key] = fs
+    return fs
+
+
+def refuse(fs: FusedStorage) -> bool:
+    """Bring a group whose layout was lost back into one buffer, if its members
+    still agree on dtype/device. Returns True if it did."""
+    ms = fs.members
+    if any(m is None for m in ms):
+        return False
+    if len({(m.dtype, m.device) for m in ms}) != 1 or [tuple(m.shape) for m in ms] != fs.shapes:
+        return False
+    _REGISTRY.pop(fs._key, None)
+    new = fuse(fs.kind, fs.names, ms, fs.offsets, fs.numel)
+    fs._key, fs.refusions = new._key, fs.refusions + 1
+    _REGISTRY[fs._key] = fs
+    return True
+
+
+def restore_tensor(t: torch.Tensor) -> bool:
+    """Give ``t`` independent storage again if wfpass fused it. Same values."""
+    fs = _REGISTRY.get(_key(t))
+    if fs is None or not fs.is_member(t):
+        return False
+    with torch.no_grad():
+        t.data = t.data.clone(memory_format=torch.contiguous_format)
+    if not any(m is not None and m.untyped_storage().data_ptr() == fs._key[1] for m in fs.members):
+        _REGISTRY.pop(fs._key, None)
+    return True
+
+
+def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torch.Tensor]], allowed: Sequence[torch.Tensor] = ()) -> Optional[str]:
+    """Why moving ``t`` into a new buffer could silently untie it, or None.
+
+    Two checks: byte overlap with any other tensor the model has (ties inside
+    the model), and the storage's reference count (aliases held anywhere else,
+    e.g. a tensor the user kept from ``param.data``). Tensors in ``allowed``
+    (the same group's members already fused together) do not count.
+    """
+    for oname, o in others:
+        if o is t or any(o is a for a in allowed):
+            continue
+        if overlaps(t, o):
+            return f"{name} shares storage with {oname} (tied weights); moving it would untie them"
+    uses = _compat.storage_use_count(t)
+    expected = 1 + sum(1 for a in allowed if a is not t and a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+    if uses is not None and uses > expected:
+        return f"{name}'s storage is also held by {uses - expected} other tensor(s) outside this graph; moving it would untie them"
+    return None
