@@ -18,7 +18,7 @@ INNER_BACKENDS = ("inductor", "eager", "aot_eager")
 #: one GEMM per member over its view of the block, or chosen from the shape.
 LINEAR_PATHS = ("auto", "fused", "split")
 #: Every pass wfpass knows, in the order the pipeline runs them.
-PASS_NAMES = ("fuse_linears", "fuse_rnn", "fp32_batchnorm")
+PASS_NAMES = ("fuse_linears", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -13,13 +13,16 @@ deleted model frees its buffer.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _compat
 
-__all__ = ["FusedStorage", "fuse", "fused_storage_of", "restore_tensor", "overlaps", "sharing_problem", "byte_extent"]
+__all__ = [
+    "FusedStorage", "fuse", "fused_storage_of", "restore_tensor", "register_undo",
+    "overlaps", "sharing_problem", "byte_extent",
+]
 
 # storage data_ptr -> FusedStorage. A stale entry (its members gone or moved)
 # fails ``intact()`` and is replaced on the next fuse of that address.
@@ -128,11 +131,25 @@ def refuse(fs: FusedStorage) -> bool:
     return True
 
 
+# Formats that change a tensor in some other way (a dtype cast, say) register
+# how to undo it here; ``wfpass.restore`` runs it. Weak keys: no leak.
+_UNDO: "weakref.WeakKeyDictionary[torch.Tensor, Callable[[torch.Tensor], None]]" = weakref.WeakKeyDictionary()
+
+
+def register_undo(t: torch.Tensor, undo: Callable[[torch.Tensor], None]) -> None:
+    """Record how ``wfpass.restore`` returns ``t`` to its standard format."""
+    _UNDO[t] = undo
+
+
 def restore_tensor(t: torch.Tensor) -> bool:
-    """Give ``t`` independent storage again if wfpass fused it. Same values."""
+    """Return ``t`` to its standard format: independent storage if wfpass fused
+    it, and any registered undo (e.g. a dtype cast back). Same values."""
+    undo = _UNDO.pop(t, None)
+    if undo is not None:
+        undo(t)
     fs = _REGISTRY.get(_key(t))
     if fs is None or not fs.is_member(t):
-        return False
+        return undo is not None
     with torch.no_grad():
         t.data = t.data.clone(memory_format=torch.contiguous_format)
     if not any(m is not None and m.untyped_storage().data_ptr() == fs._key[1] for m in fs.members):

@@ -1,0 +1,85 @@
+"""Shared test helpers: compare a compiled/rewritten model against eager on a deep copy."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["TOL", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
+
+#: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
+TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+
+
+def clone_inputs(xs: Sequence[torch.Tensor]):
+    return [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def _loss(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        # A fixed, non-uniform weighting so every output element's gradient differs.
+        w = torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype, device=out.device).view(out.shape)
+        return (out * w).sum()
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    return sum(_loss(o) for o in out if isinstance(o, (torch.Tensor, tuple, list)))
+
+
+def assert_same_fwd_bwd(model: torch.nn.Module, transform: Callable[[torch.nn.Module], Callable], inputs: Sequence, rtol=None, atol=None, dtype=torch.float32):
+    """Run ``transform(model)(*inputs)`` and a deep-copied eager model on the
+    same inputs; assert outputs, input grads and every parameter grad agree."""
+    d_rtol, d_atol = TOL[dtype]
+    rtol = d_rtol if rtol is None else rtol
+    atol = d_atol if atol is None else atol
+    ref = copy.deepcopy(model)
+    fn = transform(model)
+    a_in, r_in = clone_inputs(inputs), clone_inputs(inputs)
+    out = fn(*a_in)
+    ref_out = ref(*r_in)
+    la, lr = _loss(out), _loss(ref_out)
+    torch.testing.assert_close(la, lr, rtol=rtol, atol=atol * max(1, la.numel()))
+    _assert_tree_close(out, ref_out, rtol, atol)
+    la.backward()
+    lr.backward()
+    for x, y in zip(a_in, r_in):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            torch.testing.assert_close(x.grad, y.grad, rtol=rtol, atol=atol)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, n
+            continue
+        assert p.grad is not None, f"no grad reached {n}"
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {n}: {m}")
+    return out, ref
+
+
+def _assert_tree_close(a, b, rtol, atol):
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    elif hasattr(a, "to_tuple"):
+        _assert_tree_close(a.to_tuple(), b.to_tuple(), rtol, atol)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_tree_close(x, y, rtol, atol)
+
+
+def param_ids(model: torch.nn.Module):
+    return [id(p) for p in model.parameters()]
+
+
+def train_steps(model, fn, make_batch, opt_cls, steps=5, **opt_kw):
+    """``steps`` optimizer steps of ``fn`` (the compiled or eager callable of
+    ``model``) on batches from ``make_batch(i)``; returns the losses."""
+    opt = opt_cls(model.parameters(), **opt_kw)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(fn(*make_batch(i)))
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
