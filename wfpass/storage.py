@@ -20,7 +20,7 @@ import torch
 from . import _compat
 
 __all__ = [
-    "FusedStorage", "fuse", "fused_storage_of", "restore_tensor", "register_undo",
+    "FusedStorage", "fuse", "refuse", "fused_storage_of", "restore_tensor", "register_undo",
     "overlaps", "sharing_problem", "byte_extent",
 ]
 
@@ -116,17 +116,17 @@ def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offse
     return fs
 
 
-def refuse(fs: FusedStorage) -> bool:
-    """Bring a group whose layout was lost back into one buffer, if its members
-    still agree on dtype/device. Returns True if it did."""
-    ms = fs.members
-    if any(m is None for m in ms):
-        return False
-    if len({(m.dtype, m.device) for m in ms}) != 1 or [tuple(m.shape) for m in ms] != fs.shapes:
+def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
+    """Bring a group whose layout was lost back into one buffer. ``members``
+    are the tensors in use now (they may be new objects after
+    ``load_state_dict(assign=True)``); they must agree on dtype and device and
+    keep the group's shapes. Returns True if it re-fused."""
+    if len({(m.dtype, m.device) for m in members}) != 1 or [tuple(m.shape) for m in members] != fs.shapes:
         return False
     _REGISTRY.pop(fs._key, None)
-    new = fuse(fs.kind, fs.names, ms, fs.offsets, fs.numel)
-    fs._key, fs.refusions = new._key, fs.refusions + 1
+    new = fuse(fs.kind, fs.names, members, fs.offsets, fs.numel)
+    fs._key, fs._members = new._key, new._members
+    fs.refusions += 1
     _REGISTRY[fs._key] = fs
     return True
 

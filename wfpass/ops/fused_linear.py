@@ -67,7 +67,7 @@ def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
     offsets = _row_offsets(ws)
     total, in_f = sum(w.shape[0] for w in ws), ws[0].shape[1]
     base = _views_of_one_block(ws, offsets)
-    if base is None and g.try_refuse():
+    if base is None and g.try_refuse(ws):
         base = _views_of_one_block(ws, offsets)
     if base is not None:
         g.record.bump("fused_calls")
@@ -79,13 +79,15 @@ def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
 @prologue(example=_cat_biases)
 def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The group's bias block, with zero slots for members without a bias.
-    Layout checks as in :func:`fused_linear_weight`; the weight prologue runs
-    first and has already re-fused if it could."""
+    Layout checks, re-fusing and fallback as in :func:`fused_linear_weight`."""
     sizes, _ = group(gid).spec
     present = [(b, off) for b, off in zip(bs, _slot_offsets(sizes)) if b is not None]
     if not present:
         return None
-    base = _views_of_one_block([b for b, _ in present], [o for _, o in present])
+    tensors, offsets = [b for b, _ in present], [o for _, o in present]
+    base = _views_of_one_block(tensors, offsets)
+    if base is None and group(gid + ".bias").try_refuse(tensors):
+        base = _views_of_one_block(tensors, offsets)
     if base is not None:
         return present[0][0].detach().as_strided((sum(sizes),), (1,), base)
     group(gid).record.bump("bias_fallback_calls")

@@ -9,7 +9,9 @@ runs it before the compiled function (see ``backend.py``). In a plain
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
 
 from ..report import Record
 from ..storage import FusedStorage, refuse, sharing_problem
@@ -27,20 +29,18 @@ class Group:
         self.storage = storage
         self.spec = spec  # format-specific static layout, e.g. (sizes, has_bias)
 
-    def try_refuse(self) -> bool:
-        """Re-fuse after the layout was lost (``param.data = ...``,
-        ``load_state_dict(assign=True)``), unless a member's storage is shared:
-        re-fusing it would silently untie it."""
+    def try_refuse(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Fuse ``tensors`` (this call's members) into one buffer again after
+        the layout was lost (``param.data = ...``, ``.to()``,
+        ``load_state_dict(assign=True)`` which brings new Parameter objects),
+        unless a member's storage is shared: moving it would silently untie it."""
         fs = self.storage
-        if fs is None:
+        if fs is None or len(tensors) != len(fs.shapes):
             return False
-        members = fs.members
-        if any(m is None for m in members):
-            return False
-        for name, m in zip(fs.names, members):
-            if sharing_problem(m, name, (), allowed=members) is not None:
+        for name, t in zip(fs.names, tensors):
+            if sharing_problem(t, name, (), allowed=tensors) is not None:
                 return False
-        if refuse(fs):
+        if refuse(fs, tensors):
             self.record.bump("refused")
             return True
         return False

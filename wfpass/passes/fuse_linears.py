@@ -136,14 +136,11 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
         for s in ok:
             w = s.weight.tensor
             buckets[(w.dtype, w.device, w.shape[1])].append(s)
-        if len(buckets) > 1:
-            largest = max(buckets.values(), key=len)
-            for key, b in buckets.items():
-                if b is not largest:
-                    ctx.report.add("linear", "skipped", f"dtype/device/in_features {key} differ from the siblings' {tuple(largest[0].weight.tensor.dtype for _ in [0])[0]}/{largest[0].weight.tensor.device}/{largest[0].in_features}", _params(b))
-            ok = largest
-        else:
-            ok = next(iter(buckets.values()), [])
+        ok = max(buckets.values(), key=len) if buckets else []
+        for key, b in buckets.items():
+            if b is not ok:
+                w = ok[0].weight.tensor
+                ctx.report.add("linear", "skipped", f"dtype/device/in_features {key[0]}/{key[1]}/{key[2]} differ from the siblings' {w.dtype}/{w.device}/{w.shape[1]}", _params(b))
 
         # Data dependence: add members greedily while the contraction stays a DAG.
         if len(ok) >= 2:
@@ -233,16 +230,18 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}", params, **detail)
     gid = f"linear{next(_gid_counter)}"
     grp = Group(gid, record, fs, spec=(sizes, has_bias))
+    bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets) if biases else None, spec=(sizes, has_bias))
     register_group(grp)
-    if fs is None:
-        wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
+    register_group(bgrp)
+    wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
 
-        def move() -> None:
+    def move() -> None:
+        if grp.storage is None:
             grp.storage = fuse("linear.weight", wnames, weights, w_offsets, acc)
-            if biases and _existing_storage(biases, b_offsets) is None:
-                fuse("linear.bias", bnames, biases, b_offsets, sum(sizes))
+        if biases and bgrp.storage is None:
+            bgrp.storage = fuse("linear.bias", bnames, biases, b_offsets, sum(sizes))
 
-        ctx.defer(move)
+    ctx.defer(move)
     record.stats.setdefault("fused_calls", 0)
     record.stats.setdefault("fallback_calls", 0)
     if path == "split":

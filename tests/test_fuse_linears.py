@@ -1,0 +1,342 @@
+"""Sibling-linear fusion: numerics, storage, skips, report, end to end."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import wfpass
+from wfpass.ops.fused_linear import fused_linear
+from wfpass.passes.fuse_linears import _dependency_graph, _fusion_keeps_dag
+
+from models import QKV, Chain, Functional, SwiGLU
+from wftest import assert_same_fwd_bwd, param_ids, train_steps
+
+
+def _storage_bytes(model):
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _compile(inner="aot_eager", **kw):
+    return lambda m: torch.compile(m, backend=wfpass.backend(inner=inner, **kw))
+
+
+class Capture:
+    """An inner backend that keeps the graph it was given (after wfpass)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def _count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+@pytest.mark.parametrize("model_cls", [QKV, SwiGLU, Functional])
+@pytest.mark.parametrize("rows", [(1, 1), (4, 8)])  # fused path at M=1, split path at M=32 with fused_max_rows=16
+def test_forward_backward_equal_eager(model_cls, rows):
+    torch.manual_seed(0)
+    model = model_cls()
+    x = torch.randn(*rows, 32 if model_cls is not Functional else 16, requires_grad=True)
+    assert_same_fwd_bwd(model, _compile(), [x])
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.detail["path"] == ("fused" if rows == (1, 1) else "split")
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_forced_paths_and_op_counts(path):
+    torch.manual_seed(0)
+    model = QKV()
+    cap = Capture()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    assert_same_fwd_bwd(model, _compile(inner=cap, linear_path=path), [x])
+    gm = cap.graphs[0]
+    linears = _count(gm, torch._C._nn.linear)
+    if path == "fused":
+        assert _count(gm, fused_linear) == 1 and linears == 1  # only o stays
+    else:
+        assert _count(gm, fused_linear) == 0 and linears == 4
+    # Either way the storage is fused: q, k, v weights are views of one buffer.
+    ptrs = {m.weight.untyped_storage().data_ptr() for m in (model.q, model.k, model.v)}
+    assert len(ptrs) == 1 and model.o.weight.untyped_storage().data_ptr() not in ptrs
+
+
+def test_params_identity_state_dict_and_zero_extra_memory():
+    torch.manual_seed(0)
+    model = SwiGLU()  # no biases: no zero slots, so exactly zero extra bytes
+    ids, sd = param_ids(model), {k: v.clone() for k, v in model.state_dict().items()}
+    before = _storage_bytes(model)
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    compiled(torch.randn(1, 32))
+    assert param_ids(model) == ids
+    assert all(isinstance(p, nn.Parameter) and p.is_leaf for p in model.parameters())
+    new_sd = model.state_dict()
+    assert list(new_sd) == list(sd)
+    for k in sd:
+        assert new_sd[k].shape == sd[k].shape and torch.equal(new_sd[k], sd[k])
+    assert _storage_bytes(model) == before
+    assert model.gate.weight.untyped_storage().data_ptr() == model.up.weight.untyped_storage().data_ptr()
+    # A checkpoint of the fused model loads into a plain one, and back.
+    plain = SwiGLU()
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+
+
+def test_mixed_bias_costs_only_zero_slots():
+    model = QKV(k_bias=False)
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.detail["zero_bias_slots"] == 16 and rec.detail["extra_bytes"] == 64
+    assert rec.params == ["q.weight", "q.bias", "k.weight", "v.weight", "v.bias"]
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)), (torch.optim.Adam, dict(lr=1e-2))])
+def test_five_optimizer_steps_equal_eager(opt_cls, kw):
+    torch.manual_seed(0)
+    model = QKV(k_bias=True)
+    ref = copy.deepcopy(model)
+    batches = [torch.randn(1, 3, 32) for _ in range(5)]
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    train_steps(model, compiled, lambda i: (batches[i],), opt_cls, **kw)
+    train_steps(ref, ref, lambda i: (batches[i],), opt_cls, **kw)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.stats["fused_calls"] == 5 and rec.stats["fallback_calls"] == 0
+    # The optimizer's in-place updates kept the layout: still one buffer.
+    assert len({m.weight.untyped_storage().data_ptr() for m in (model.q, model.k, model.v)}) == 1
+
+
+def test_symbolic_trace_apply_and_idempotence():
+    torch.manual_seed(0)
+    model = QKV()
+    gm = fx.symbolic_trace(model)
+    n_modules = sum(1 for n in gm.graph.nodes if n.op == "call_module")
+    report = wfpass.apply(gm)
+    assert len(report.rewritten) == 1
+    assert _count(gm, fused_linear) == 1
+    assert sum(1 for n in gm.graph.nodes if n.op == "call_module") == n_modules - 3
+    x = torch.randn(3, 32, requires_grad=True)
+    assert_same_fwd_bwd(model, lambda m: gm, [x])  # gm shares model's parameters
+    code, ptr = gm.code, model.q.weight.untyped_storage().data_ptr()
+    again = wfpass.apply(gm)
+    assert not again.rewritten and gm.code == code
+    assert model.q.weight.untyped_storage().data_ptr() == ptr
+
+
+def test_recompile_of_fused_model_reuses_storage():
+    model = QKV()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    ptr = model.q.weight.untyped_storage().data_ptr()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert "already fused" in rec.reason
+    assert model.q.weight.untyped_storage().data_ptr() == ptr
+
+
+def test_skip_tied_same_parameter_in_group():
+    model = QKV(dq=16)
+    model.k.weight = model.q.weight  # same Parameter object in two members
+    x = torch.randn(2, 32, requires_grad=True)
+    assert_same_fwd_bwd(model, _compile(), [x])
+    rep = wfpass.last_report()
+    tied = [r for r in rep.find("linear", "skipped") if "same weight" in r.reason]
+    # Dynamo passes the tied Parameter once, under its first name.
+    assert [r.params[0] for r in tied] == ["q.weight", "q.weight"]
+    assert not rep.rewritten  # v alone is not a group
+    assert model.k.weight is model.q.weight
+
+
+def test_skip_shared_storage_between_different_parameters():
+    model = QKV(dq=16)
+    model.k.weight = nn.Parameter(model.q.weight.data)  # different objects, one storage
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(2, 32))
+    rep = wfpass.last_report()
+    reasons = " ".join(r.reason for r in rep.skipped)
+    assert "shares storage" in reasons or "held by" in reasons
+    assert model.k.weight.data_ptr() == model.q.weight.data_ptr()  # still tied
+    with torch.no_grad():
+        model.q.weight.add_(1.0)
+    assert torch.equal(model.k.weight, model.q.weight)
+
+
+def test_skip_alias_held_outside_the_model():
+    model = SwiGLU()
+    alias = model.gate.weight.detach()  # the user kept a view of the weight
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(2, 32))
+    assert any("held by" in r.reason for r in wfpass.last_report().skipped)
+    assert alias.data_ptr() == model.gate.weight.data_ptr()
+
+
+def test_skip_mixed_dtype_in_traced_graph():
+    model = QKV(k_bias=True)
+    model.k.double()
+    report = wfpass.apply(fx.symbolic_trace(model))
+    (skip,) = report.find("linear", "skipped")
+    assert skip.params == ["k.weight", "k.bias"] and "torch.float64" in skip.reason
+    (rw,) = report.find("linear", "rewritten")
+    assert rw.params == ["q.weight", "q.bias", "v.weight", "v.bias"]
+
+
+def test_dependent_linears_are_not_fused():
+    model = Chain()
+    report = wfpass.apply(fx.symbolic_trace(model))
+    assert not report.rewritten
+
+
+def test_cycle_check_detects_data_dependence():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    a = g.call_function(torch._C._nn.linear, (x, w))
+    s = g.call_function(torch.sum, (a,))
+    b = g.call_function(torch._C._nn.linear, (x, w, s))  # b's bias depends on a
+    c = g.call_function(torch._C._nn.linear, (x, w))
+    g.output((b, c))
+    gm = fx.GraphModule(nn.Module(), g)
+    dep = _dependency_graph(gm)
+    assert not _fusion_keeps_dag(dep, [a, b])
+    assert _fusion_keeps_dag(dep, [a, c])
+
+
+def test_layout_lost_refuses_or_falls_back():
+    torch.manual_seed(0)
+    model = QKV(k_bias=True)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    x = torch.randn(1, 32)
+    compiled(x)
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    # 1. param.data replaced: re-fused on the next call, counted.
+    model.q.weight.data = model.q.weight.data.clone()
+    torch.testing.assert_close(compiled(x), ref(x))
+    assert rec.stats["refused"] == 1 and rec.stats["fallback_calls"] == 0
+    assert model.q.weight.untyped_storage().data_ptr() == model.k.weight.untyped_storage().data_ptr()
+    # 2. replaced by a tensor the user still holds: re-fusing would untie it,
+    #    so this call concatenates (counted) and stays right.
+    held = torch.randn_like(model.v.weight)
+    model.v.weight.data = held
+    ref.v.weight.data = held.clone()
+    torch.testing.assert_close(compiled(x), ref(x))
+    assert rec.stats["fallback_calls"] == 1
+    assert model.v.weight.data_ptr() == held.data_ptr()
+    # 3. load_state_dict(assign=True): new Parameter objects.
+    sd = {k: v.clone() + 1 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(sd)
+    del held
+    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+    torch.testing.assert_close(compiled(x), ref(x))
+
+
+def test_dtype_round_trip_keeps_results_right():
+    torch.manual_seed(0)
+    model = SwiGLU()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    x = torch.randn(1, 32)
+    torch.testing.assert_close(compiled(x), ref(x))
+    model.to(torch.float64)
+    torch.testing.assert_close(compiled(x.double()), ref.double()(x.double()))
+    model.to(torch.float32)
+    ref.float()
+    torch.testing.assert_close(compiled(x), ref(x))
+
+
+def test_restore_gives_independent_storage_same_values():
+    model = QKV(k_bias=True)
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = param_ids(model)
+    assert wfpass.restore(model) == 6
+    assert param_ids(model) == ids
+    ptrs = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(ptrs)) == len(ptrs)
+    assert all(p.storage_offset() == 0 for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k])
+    assert wfpass.restore(model) == 0
+
+
+def test_report_table_json_and_env(capsys, monkeypatch):
+    monkeypatch.setenv("WFPASS_REPORT", "1")
+    model = QKV()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    printed = capsys.readouterr().out
+    rep = wfpass.last_report()
+    # Printed when the graph compiled: counters were still 0 then, 1 now.
+    assert rep.title in printed and "| pattern" in printed and "fused_calls=0" in printed
+    assert "fused_calls=1" in str(rep)
+    d = json.loads(json.dumps(rep.to_dict()))
+    (rec,) = d["records"]
+    assert rec["pattern"] == "linear" and rec["action"] == "rewritten"
+    assert set(rec) >= {"pattern", "action", "reason", "params", "stats"}
+
+
+def test_explain_changes_nothing():
+    model = QKV()
+    ptr = model.q.weight.untyped_storage().data_ptr()
+    rep = wfpass.explain(model, torch.randn(1, 32))
+    assert "dry run" in str(rep) and len(rep.rewritten) == 1
+    assert model.q.weight.untyped_storage().data_ptr() == ptr
+
+
+@pytest.mark.parametrize(
+    "options,err,needle",
+    [
+        (dict(inner="tensorrt"), ValueError, "'inner'"),
+        (dict(inner=3), TypeError, "'inner'"),
+        (dict(linear_path="fast"), ValueError, "'linear_path'"),
+        (dict(min_group_size=1), ValueError, "'min_group_size'"),
+        (dict(fused_max_rows="8"), TypeError, "'fused_max_rows'"),
+        (dict(seq_threshold="never"), ValueError, "'seq_threshold'"),
+        (dict(passes=("fuse_all",)), ValueError, "'passes'"),
+        (dict(innr="eager"), ValueError, "innr"),
+    ],
+)
+def test_bad_options_raise_clear_errors(options, err, needle):
+    with pytest.raises(err, match=needle):
+        wfpass.backend(**options)
+
+
+def test_apply_rejects_non_graphmodule():
+    with pytest.raises(TypeError, match="GraphModule"):
+        wfpass.apply(QKV())
+
+
+def test_inductor_end_to_end():
+    torch.manual_seed(0)
+    model = QKV(k_bias=True)
+    x = torch.randn(2, 1, 32, requires_grad=True)
+    assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend="wformat"), [x])
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.stats["fused_calls"] == 1
+
+
+def test_entry_point_without_import(tmp_path):
+    script = tmp_path / "ep.py"
+    script.write_text(
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8))\n"
+        "out = torch.compile(m, backend='wformat')(torch.randn(2, 8))\n"
+        "assert out.shape == (2, 8)\n"
+        "print('wfpass loaded by entry point:', 'wfpass' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "wfpass loaded by entry point: True" in res.stdout
