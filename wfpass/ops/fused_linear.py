@@ -19,27 +19,47 @@ import torch.nn.functional as F
 
 from .runtime import group, prologue
 
-__all__ = ["FusedLinear", "fused_linear", "fused_linear_weight", "fused_linear_bias"]
+__all__ = ["FusedLinear", "LinearLayout", "fused_linear", "fused_linear_weight", "fused_linear_bias"]
 
 
-def _views_of_one_block(ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> Optional[int]:
-    """Base storage offset if every ``ts[i]`` is a contiguous view at ``base +
-    offsets[i]`` of one storage, else None. Cheap: no data is touched."""
-    first = ts[0]
-    ptr = first.untyped_storage().data_ptr()
-    base = first.storage_offset() - offsets[0]
-    for t, off in zip(ts, offsets):
-        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != base + off or not t.is_contiguous():
+def _block_base(ts: Sequence[Optional[torch.Tensor]], byte_deltas: Sequence[int]) -> Optional[int]:
+    """Storage offset of the block if every present ``ts[i]`` is a contiguous
+    view of one storage starting ``byte_deltas[i]`` bytes after the block's
+    start, else None. Runs on every call: address arithmetic only, no data.
+    (Addresses alone are not enough: a caching allocator can place two
+    separate allocations back to back, hence the storage comparison.)"""
+    first = None
+    for t, d in zip(ts, byte_deltas):
+        if t is None:
+            continue
+        if first is None:
+            first, start, storage = t, t.data_ptr() - d, t.untyped_storage().data_ptr()
+            if start < storage or not t.is_contiguous():
+                return None
+        elif t.data_ptr() - d != start or t.untyped_storage().data_ptr() != storage or not t.is_contiguous():
             return None
-    return base
+    if first is None:
+        return None
+    return (start - storage) // first.element_size()
 
 
-def _row_offsets(ws: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+def _offsets(sizes: Sequence[int], scale: int) -> Tuple[int, ...]:
     offs, acc = [], 0
-    for w in ws:
+    for s in sizes:
         offs.append(acc)
-        acc += w.numel()
+        acc += s * scale
     return tuple(offs)
+
+
+class LinearLayout:
+    """Static facts of one group, computed once at rewrite time."""
+
+    def __init__(self, sizes: Sequence[int], has_bias: Sequence[bool], in_features: int, element_size: int):
+        self.sizes, self.has_bias = tuple(sizes), tuple(has_bias)
+        self.total, self.in_features = sum(sizes), in_features
+        self.w_bytes = _offsets(sizes, in_features * element_size)
+        self.b_bytes = _offsets(sizes, element_size)
+        self.b_slots = _offsets(sizes, 1)
 
 
 def _cat_weights(gid: str, *ws: torch.Tensor) -> torch.Tensor:
@@ -47,12 +67,12 @@ def _cat_weights(gid: str, *ws: torch.Tensor) -> torch.Tensor:
 
 
 def _cat_biases(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    sizes, _ = group(gid).spec
-    present = [(b, off) for b, off in zip(bs, _slot_offsets(sizes)) if b is not None]
+    lay: LinearLayout = group(gid).spec
+    present = [(b, off) for b, off in zip(bs, lay.b_slots) if b is not None]
     if not present:
         return None
     ref = present[0][0]
-    out = torch.zeros(sum(sizes), dtype=ref.dtype, device=ref.device)
+    out = torch.zeros(lay.total, dtype=ref.dtype, device=ref.device)
     for b, off in present:
         out[off : off + b.numel()] = b.detach()
     return out
@@ -64,42 +84,31 @@ def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
     members are still laid out in one buffer; otherwise re-fuse (counted) or,
     when that is unsafe, concatenate for this call (counted)."""
     g = group(gid)
-    offsets = _row_offsets(ws)
-    total, in_f = sum(w.shape[0] for w in ws), ws[0].shape[1]
-    base = _views_of_one_block(ws, offsets)
+    lay: LinearLayout = g.spec
+    base = _block_base(ws, lay.w_bytes)
     if base is None and g.try_refuse(ws):
-        base = _views_of_one_block(ws, offsets)
-    if base is not None:
-        g.record.bump("fused_calls")
-        return ws[0].detach().as_strided((total, in_f), (in_f, 1), base)
-    g.record.bump("fallback_calls")
-    return _cat_weights(gid, *ws)
+        base = _block_base(ws, lay.w_bytes)
+    if base is None:
+        g.record.bump("fallback_calls")
+        return _cat_weights(gid, *ws)
+    g.record.bump("fused_calls")
+    return torch.as_strided(ws[0].detach(), (lay.total, lay.in_features), (lay.in_features, 1), base)
 
 
 @prologue(example=_cat_biases)
 def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The group's bias block, with zero slots for members without a bias.
     Layout checks, re-fusing and fallback as in :func:`fused_linear_weight`."""
-    sizes, _ = group(gid).spec
-    present = [(b, off) for b, off in zip(bs, _slot_offsets(sizes)) if b is not None]
-    if not present:
-        return None
-    tensors, offsets = [b for b, _ in present], [o for _, o in present]
-    base = _views_of_one_block(tensors, offsets)
-    if base is None and group(gid + ".bias").try_refuse(tensors):
-        base = _views_of_one_block(tensors, offsets)
-    if base is not None:
-        return present[0][0].detach().as_strided((sum(sizes),), (1,), base)
-    group(gid).record.bump("bias_fallback_calls")
-    return _cat_biases(gid, *bs)
-
-
-def _slot_offsets(sizes: Sequence[int]) -> Tuple[int, ...]:
-    offs, acc = [], 0
-    for s in sizes:
-        offs.append(acc)
-        acc += s
-    return tuple(offs)
+    g = group(gid)
+    lay: LinearLayout = g.spec
+    base = _block_base(bs, lay.b_bytes)
+    if base is None and g.try_refuse([b for b in bs if b is not None]):
+        base = _block_base(bs, lay.b_bytes)
+    if base is None:
+        g.record.bump("bias_fallback_calls")
+        return _cat_biases(gid, *bs)
+    first = next(b for b in bs if b is not None)
+    return torch.as_strided(first.detach(), (lay.total,), (1,), base)
 
 
 class FusedLinear(torch.autograd.Function):

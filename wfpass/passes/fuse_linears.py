@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import LinearSite, PassContext, linear_sites, rows_of
-from ..ops.fused_linear import fused_linear, fused_linear_bias, fused_linear_weight
+from ..ops.fused_linear import LinearLayout, fused_linear, fused_linear_bias, fused_linear_weight
 from ..ops.runtime import Group, register_group
 from ..storage import FusedStorage, fuse, fused_storage_of, sharing_problem
 
@@ -229,10 +229,13 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
     record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}", params, **detail)
     gid = f"linear{next(_gid_counter)}"
-    grp = Group(gid, record, fs, spec=(sizes, has_bias))
-    bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets) if biases else None, spec=(sizes, has_bias))
+    layout = LinearLayout(sizes, has_bias, weights[0].shape[1], weights[0].element_size())
+    grp = Group(gid, record, fs, spec=layout)
     register_group(grp)
-    register_group(bgrp)
+    bgrp = None
+    if biases:
+        bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets), spec=layout)
+        register_group(bgrp)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
 
     def move() -> None:
