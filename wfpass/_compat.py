@@ -94,3 +94,14 @@ def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source
     return new_gm
+
+
+def weak_id_key_dict():
+    """A dict with weak, identity-compared tensor keys (``torch.utils.weak.
+    WeakIdKeyDictionary``, undocumented; torch 2.13.0). ``weakref.
+    WeakKeyDictionary`` cannot hold tensors: its lookups compare keys with
+    ``==``, which is elementwise for tensors and raises "Boolean value of
+    Tensor with more than one value is ambiguous"."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()

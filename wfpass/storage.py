@@ -133,7 +133,8 @@ def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
 
 # Formats that change a tensor in some other way (a dtype cast, say) register
 # how to undo it here; ``wfpass.restore`` runs it. Weak keys: no leak.
-_UNDO: "weakref.WeakKeyDictionary[torch.Tensor, Callable[[torch.Tensor], None]]" = weakref.WeakKeyDictionary()
+# Identity-keyed: a WeakKeyDictionary compares tensor keys with == (elementwise).
+_UNDO = _compat.weak_id_key_dict()
 
 
 def register_undo(t: torch.Tensor, undo: Callable[[torch.Tensor], None]) -> None:

@@ -12,6 +12,8 @@ from typing import Callable, Dict, List, Tuple
 import torch.fx as fx
 
 from ..graph import PassContext
+from .fold_batchnorm import fold_batchnorm
+from .fp32_batchnorm import fp32_batchnorm
 from .fuse_linears import fuse_linears
 
 __all__ = ["PIPELINE", "run_passes"]
@@ -23,11 +25,19 @@ PassFn = Callable[[fx.GraphModule, PassContext], int]
 #: (name, pass) in the order they run. Names match ``Config.passes``.
 PIPELINE: List[Tuple[str, PassFn]] = [
     ("fuse_linears", fuse_linears),
+    ("fp32_batchnorm", fp32_batchnorm),
+    ("fold_batchnorm", fold_batchnorm),
 ]
 
 
+def _keep(node: fx.Node) -> bool:
+    # FX counts every call_method as pure, so DCE would drop Dynamo's
+    # ``num_batches_tracked.add_(1)`` (no users): keep in-place methods.
+    return node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_"))
+
+
 def _cleanup(gm: fx.GraphModule) -> None:
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=_keep)
     gm.graph.lint()
     gm.recompile()
 

@@ -1,0 +1,261 @@
+"""The fp32-state BatchNorm format, and eval-time folding into conv/linear.
+
+**fp32 state.** A half-precision model keeps BatchNorm's weight, bias,
+running_mean and running_var in fp16/bf16. bf16 rounds a momentum update
+``0.1 * (new - old)`` away whenever it is small next to the value, so the
+running statistics stall; fp16 overflows above 65504. The format: the same
+Parameter/buffer objects, with ``.data`` in float32. BatchNorm with fp16/bf16
+input and fp32 weight, bias and statistics is a kernel PyTorch already has (CPU
+and cuDNN); the output keeps the input dtype. (On the CPU it needs all four
+fp32: a partial mix raises.)
+
+Graph after ``fp32_batchnorm`` (Dynamo flavour)::
+
+    rm = bn_fp32("bn0", 0, running_mean, True)   # prologue: the buffer itself, fp32
+    rv = bn_fp32("bn0", 1, running_var, False)
+    w  = bn_fp32("bn0", 2, weight, False)
+    b  = bn_fp32("bn0", 3, bias, False)
+    y  = batch_norm(x_bf16, rm, rv, w, b, training, momentum, eps)   # y is bf16
+
+Why a prologue and not the placeholder itself: Dynamo traced the graph while
+the buffers were still bf16, and the cast can only happen after the inner
+compiler has run (see ``PassContext.defer``). Inductor would then read the
+fp32 buffers as bf16 memory, and AOTAutograd's functionalised update would
+round the new statistics through bf16 before writing them back. The backend
+hoists each prologue out of the graph into a new input whose example is an
+fp32 tensor, so the compiled code is built for fp32 statistics from the start
+and, at run time, receives the real (now fp32) buffer: the update lands in it
+in place. Dynamo builds its guards from the live tensors after the backend has
+returned, so they see fp32 already: measured, no recompile on torch 2.13.0.
+
+**Folding.** In eval mode without grad, ``bn(conv(x))`` is
+``conv(x, W * s, (b - mean) * s + beta)`` with ``s = gamma / sqrt(var + eps)``.
+``fold_weight`` / ``fold_bias`` compute that in fp32 and cast to the conv's
+dtype; the result is cached and recomputed only when a source tensor changes
+(data pointer, dtype or in-place version counter).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..storage import register_undo, sharing_problem
+from .runtime import Group, group, prologue
+
+__all__ = [
+    "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32",
+    "fold_weight", "fold_bias", "fold_module_call", "folded_params", "FoldSpec",
+]
+
+HALF = (torch.float16, torch.bfloat16)
+#: Order of the BatchNorm tensors in ``bn_fp32``'s ``role`` argument.
+ROLES = ("running_mean", "running_var", "weight", "bias")
+
+# Tensors wfpass holds in fp32, and the dtype the model gave them. Weak keys:
+# a deleted model is not kept alive.
+_HELD = _compat.weak_id_key_dict()
+
+
+def held_in_fp32(t: torch.Tensor) -> bool:
+    """Did wfpass move ``t`` to fp32 (and does it still hold it there)?"""
+    return t.dtype == torch.float32 and t in _HELD
+
+
+def _undo(dtype: torch.dtype, t: torch.Tensor) -> None:
+    """``wfpass.restore``: back to the model's dtype, same object."""
+    _HELD.pop(t, None)
+    if t.dtype == dtype:
+        return
+    with torch.no_grad():
+        t.data = t.data.to(dtype)
+    if t.grad is not None:
+        t.grad = t.grad.to(dtype)
+
+
+def to_fp32(t: torch.Tensor) -> bool:
+    """Give ``t`` (a Parameter or buffer) float32 data in place; the object
+    stays the same, so the optimizer and ``state_dict`` still hold it. A
+    gradient already accumulated is cast too (autograd requires a Parameter's
+    ``.grad`` to have its dtype). Returns False if it was fp32 already."""
+    if t.dtype == torch.float32:
+        return False
+    orig = t.dtype
+    with torch.no_grad():
+        t.data = t.data.float()
+    if t.grad is not None:
+        t.grad = t.grad.float()
+    _HELD[t] = orig
+    register_undo(t, functools.partial(_undo, orig))
+    return True
+
+
+# -- fp32 state: the prologue ------------------------------------------------
+
+def _fp32_example(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
+    """What the compiled graph will receive: an fp32 tensor of ``t``'s shape
+    (a leaf with ``t``'s requires_grad, so AOTAutograd builds its backward)."""
+    if t is None:
+        return None
+    return t.detach().float().requires_grad_(t.requires_grad)
+
+
+def _drifted(gid: str, role: int, t: torch.Tensor) -> torch.Tensor:
+    """``t`` is no longer fp32 (``model.half()``, ``load_state_dict(assign=True)``
+    with half tensors, ``wfpass.restore``): cast it again, counted, unless its
+    storage is shared, in which case this call computes on an fp32 copy
+    (counted; a training step's statistics update then goes to the copy)."""
+    g = group(gid)
+    name = g.spec[role] if g.spec else ROLES[role]
+    if t.dtype in HALF and sharing_problem(t, name, ()) is None:
+        to_fp32(t)
+        g.record.bump("recast")
+        return t
+    g.record.bump("fallback_calls")
+    return t.float()
+
+
+@prologue(example=_fp32_example)
+def bn_fp32(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
+    """The BatchNorm tensor ``t`` (``ROLES[role]``) in fp32: ``t`` itself, no
+    copy, when it is fp32, which it is from the first call after the pass on.
+    ``count``: this call bumps the record's ``fp32_calls`` (one per batch norm)."""
+    if t is None:
+        return None
+    if t.dtype is torch.float32:
+        if count:
+            group(gid).record.bump("fp32_calls")
+        return t
+    return _drifted(gid, role, t)
+
+
+def bn_module_fp32(gid: str, x: torch.Tensor) -> torch.Tensor:
+    """``call_module`` flavour: runs before an ``nn.BatchNorm*`` call and returns
+    ``x`` unchanged. The module's own forward then reads its (fp32) tensors and
+    keeps train/eval, ``num_batches_tracked`` and ``momentum=None`` exactly as
+    eager; this only checks, and restores, the fp32 format."""
+    g = group(gid)
+    mod = g.spec()
+    if mod is not None:
+        for role, name in enumerate(ROLES):
+            t = getattr(mod, name, None)
+            if t is not None and t.dtype is not torch.float32:
+                _drifted(gid, role, t)
+    g.record.bump("fp32_calls")
+    return x
+
+
+# -- folding -------------------------------------------------------------------
+
+class FoldSpec:
+    """Static facts of one folded BatchNorm, and the cache of its folded tensors."""
+
+    def __init__(self, eps: float, kind: str, modules: Optional[Tuple[Any, Any]] = None):
+        self.eps = float(eps)
+        self.kind = kind  # "conv" | "linear"
+        self.modules = tuple(weakref.ref(m) for m in modules) if modules else None
+        self._key: Optional[tuple] = None
+        self._value: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def _key_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+    key = []
+    for t in ts:
+        if t is None:
+            key.append(None)
+            continue
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors keep no version counter: do not cache
+            return None
+        key.append((t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, version))
+    return tuple(key)
+
+
+def folded_params(eps: float, w: torch.Tensor, b: Optional[torch.Tensor], rm: torch.Tensor, rv: torch.Tensor,
+                  gamma: Optional[torch.Tensor], beta: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The folded weight and bias, computed in fp32 and cast to ``w``'s dtype.
+    Same formula as ``torch.nn.utils.fusion.fuse_conv_bn_weights``, written
+    out so it stays differentiable (that helper returns new leaves)."""
+    f32 = torch.float32
+    scale = torch.rsqrt(rv.to(f32) + eps)
+    if gamma is not None:
+        scale = scale * gamma.to(f32)
+    shape = (-1,) + (1,) * (w.dim() - 1)
+    wf = (w.to(f32) * scale.reshape(shape)).to(w.dtype)
+    bf = (b.to(f32) if b is not None else torch.zeros_like(scale)) - rm.to(f32)
+    bf = bf * scale
+    if beta is not None:
+        bf = bf + beta.to(f32)
+    return wf, bf.to(b.dtype if b is not None else w.dtype)
+
+
+def _folded(gid: str, w, b, rm, rv, gamma, beta) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = group(gid)
+    spec: FoldSpec = g.spec
+    srcs = (w, b, rm, rv, gamma, beta)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in srcs):
+        # Eval-mode folding is exact algebra: with grad on, compute it in the
+        # autograd graph so gradients reach every source tensor. Not cached.
+        g.record.bump("grad_calls")
+        return folded_params(spec.eps, w, b, rm, rv, gamma, beta)
+    key = _key_of(srcs)
+    if key is None or key != spec._key or spec._value is None:
+        with torch.no_grad():
+            spec._value = folded_params(spec.eps, w, b, rm, rv, gamma, beta)
+        spec._key = key
+        g.record.bump("folds_computed")
+    return spec._value
+
+
+def _fold_weight_example(gid, w, b, rm, rv, gamma, beta):
+    with torch.no_grad():
+        return folded_params(group(gid).spec.eps, w, b, rm, rv, gamma, beta)[0]
+
+
+def _fold_bias_example(gid, w, b, rm, rv, gamma, beta):
+    with torch.no_grad():
+        return folded_params(group(gid).spec.eps, w, b, rm, rv, gamma, beta)[1]
+
+
+@prologue(example=_fold_weight_example)
+def fold_weight(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
+    """The conv/linear weight with the BatchNorm folded in (cached)."""
+    group(gid).record.bump("folded_calls")
+    return _folded(gid, w, b, rm, rv, gamma, beta)[0]
+
+
+@prologue(example=_fold_bias_example)
+def fold_bias(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
+    """The conv/linear bias with the BatchNorm folded in (cached; a conv
+    without bias gets one)."""
+    return _folded(gid, w, b, rm, rv, gamma, beta)[1]
+
+
+def fold_module_call(gid: str, x: torch.Tensor) -> torch.Tensor:
+    """``call_module`` flavour of ``bn(conv(x))``. Train/eval and grad mode
+    can change after ``wfpass.apply``, so they are checked on every call: the
+    folded path runs only in eval mode; with grad enabled the fold is computed
+    differentiably; in training mode (or for a linear output that is not 2-D)
+    the two modules run as they are (counted)."""
+    g = group(gid)
+    spec: FoldSpec = g.spec
+    conv, bn = (r() for r in spec.modules)
+    if conv is None or bn is None:
+        raise RuntimeError(f"wfpass: the modules folded by {gid} were deleted")
+    if bn.training or not bn.track_running_stats or bn.running_mean is None or (spec.kind == "linear" and x.dim() != 2):
+        g.record.bump("unfolded_calls")
+        return bn(conv(x))
+    g.record.bump("folded_calls")
+    wf, bf = _folded(gid, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    if spec.kind == "linear":
+        return F.linear(x, wf, bf)
+    return conv._conv_forward(x, wf, bf)
+
+
+def fold_groups_bytes(tensors: List[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,248 @@
+"""Eval-time folding of BatchNorm into the conv/linear in front of it (opt-in:
+``fold_batchnorm=True``; inference only).
+
+Before (Dynamo flavour, eval mode, no grad)::
+
+    c = conv2d(x, conv_w, conv_b, stride, padding, dilation, groups)
+    y = batch_norm(c, rm, rv, gamma, beta, False, 0.1, eps)
+
+After::
+
+    wf = fold_weight("fold0", conv_w, conv_b, rm, rv, gamma, beta)   # prologue, cached
+    bf = fold_bias("fold0", conv_w, conv_b, rm, rv, gamma, beta)
+    y = conv2d(x, wf, bf, stride, padding, dilation, groups)
+
+``wf = conv_w * s`` and ``bf = (conv_b - rm) * s + beta`` with
+``s = gamma / sqrt(rv + eps)``, computed in fp32 and cast to the conv's dtype.
+The folded tensors are new (the report gives their bytes); the model's own
+Parameters are untouched. They are recomputed only when a source tensor
+changes (``load_state_dict``, an optimizer step, a dtype cast).
+
+``call_module`` flavour (``wfpass.apply``)::
+
+    y = bn(conv(x))   ->   y = fold_module_call("fold0", x)
+
+which checks train/eval on every call (the module can be switched after the
+pass) and runs ``bn(conv(x))`` unchanged in training mode.
+
+Guards, each a skip record: ``config.fold_batchnorm``; the batch norm is in
+eval mode (Dynamo: the traced ``training`` argument; call_module: the module
+now); grad disabled (Dynamo graphs, where grad mode is guarded); running
+statistics present; the conv/linear output has no other user; conv weight and
+bias are model Parameters not shared with another tensor (tied weights), and
+the BatchNorm's tensors likewise; a linear's output is 2-D (BatchNorm1d then
+normalizes its features).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, List, Optional
+
+import torch
+import torch.fx as fx
+
+from ..graph import LINEAR_TARGETS, PassContext, meta_value
+from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight
+from ..ops.runtime import Group, register_group
+from ..storage import sharing_problem
+from .fp32_batchnorm import BNSite, batchnorm_sites, unwrap
+
+__all__ = ["fold_batchnorm"]
+
+_gid_counter = itertools.count()
+
+CONV_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d)
+CONV_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+
+
+def _set_arg(node: fx.Node, i: int, name: str, value: Any) -> None:
+    if i < len(node.args):
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def _only_user_is(producer: fx.Node, site: BNSite) -> bool:
+    """The conv/linear output feeds the batch norm and nothing else (looking
+    through the fp32 pass's pass-through wrapper)."""
+    users = list(producer.users)
+    if len(users) != 1:
+        return False
+    u = users[0]
+    if u is site.node:
+        return True
+    return u.op == "call_function" and u.target is bn_module_fp32 and list(u.users) == [site.node]
+
+
+def _grad_enabled(ctx: PassContext, producer: fx.Node) -> bool:
+    v = meta_value(producer)
+    if v is not None and getattr(v, "requires_grad", False):
+        return True
+    return torch.is_grad_enabled() and v is None
+
+
+def _tied(ctx: PassContext, others, t: torch.Tensor, name: str, node: Optional[fx.Node]) -> Optional[str]:
+    """Is the conv/linear tensor shared: the same object under another name
+    (``conv2.weight = conv1.weight``), read by another node of the graph, or
+    sharing storage with another tensor?"""
+    for oname, o in others:
+        if o is t and oname != name:
+            return f"{name} is also {oname}"
+    if isinstance(node, fx.Node) and node.op == "placeholder" and len(node.users) > 1:
+        return f"{name} is read by {len(node.users)} nodes of the graph"
+    return sharing_problem(t, name, others)
+
+
+def _params(site: BNSite, names: List[str]) -> List[str]:
+    return names + site.names
+
+
+def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Fold eval-mode BatchNorm into the conv/linear before it; returns how
+    many were folded. Does nothing unless ``config.fold_batchnorm``."""
+    if not ctx.config.fold_batchnorm:
+        return 0
+    folded = 0
+    others = None
+    for site in batchnorm_sites(ctx):
+        prod = site.x
+        kind = None
+        if prod.op == "call_function" and prod.target in CONV_TARGETS:
+            kind = "conv"
+        elif prod.op == "call_function" and prod.target in LINEAR_TARGETS:
+            kind = "linear"
+        elif prod.op == "call_module":
+            mod = ctx.module_of(prod)
+            if type(mod) in CONV_MODULES:
+                kind = "conv"
+            elif type(mod) is torch.nn.Linear:
+                kind = "linear"
+        detail = dict(folded=False, flavour=site.flavour)
+
+        def skip(why: str, names=()) -> None:
+            ctx.report.add("batchnorm", "skipped", f"not folded: {why}", _params(site, list(names)), **detail)
+
+        if kind is None:
+            what = prod.target if prod.op != "placeholder" else "a graph input"
+            skip(f"its input is not a conv1d/2d/3d or linear output ({getattr(what, '__name__', what)})")
+            continue
+        if site.training is not False:
+            skip("BatchNorm in training mode (folding is inference only: eval mode and no grad)" if site.training is True
+                 else "training flag is not a constant")
+            continue
+        if not (site.present["running_mean"] and site.present["running_var"]):
+            skip("no running statistics (track_running_stats=False): eval uses batch statistics")
+            continue
+        if site.flavour == "function" and ctx.is_dynamo and _grad_enabled(ctx, prod):
+            skip("grad is enabled (folding is inference only: run under torch.no_grad() or inference_mode())")
+            continue
+        if not _only_user_is(prod, site):
+            skip(f"the {kind} output has other users ({len(prod.users)}); folding would change what they see")
+            continue
+        unresolved = [r for r in ("running_mean", "running_var", "weight", "bias") if site.present[r] and (site.refs[r] is None or not site.refs[r].is_state)]
+        if unresolved:
+            skip(f"BatchNorm {', '.join(unresolved)} not a Parameter or buffer of the model")
+            continue
+
+        # The conv/linear's weight and bias.
+        if site.flavour == "module" and prod.op == "call_module":
+            if len(prod.args) != 1 or prod.kwargs:
+                skip(f"the {kind} module is called with extra arguments")
+                continue
+            layer = ctx.module_of(prod)
+            w_t, b_t = layer.weight, layer.bias
+            w_name, b_name = f"{prod.target}.weight", f"{prod.target}.bias"
+            w_node = b_node = None
+        elif prod.op == "call_function":
+            w_node, b_node = _arg(prod, 1, "weight"), _arg(prod, 2, "bias")
+            w_ref = ctx.resolve(w_node)
+            b_ref = ctx.resolve(b_node) if b_node is not None else None
+            if w_ref is None or not w_ref.is_state or (b_node is not None and (b_ref is None or not b_ref.is_state)):
+                skip(f"the {kind}'s weight/bias is not a Parameter or buffer of the model")
+                continue
+            w_t, b_t, w_name = w_ref.tensor, (b_ref.tensor if b_ref else None), w_ref.name
+            b_name = b_ref.name if b_ref else None
+            layer = None
+        else:
+            skip("conv/linear module feeding a functional batch_norm (mixed flavours)")
+            continue
+        if kind == "conv" and (w_t.dim() < 3 or (prod.op == "call_module" and layer.transposed)):
+            skip("transposed or unexpected conv weight")
+            continue
+        if kind == "linear" and site.flavour == "function":
+            v = meta_value(prod)
+            if v is None or v.dim() != 2:
+                skip("linear output is not known to be 2-D (BatchNorm1d over its features)")
+                continue
+        layer_names = [w_name] + ([b_name] if b_t is not None else [])
+        if others is None:
+            others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        problem = None
+        for name, t, n in [(w_name, w_t, w_node), (b_name, b_t, b_node)]:
+            if t is not None:
+                problem = _tied(ctx, others, t, name, n)
+                if problem:
+                    break
+        for r in ("running_mean", "running_var", "weight", "bias"):
+            if problem is None and site.present[r]:
+                problem = sharing_problem(site.refs[r].tensor, site.refs[r].name, others)
+        if problem:
+            skip(f"tied weights: {problem}", layer_names)
+            continue
+
+        out_ch = w_t.shape[0]
+        extra = w_t.numel() * w_t.element_size() + out_ch * (b_t.element_size() if b_t is not None else w_t.element_size())
+        detail.update(folded=True, into=w_name.rpartition(".")[0] or w_name, kind=kind, extra_bytes=extra)
+        when = "eval, no grad" if site.flavour == "function" else "eval now; train/eval and grad checked per call"
+        reason = (f"folded into {kind} {detail['into']} ({when}): weight and bias recomputed in fp32 and cast to "
+                  f"{str(w_t.dtype).replace('torch.', '')}; new tensors, +{extra} bytes")
+        if ctx.config.dry_run:
+            ctx.report.add("batchnorm", "rewritten", f"would be {reason} [dry run]", _params(site, layer_names), **detail)
+            folded += 1
+            continue
+        record = ctx.report.add("batchnorm", "rewritten", reason, _params(site, layer_names), **detail)
+        record.stats.setdefault("folded_calls", 0)
+        gid = f"fold{next(_gid_counter)}"
+        g = gm.graph
+
+        if site.flavour == "module":
+            register_group(Group(gid, record, None, spec=FoldSpec(site.eps, kind, (layer, site.module))))
+            x_in = prod.args[0]
+            with g.inserting_before(site.node):
+                y = g.call_function(fold_module_call, (gid, x_in))
+            y.meta.update({k: v for k, v in site.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            site.node.replace_all_uses_with(y)
+            wrapper = site.x_wrapper
+            g.erase_node(site.node)
+            if wrapper is not None and not wrapper.users:
+                g.erase_node(wrapper)
+            if not prod.users:
+                g.erase_node(prod)
+            folded += 1
+            continue
+
+        register_group(Group(gid, record, None, spec=FoldSpec(site.eps, kind)))
+
+        def src(n: Any) -> Any:
+            # A get_attr may sit after the conv (symbolic_trace puts them just
+            # before their first use): fetch it again in front of the conv.
+            n = unwrap(n)
+            if isinstance(n, fx.Node) and n.op == "get_attr":
+                return ctx.get_attr_node(n.target, prod)
+            return n
+
+        fargs = (gid, src(w_node), src(b_node), src(site.args["running_mean"]), src(site.args["running_var"]),
+                 src(site.args["weight"]), src(site.args["bias"]))
+        with g.inserting_before(prod):
+            wf = g.call_function(fold_weight, fargs)
+            bf = g.call_function(fold_bias, fargs)
+        _set_arg(prod, 1, "weight", wf)
+        _set_arg(prod, 2, "bias", bf)
+        site.node.replace_all_uses_with(prod)
+        g.erase_node(site.node)
+        folded += 1
+    return folded

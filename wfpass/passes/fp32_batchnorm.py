@@ -1,0 +1,270 @@
+"""BatchNorm in half-precision models: fp32 weight, bias and running statistics.
+
+Before (Dynamo flavour, a bf16 model in training)::
+
+    add_ = num_batches_tracked.add_(1)
+    y = batch_norm(x, running_mean, running_var, weight, bias, True, 0.1, 1e-5)
+
+After (each tensor is the same object, its data now fp32; see ``ops/batchnorm.py``
+for why they go through a hoisted prologue)::
+
+    add_ = num_batches_tracked.add_(1)
+    rm = bn_fp32("bn0", 0, running_mean, True)   # True: this one counts the calls
+    rv = bn_fp32("bn0", 1, running_var, False)
+    w = bn_fp32("bn0", 2, weight, False)
+    b = bn_fp32("bn0", 3, bias, False)
+    y = batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)        # y: bf16, stats updated in fp32
+
+``call_module`` flavour (``torch.fx.symbolic_trace``)::
+
+    y = bn(x)   ->   x2 = bn_module_fp32("bn0", x); y = bn(x2)
+
+The module keeps running its own forward (train/eval switches after the pass,
+``num_batches_tracked``, ``momentum=None``: all as eager); its tensors are fp32.
+
+Guards, each a skip record when it fails: the input is fp16/bf16 (fp32 input:
+nothing to do); the tensors are not already fp32 (autocast with fp32
+parameters runs the mixed kernel already); every tensor resolves to a
+Parameter/buffer of the model; none shares storage with another tensor.
+
+Not seen by this pass: a BatchNorm with ``momentum=None`` in training mode
+under ``torch.compile``. Dynamo (torch 2.13.0) graph-breaks on
+``float(self.num_batches_tracked)`` and runs that module eagerly, outside any
+graph the backend receives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..graph import PassContext, TensorRef, meta_value
+from ..ops.batchnorm import HALF, ROLES, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
+from ..ops.runtime import Group, register_group
+from ..storage import sharing_problem
+
+__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap"]
+
+_gid_counter = itertools.count()
+
+# Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
+_F_POS = {"input": 0, "running_mean": 1, "running_var": 2, "weight": 3, "bias": 4, "training": 5, "momentum": 6, "eps": 7}
+_ATEN_POS = {"input": 0, "weight": 1, "bias": 2, "running_mean": 3, "running_var": 4, "training": 5, "momentum": 6, "eps": 7}
+_DEFAULTS = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+BN_FUNCTIONS = {
+    torch.nn.functional.batch_norm: _F_POS,
+    torch.batch_norm: _ATEN_POS,
+    torch.ops.aten.batch_norm.default: _ATEN_POS,
+}
+
+
+@dataclasses.dataclass
+class BNSite:
+    """One batch norm in any flavour. ``x`` and the tensor args are the
+    *underlying* nodes: a previous run's ``bn_fp32``/``bn_module_fp32``
+    wrappers are looked through (``wrapped`` says which were)."""
+
+    node: fx.Node
+    x: fx.Node
+    flavour: str  # "function" | "module"
+    args: Dict[str, Any]  # role -> node (or None); function flavour only
+    refs: Dict[str, Optional[TensorRef]]  # role -> resolved tensor (None: absent or unresolvable)
+    present: Dict[str, bool]
+    wrapped: Dict[str, bool]
+    training: Any  # bool, or a node/unknown for a non-constant training argument
+    momentum: Any
+    eps: Any
+    module: Optional[torch.nn.Module] = None
+    module_name: Optional[str] = None
+    x_wrapper: Optional[fx.Node] = None  # bn_module_fp32 node in front of a call_module BN
+
+    @property
+    def names(self) -> List[str]:
+        return [r.name for r in self.refs.values() if r is not None]
+
+    @property
+    def label(self) -> str:
+        if self.module_name is not None:
+            return self.module_name
+        for r in self.refs.values():
+            if r is not None:
+                return r.name.rpartition(".")[0] or r.name
+        return self.node.name
+
+
+def unwrap(arg: Any) -> Any:
+    """The node a ``bn_fp32`` / ``bn_module_fp32`` wrapper wraps, else ``arg``."""
+    if isinstance(arg, fx.Node) and arg.op == "call_function":
+        if arg.target is bn_fp32:
+            return arg.args[2]
+        if arg.target is bn_module_fp32:
+            return arg.args[1]
+    return arg
+
+
+def _get(node: fx.Node, pos: Dict[str, int], name: str) -> Any:
+    i = pos[name]
+    if i < len(node.args):
+        return node.args[i]
+    return node.kwargs.get(name, _DEFAULTS.get(name))
+
+
+def _set(node: fx.Node, pos: Dict[str, int], name: str, value: Any) -> None:
+    i = pos[name]
+    if i < len(node.args):
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def _is_module_bn(mod: Any) -> bool:
+    # symbolic_trace keeps torch.nn's own modules as leaves; a user subclass is
+    # traced through to F.batch_norm, so only torch.nn classes reach us here.
+    return isinstance(mod, _BatchNorm) and type(mod).__module__.startswith("torch.nn")
+
+
+def batchnorm_sites(ctx: PassContext) -> List[BNSite]:
+    out: List[BNSite] = []
+    for node in ctx.gm.graph.nodes:
+        if node.op == "call_function" and node.target in BN_FUNCTIONS:
+            pos = BN_FUNCTIONS[node.target]
+            x = _get(node, pos, "input")
+            if not isinstance(x, fx.Node):
+                continue
+            args, refs, present, wrapped = {}, {}, {}, {}
+            for role in ROLES:
+                a = _get(node, pos, role)
+                args[role] = a
+                present[role] = a is not None
+                wrapped[role] = unwrap(a) is not a
+                refs[role] = ctx.resolve(unwrap(a)) if a is not None else None
+            out.append(BNSite(node, x, "function", args, refs, present, wrapped,
+                              _get(node, pos, "training"), _get(node, pos, "momentum"), _get(node, pos, "eps")))
+        elif node.op == "call_module":
+            mod = ctx.module_of(node)
+            if not _is_module_bn(mod) or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+                continue
+            x = node.args[0]
+            x_wrapper = x if unwrap(x) is not x else None
+            refs, present = {}, {}
+            for role in ROLES:
+                t = getattr(mod, role, None)
+                present[role] = t is not None
+                kind = "parameter" if isinstance(t, torch.nn.Parameter) else "buffer"
+                refs[role] = TensorRef(f"{node.target}.{role}", t, kind, None) if t is not None else None
+            out.append(BNSite(node, unwrap(x), "module", {}, refs, present, {r: x_wrapper is not None for r in ROLES},
+                              mod.training, mod.momentum, mod.eps, module=mod, module_name=node.target, x_wrapper=x_wrapper))
+    return out
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _under_autocast(ctx: PassContext) -> bool:
+    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+        return True
+    return any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in ctx.gm.graph.nodes)
+
+
+def _input_dtype(site: BNSite) -> Optional[torch.dtype]:
+    v = meta_value(site.x)
+    return getattr(v, "dtype", None)
+
+
+def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Keep every half-precision BatchNorm's tensors in fp32; returns how many
+    batch norms were rewritten."""
+    rewritten = 0
+    others = None
+    for site in batchnorm_sites(ctx):
+        present = [r for r in ROLES if site.present[r]]
+        params = site.names or [site.label]
+        train_note = "training" if site.training is True else ("eval" if site.training is False else "train/eval at run time")
+        detail: Dict[str, Any] = dict(flavour=site.flavour, mode=train_note, folded=False)
+
+        if not present:
+            ctx.report.add("batchnorm", "skipped", "affine=False and track_running_stats=False: no weight, bias or statistics to keep in fp32", params, **detail)
+            continue
+        unresolved = [r for r in present if site.refs[r] is None or not site.refs[r].is_state]
+        if unresolved:
+            ctx.report.add("batchnorm", "skipped", f"{', '.join(unresolved)} not a Parameter or buffer of the model (a graph input or computed tensor): wfpass cannot own its dtype", params, **detail)
+            continue
+
+        tensors = {r: site.refs[r].tensor for r in present}
+        dtypes = {t.dtype for t in tensors.values()}
+        in_dtype = _input_dtype(site)
+        detail["input_dtype"] = _dtype_name(in_dtype) if in_dtype is not None else None
+        if in_dtype is not None and in_dtype not in HALF:
+            ctx.report.add("batchnorm", "skipped", f"input is {_dtype_name(in_dtype)}: the fp32-statistics format is for fp16/bf16 inputs, nothing to do", params, **detail)
+            continue
+        half = [r for r in present if tensors[r].dtype in HALF]
+        if not half:
+            if all(held_in_fp32(t) for t in tensors.values()):
+                # A recompile (or a second apply) after wfpass already moved them.
+                why = "weight/bias/statistics already held in fp32 by wfpass (recompiled or re-run graph); mixed-precision kernel"
+                ctx.report.add("batchnorm", "rewritten", why, params, idempotent=True, **detail)
+                continue
+            if dtypes == {torch.float32}:
+                ctx_note = "under torch.autocast with fp32 parameters" if _under_autocast(ctx) else "the model keeps its BatchNorm in fp32"
+                in_note = _dtype_name(in_dtype) if in_dtype is not None else "its"
+                ctx.report.add("batchnorm", "skipped", f"weight/bias/statistics are already float32 ({ctx_note}); the mixed kernel already runs with {in_note} input, nothing to change", params, **detail)
+            else:
+                ctx.report.add("batchnorm", "skipped", f"tensors are {sorted(_dtype_name(d) for d in dtypes)}, not fp16/bf16: not this format", params, **detail)
+            continue
+
+        if others is None:
+            others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        problem = None
+        for r in half:
+            problem = sharing_problem(tensors[r], site.refs[r].name, others)
+            if problem:
+                break
+        if problem:
+            ctx.report.add("batchnorm", "skipped", problem, params, **detail)
+            continue
+
+        src = _dtype_name(tensors[half[0]].dtype)
+        ins = _dtype_name(in_dtype) if in_dtype is not None else src
+        cast_names = [site.refs[r].name for r in half]
+        extra = sum(tensors[r].numel() * 2 for r in half)  # fp32 is 2 bytes more per element
+        detail.update(from_dtype=src, cast=cast_names, extra_bytes=extra)
+        what = ", ".join(half)
+        stats_note = "; running statistics update in fp32" if site.present["running_mean"] and site.training is not False else ""
+        if ctx.config.dry_run:
+            ctx.report.add("batchnorm", "rewritten", f"would hold {what} in float32 for {ins} input [dry run]", params, **detail)
+            rewritten += 1
+            continue
+        record = ctx.report.add("batchnorm", "rewritten", f"{what} held in float32 for {ins} input: mixed-precision kernel, output stays {ins}{stats_note}", params, **detail)
+        record.stats.setdefault("fp32_calls", 0)
+        gid = f"bn{next(_gid_counter)}"
+        moved = [tensors[r] for r in half]
+        ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
+
+        g = gm.graph
+        if site.flavour == "module":
+            register_group(Group(gid, record, None, spec=weakref.ref(site.module)))
+            if site.x_wrapper is None:
+                with g.inserting_before(site.node):
+                    x2 = g.call_function(bn_module_fp32, (gid, site.x))
+                site.node.replace_input_with(site.x, x2)
+        else:
+            register_group(Group(gid, record, None, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES)))
+            pos = BN_FUNCTIONS[site.node.target]
+            first = True
+            for r in half:
+                if site.wrapped[r]:
+                    continue
+                with g.inserting_before(site.node):
+                    # the first wrapper of a batch norm bumps its call counter
+                    w = g.call_function(bn_fp32, (gid, ROLES.index(r), site.args[r], first))
+                first = False
+                _set(site.node, pos, r, w)
+        rewritten += 1
+    return rewritten
