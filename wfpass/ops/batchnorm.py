@@ -110,7 +110,7 @@ def _drifted(gid: str, role: int, t: torch.Tensor) -> torch.Tensor:
     storage is shared, in which case this call computes on an fp32 copy
     (counted; a training step's statistics update then goes to the copy)."""
     g = group(gid)
-    name = g.spec[role] if g.spec else ROLES[role]
+    name = g.spec[role] if isinstance(g.spec, tuple) else ROLES[role]
     if t.dtype in HALF and sharing_problem(t, name, ()) is None:
         to_fp32(t)
         g.record.bump("recast")
