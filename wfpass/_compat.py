@@ -105,3 +105,181 @@ def weak_id_key_dict():
     from torch.utils.weak import WeakIdKeyDictionary
 
     return WeakIdKeyDictionary()
+
+
+# -- RNN capture and kernels (fuse_rnn, ops/rnn.py) ---------------------------
+
+
+class _AllowRnnUnderWformat:
+    """Stands in for ``torch._dynamo.config.allow_rnn = False``: falsy except
+    while Dynamo traces a frame for a wformat backend that runs ``fuse_rnn``.
+
+    Dynamo refuses ``nn.RNN/GRU/LSTM`` with ``if ... and not config.allow_rnn``
+    (``VariableBuilder.wrap_module``, torch/_dynamo/variables/builder.py,
+    torch 2.13.0), evaluated while tracing. There is no per-backend switch:
+    ``torch.compile`` wraps every non-Inductor backend in
+    ``_TorchCompileWrapper``, which drops a ``backend_ctx_ctor`` attribute, so
+    the truthiness of this value is the narrowest hook. It finds the backend
+    of the trace in progress through ``InstructionTranslator.current_tx()
+    .output.compiler_fn`` (private). ``repr`` / ``to_jsonable`` keep Dynamo's
+    config hashing, logging and repro scripts working: they see ``False``."""
+
+    def __bool__(self) -> bool:
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            tx = InstructionTranslator.current_tx()
+        except Exception:
+            return False
+        try:
+            return rnn_capture_wanted(getattr(getattr(tx, "output", None), "compiler_fn", None))
+        except Exception:  # never break a trace over this
+            return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+    def to_jsonable(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (_AllowRnnUnderWformat, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def rnn_capture_wanted(compiler_fn) -> bool:
+    """Is ``compiler_fn`` (as Dynamo holds it: ``WrapBackendDebug`` around
+    ``_TorchCompileWrapper`` around ours, torch 2.13.0) a wformat backend whose
+    config runs ``fuse_rnn``? Backends built by ``wfpass.backend(...)`` carry
+    their ``Config`` as ``.config`` (kept by ``functools.wraps`` wrappers)."""
+    import importlib
+
+    from .config import Config
+
+    _backend = importlib.import_module("wfpass.backend")  # the module; ``wfpass.backend`` the attribute is a function
+    fn = compiler_fn
+    for _ in range(8):
+        if fn is None:
+            return False
+        cfg = getattr(fn, "config", None)
+        if isinstance(cfg, Config):
+            return "fuse_rnn" in cfg.passes
+        if fn is _backend.wformat:
+            return "fuse_rnn" in _backend._DEFAULT.passes
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None) or getattr(fn, "__wrapped__", None)
+    return False
+
+
+def install_rnn_capture() -> None:
+    """Let Dynamo put ``nn.RNN/GRU/LSTM`` into the graph for wformat backends
+    only (see ``_AllowRnnUnderWformat``). A user's own ``allow_rnn = True``
+    is left alone; every other backend still graph-breaks on RNNs."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.allow_rnn is False:
+        dynamo_config.allow_rnn = _AllowRnnUnderWformat()
+
+
+class autograd_inside_op:
+    """Record autograd inside a custom op's implementation.
+
+    ``torch.library`` runs an implementation below the Autograd dispatch key
+    (``_AutoDispatchBelowAutograd``): ops inside record nothing even under
+    ``enable_grad``. The RNN op keeps eager's own autograd graph of the kernel
+    for its backward, so it puts the Autograd keys back for the kernel call
+    (``torch._C._ForceDispatchKeyGuard`` and the dispatch TLS getters, private;
+    torch 2.13.0)."""
+
+    def __enter__(self):
+        K = torch._C.DispatchKey
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        for k in (K.AutogradFunctionality, K.AutogradOther, K.AutogradNestedTensor):
+            exclude = exclude.remove(k)
+        self._guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+        self._guard.__enter__()
+        self._grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_grad_enabled(self._grad)
+        self._guard.__exit__(*exc)
+        return False
+
+
+class mkldnn_disabled:
+    """Run a CPU RNN call on ATen's native kernel instead of oneDNN's
+    (``torch._C._get_mkldnn_enabled`` / ``_set_mkldnn_enabled``, private;
+    torch 2.13.0; ``torch.backends.mkldnn.flags`` also resets TF32 settings
+    and warns). The flag is process-global: another thread's CPU RNN call
+    during the window also takes the native kernel, which only costs speed."""
+
+    def __enter__(self):
+        self._prev = torch._C._get_mkldnn_enabled()
+        if self._prev:
+            torch._C._set_mkldnn_enabled(False)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev:
+            torch._C._set_mkldnn_enabled(True)
+        return False
+
+
+def rnn_kernel(mode: str):
+    """The fused multi-layer RNN entry point for ``mode`` (``torch._VF.lstm``
+    etc., private module; torch 2.13.0). On CPU it dispatches to oneDNN
+    (LSTM) or ATen's native loop; on CUDA to cuDNN."""
+    from torch import _VF
+
+    return {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
+
+
+_CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}
+
+
+def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: str, hidden_size: int,
+                      proj_size: int, num_layers: int, batch_first: bool, bidirectional: bool):
+    """Element offsets of each weight inside cuDNN's flat weight buffer and
+    the buffer's size, or None where cuDNN cannot take these weights.
+
+    ``torch._cudnn_rnn_flatten_weight`` (private; torch 2.13.0) builds the
+    buffer in the layout of the installed cuDNN and ``set_``s its inputs to
+    views of it; it runs on clones so the model is not touched, and
+    ``storage.fuse`` then moves the real parameters to the same offsets."""
+    if not weights or not weights[0].is_cuda or not torch.backends.cudnn.is_acceptable(weights[0]):
+        return None
+    if not torch._use_cudnn_rnn_flatten_weight():
+        return None
+    with torch.no_grad():
+        clones = [w.detach().clone() for w in weights]
+        buf = torch._cudnn_rnn_flatten_weight(
+            clones, weights_per_layer, input_size, _CUDNN_MODES[mode], hidden_size, proj_size,
+            num_layers, batch_first, bidirectional,
+        )
+    ptr = buf.untyped_storage().data_ptr()
+    if any(c.untyped_storage().data_ptr() != ptr for c in clones):
+        return None
+    base = buf.storage_offset()
+    return [c.storage_offset() - base for c in clones], buf.numel()
+
+
+def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
+    """Does ATen send a CPU LSTM of this dtype to oneDNN? float32 always (when
+    oneDNN is built in); bf16/fp16 only on CPUs with the instructions
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_``, private;
+    torch 2.13.0)."""
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
+        return False
+    if dtype == torch.float32:
+        return True
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return False

@@ -15,6 +15,7 @@ from ..graph import PassContext
 from .fold_batchnorm import fold_batchnorm
 from .fp32_batchnorm import fp32_batchnorm
 from .fuse_linears import fuse_linears
+from .fuse_rnn import fuse_rnn
 
 __all__ = ["PIPELINE", "run_passes"]
 
@@ -25,6 +26,7 @@ PassFn = Callable[[fx.GraphModule, PassContext], int]
 #: (name, pass) in the order they run. Names match ``Config.passes``.
 PIPELINE: List[Tuple[str, PassFn]] = [
     ("fuse_linears", fuse_linears),
+    ("fuse_rnn", fuse_rnn),
     ("fp32_batchnorm", fp32_batchnorm),
     ("fold_batchnorm", fold_batchnorm),
 ]

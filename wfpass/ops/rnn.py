@@ -1,0 +1,540 @@
+"""The RNN format: flat weights, one opaque op, a run-time choice of kernel.
+
+Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM``)::
+
+    blk = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)  # prologue
+    out, h_n, c_n, tape = wfpass.rnn(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", train, grad_mask)
+
+``wfpass::rnn`` is a ``torch.library`` custom op: AOTAutograd and Inductor see
+one node whatever the sequence length, and call it as a fallback kernel. At
+run time it reads the length ``T`` of *this* call (static or symbolic alike)
+and takes
+
+* the unfused path when ``T <= N`` (``seq_threshold``): the input projection
+  of all steps as one GEMM, then one recurrent GEMM per step. On the CPU that
+  is exactly ATen's native kernel (``torch._VF.lstm`` with oneDNN switched
+  off); elsewhere a Python loop over the same weights (``_loop``);
+* the fused kernel when ``T > N``: ``torch._VF.<mode>`` as PyTorch dispatches
+  it, i.e. oneDNN's LSTM on the CPU (GRU and RNN have no oneDNN kernel in
+  PyTorch: both paths are ATen's native loop there) and cuDNN on CUDA, where
+  the parameters already sit in cuDNN's flat buffer, so ATen's "weights are
+  not part of single contiguous chunk of memory" copy never happens.
+
+Autograd: the implementation runs the kernel with autograd recording (the
+custom op dispatcher had switched it off, ``_compat.autograd_inside_op``) and
+keeps that graph on a *tape* owned by the op's fourth output, a small uint8
+tensor made with ``torch.frombuffer``. AOTAutograd saves the tape for the
+backward like any other tensor; ``wfpass::rnn_backward`` replays the recorded
+graph with ``torch.autograd.grad``. So gradients come from the very kernels
+eager runs, dropout masks included, and the tape (with the activations) is
+freed when AOTAutograd frees its saved tensors.
+
+The flat block: every Parameter of the RNN is a view into one buffer (same
+objects). On the CPU the kernels read each weight separately, so the order is
+PyTorch's own (``_flat_weights``) with zero slots for the fake biases of a
+``bias=False`` RNN (oneDNN takes bias tensors and would otherwise allocate
+zeros on every call); on CUDA it is cuDNN's layout. ``rnn_weight_block`` (a
+prologue, run before the compiled graph) checks the views are still in place,
+re-fuses them if the layout was lost, and otherwise counts a fallback: the
+kernels then read the separate tensors (and cuDNN copies them), with the same
+results.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..report import Record
+from ..storage import FusedStorage
+from .runtime import Group, group, prologue
+
+__all__ = [
+    "RnnSpec", "RnnGroup", "GATES", "rnn_weight_block", "rnn_module_call", "paths_differ",
+    "fused_path", "unfused_path", "auto_threshold_cache",
+]
+
+#: Gates per mode: rows of ``weight_ih`` = GATES[mode] * hidden_size.
+GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+_CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
+
+#: Implementation of the unfused path: "auto" = ATen native on the CPU, the
+#: Python loop elsewhere. Tests set "loop" to check the loop on the CPU.
+UNFUSED_IMPL = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnSpec:
+    """Static facts of one RNN, fixed when the pass rewrites it."""
+
+    name: str  # for messages: "'enc.lstm' (nn.LSTM)"
+    mode: str  # LSTM | GRU | RNN_TANH | RNN_RELU
+    input_size: int
+    hidden_size: int
+    proj_size: int
+    num_layers: int
+    bidirectional: bool
+    batch_first: bool
+    has_biases: bool
+    dropout: float
+    threshold: Union[int, str]
+    offsets: Tuple[int, ...]  # element offset of each weight in the block
+    numel: int  # elements in the block
+    fake_bias_offsets: Tuple[Tuple[int, int], ...]  # per (layer, direction), when the kernel gets zero biases
+
+    @property
+    def directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    @property
+    def gate_size(self) -> int:
+        return GATES[self.mode] * self.hidden_size
+
+    @property
+    def out_hidden(self) -> int:
+        return self.proj_size if self.proj_size > 0 else self.hidden_size
+
+    @property
+    def weights_per_layer(self) -> int:
+        return (4 if self.has_biases else 2) + (1 if self.proj_size > 0 else 0)
+
+
+class RnnGroup(Group):
+    """A rewritten RNN at run time: spec, report record, fused storage."""
+
+    def __init__(self, gid: str, record: Record, storage: Optional[FusedStorage], spec: RnnSpec, module=None):
+        super().__init__(gid, record, storage, spec)
+        self._module = weakref.ref(module) if module is not None else None
+        self._zeros: Optional[torch.Tensor] = None
+        self._fake: Optional[Tuple[int, List[torch.Tensor]]] = None
+
+    @property
+    def module(self):
+        return self._module() if self._module is not None else None
+
+    def zeros(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero block (fake biases) for calls whose weights are not in the block."""
+        z = self._zeros
+        if z is None or z.dtype != like.dtype or z.device != like.device:
+            z = self._zeros = torch.zeros(self.spec.numel, dtype=like.dtype, device=like.device)
+        return z
+
+    def fake_biases(self, block: torch.Tensor) -> List[torch.Tensor]:
+        """Zero (b_ih, b_hh) views of the block's fake-bias slots, per layer and direction."""
+        key = block.data_ptr()
+        cached = self._fake
+        if cached is None or cached[0] != key or cached[1][0].dtype != block.dtype:
+            g = self.spec.gate_size
+            views = []
+            for o_ih, o_hh in self.spec.fake_bias_offsets:
+                views += [block[o_ih : o_ih + g], block[o_hh : o_hh + g]]
+            cached = self._fake = (key, views)
+        return cached[1]
+
+
+# -- the prologue: find the block -------------------------------------------
+
+
+def _block_base(g: RnnGroup, ws: Sequence[torch.Tensor]) -> Optional[int]:
+    """Storage offset of the block if every weight is a contiguous view at its
+    offset of the group's fused storage, else None. Pointer arithmetic only."""
+    fs = g.storage
+    if fs is None:
+        return None
+    w0 = ws[0]
+    es = w0.element_size()
+    storage = w0.untyped_storage()
+    sptr = storage.data_ptr()
+    if sptr != fs._key[1]:  # not (or no longer) the buffer wfpass built
+        return None
+    offsets = g.spec.offsets
+    start = w0.data_ptr() - offsets[0] * es
+    for w, off in zip(ws, offsets):
+        if w.data_ptr() - off * es != start or not w.is_contiguous() or w.dtype != w0.dtype:
+            return None
+    base_bytes = start - sptr
+    if base_bytes < 0 or base_bytes + g.spec.numel * es > storage.nbytes():
+        return None
+    return base_bytes // es
+
+
+def _block_example(gid: str, *ws: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(group(gid).spec.numel, dtype=ws[0].dtype, device=ws[0].device)
+
+
+@prologue(example=_block_example)
+def rnn_weight_block(gid: str, *ws: torch.Tensor) -> torch.Tensor:
+    """The RNN's flat weight block (an alias of the parameters' storage), after
+    re-fusing the parameters if their layout was lost; when that is unsafe (a
+    parameter's storage is shared), a zero block of the same size, counted as
+    ``fallback_calls``: the kernels then read the separate tensors."""
+    g: RnnGroup = group(gid)
+    base = _block_base(g, ws)
+    if base is None and g.storage is not None and g.try_refuse(ws):
+        base = _block_base(g, ws)
+    if base is None:
+        g.record.bump("fallback_calls")
+        return g.zeros(ws[0])
+    return torch.as_strided(ws[0].detach(), (g.spec.numel,), (1,), base)
+
+
+# -- the two paths ----------------------------------------------------------
+
+
+def _kernel_weights(g: RnnGroup, ws: Sequence[torch.Tensor], block: torch.Tensor) -> Tuple[List[torch.Tensor], bool]:
+    """The weight list the kernel takes, with zero biases from the block where
+    the spec asks for fake biases."""
+    spec = g.spec
+    if spec.has_biases or not spec.fake_bias_offsets or block.dtype != ws[0].dtype:
+        return list(ws), spec.has_biases
+    fakes = g.fake_biases(block)
+    per = spec.weights_per_layer
+    out: List[torch.Tensor] = []
+    for k in range(len(spec.fake_bias_offsets)):
+        chunk = ws[k * per : (k + 1) * per]
+        out += [chunk[0], chunk[1], fakes[2 * k], fakes[2 * k + 1], *chunk[2:]]
+    return out, True
+
+
+def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
+    return list(hx) if spec.mode == "LSTM" else hx[0]
+
+
+def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+    """``torch._VF.<mode>`` as PyTorch dispatches it: oneDNN (CPU LSTM), cuDNN (CUDA)."""
+    return _compat.rnn_kernel(spec.mode)(
+        x, _hx_arg(spec, hx), ws, has_b, spec.num_layers, spec.dropout, train, spec.bidirectional, spec.batch_first
+    )
+
+
+def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+    """Input projection for all steps as one GEMM, then per-step recurrent GEMMs."""
+    if x.device.type == "cpu" and UNFUSED_IMPL != "loop":
+        # ATen's native CPU kernel is this algorithm (it precomputes
+        # ``linear_ih`` over the whole sequence) without Python per step.
+        with _compat.mkldnn_disabled():
+            return fused_path(spec, x, hx, ws, has_b, train)
+    return _loop(spec, x, hx, ws, has_b, train)
+
+
+def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+    """The unfused path in PyTorch ops (CUDA and other devices), with ATen's
+    native cell formulas and dropout placement."""
+    if spec.batch_first:
+        x = x.transpose(0, 1)
+    T = x.shape[0]
+    D = spec.directions
+    per = (4 if has_b else 2) + (1 if spec.proj_size > 0 else 0)
+    lstm = spec.mode == "LSTM"
+    h0 = hx[0]
+    c0 = hx[1] if lstm else None
+    layer_in = x
+    hs, cs = [], []
+    for layer in range(spec.num_layers):
+        outs = []
+        for d in range(D):
+            k = layer * D + d
+            w = ws[k * per : (k + 1) * per]
+            w_ih, w_hh = w[0], w[1]
+            b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
+            w_hr = w[-1] if spec.proj_size > 0 else None
+            xw = F.linear(layer_in, w_ih, b_ih)  # all steps: one GEMM
+            h = h0[k]
+            c = c0[k] if lstm else None
+            ys: List[Optional[torch.Tensor]] = [None] * T
+            for t in (range(T - 1, -1, -1) if d == 1 else range(T)):
+                gates = F.linear(h, w_hh, b_hh).add(xw[t]) if not spec.mode == "GRU" else None
+                if lstm:
+                    i, f, g, o = gates.chunk(4, 1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                    if w_hr is not None:
+                        h = F.linear(h, w_hr)
+                elif spec.mode == "GRU":
+                    gh = F.linear(h, w_hh, b_hh)
+                    ir, iz, in_ = xw[t].chunk(3, 1)
+                    hr, hz, hn = gh.chunk(3, 1)
+                    r = torch.sigmoid(ir + hr)
+                    z = torch.sigmoid(iz + hz)
+                    n = torch.tanh(in_ + r * hn)
+                    h = (h - n) * z + n
+                elif spec.mode == "RNN_TANH":
+                    h = torch.tanh(gates)
+                else:
+                    h = torch.relu(gates)
+                ys[t] = h
+            outs.append(torch.stack(ys, 0))
+            hs.append(h)
+            if lstm:
+                cs.append(c)
+        layer_out = outs[0] if D == 1 else torch.cat(outs, 2)
+        if spec.dropout > 0 and train and layer < spec.num_layers - 1:
+            layer_out = F.dropout(layer_out, spec.dropout, True)
+        layer_in = layer_out
+    out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
+    if lstm:
+        return out, torch.stack(hs, 0), torch.stack(cs, 0)
+    return out, torch.stack(hs, 0)
+
+
+def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
+    """Do the two paths run different kernels for this input? On the CPU only
+    an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
+    if x.device.type != "cpu" or UNFUSED_IMPL == "loop":
+        return True
+    return spec.mode == "LSTM" and spec.proj_size == 0 and _compat.mkldnn_rnn_dtype(x.dtype)
+
+
+# -- seq_threshold="auto" -----------------------------------------------------
+
+_AUTO: Dict[tuple, int] = {}
+#: Lengths "auto" measures, in order; it stops after the fused kernel wins twice in a row.
+AUTO_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def auto_threshold_cache() -> Dict[tuple, int]:
+    """The thresholds ``seq_threshold="auto"`` measured, by shape key."""
+    return _AUTO
+
+
+def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool) -> tuple:
+    batch = x.shape[0] if spec.batch_first else x.shape[1]
+    return (x.device.type, x.dtype, int(batch), spec.hidden_size, spec.num_layers, spec.mode, spec.input_size,
+            spec.proj_size, spec.bidirectional, need_grad, bool(train and spec.dropout > 0))
+
+
+def _median_time(fn, reps: int = 3) -> float:
+    fn()  # warm-up: oneDNN builds its primitive for the shape on the first call
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, need_grad: bool) -> int:
+    """Largest length at which the unfused path was at least as fast as the
+    fused kernel, measured on random data with this call's weights."""
+    batch = x.shape[0] if spec.batch_first else x.shape[1]
+    n, fused_wins = 0, 0
+    with torch.random.fork_rng(devices=[]):  # leave the caller's dropout stream alone
+        for T in AUTO_LENGTHS:
+            shape = (batch, T, spec.input_size) if spec.batch_first else (T, batch, spec.input_size)
+            xt = torch.randn(shape, dtype=x.dtype, device=x.device)
+            if need_grad:
+                wt = [w.detach().requires_grad_(w.is_floating_point() and i < len(ws)) for i, w in enumerate(ws)]
+
+                def run(path):
+                    out = path(spec, xt, hx, wt, has_b, train)[0]
+                    torch.autograd.grad(out, [w for w in wt if w.requires_grad], torch.ones_like(out))
+            else:
+                wt = list(ws)
+
+                def run(path):
+                    with torch.no_grad():
+                        path(spec, xt, hx, wt, has_b, train)
+
+            t_unfused = _median_time(lambda: run(unfused_path))
+            t_fused = _median_time(lambda: run(fused_path))
+            if t_unfused <= t_fused:
+                n, fused_wins = T, 0
+            else:
+                fused_wins += 1
+                if fused_wins == 2:
+                    break
+    return n
+
+
+def _threshold(g: RnnGroup, x, hx, ws, has_b: bool, train: bool, need_grad: bool) -> int:
+    spec = g.spec
+    if spec.threshold != "auto":
+        return spec.threshold
+    if not paths_differ(spec, x):
+        return 0  # one kernel either way: nothing to measure
+    key = _auto_key(spec, x, need_grad, train)
+    n = _AUTO.get(key)
+    if n is None:
+        with _compat.autograd_inside_op() if need_grad else torch.no_grad():
+            n = _AUTO[key] = _measure_threshold(spec, x, hx, ws, has_b, train, need_grad)
+        g.record.detail.setdefault("auto_thresholds", {})[f"batch={key[2]} {key[1]} grad={need_grad}"] = n
+        g.record.bump("auto_measurements")
+    return n
+
+
+# -- the custom ops -----------------------------------------------------------
+
+
+class _Tape(bytearray):
+    """Owns the autograd graph one forward recorded; lives as long as the
+    uint8 tensor ``torch.frombuffer`` made from it (the op's 4th output)."""
+
+
+_TAPES: "weakref.WeakValueDictionary[int, _Tape]" = weakref.WeakValueDictionary()
+_tape_ids = itertools.count(1)
+
+
+def _new_tape(leaves, outs) -> torch.Tensor:
+    tid = next(_tape_ids)
+    tape = _Tape(tid.to_bytes(8, "little"))
+    tape.graph = (leaves, outs)
+    _TAPES[tid] = tape
+    return torch.frombuffer(tape, dtype=torch.uint8)
+
+
+def _no_tape() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _outputs(spec: RnnSpec, outs) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, hy = outs[0], outs[1]
+    cy = outs[2] if spec.mode == "LSTM" else out.new_empty(0)
+    return out.detach().contiguous(), hy.detach().contiguous(), cy.detach().contiguous()
+
+
+@torch.library.custom_op("wfpass::rnn", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _rnn_op(
+    input: torch.Tensor, hx: List[torch.Tensor], weights: List[torch.Tensor], block: torch.Tensor,
+    gid: str, train: bool, grad_mask: List[bool],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g: RnnGroup = group(gid)
+    spec = g.spec
+    need_grad = any(grad_mask)
+    steps = input.shape[1] if spec.batch_first else input.shape[0]
+    kw, has_b = _kernel_weights(g, weights, block)
+    n = _threshold(g, input, hx, kw, has_b, train, need_grad)
+    if steps <= n:
+        path = unfused_path
+        g.record.bump("unfused_calls")
+    else:
+        path = fused_path
+        g.record.bump("fused_calls")
+    if not need_grad:
+        with torch.no_grad():
+            return (*_outputs(spec, path(spec, input, hx, kw, has_b, train)), _no_tape())
+    with _compat.autograd_inside_op():
+        leaves = [t.detach().requires_grad_(bool(m)) for t, m in zip([input, *hx, *weights], grad_mask)]
+        x_, hx_ = leaves[0], leaves[1 : 1 + len(hx)]
+        kw, has_b = _kernel_weights(g, leaves[1 + len(hx) :], block)
+        outs = path(spec, x_, hx_, kw, has_b, train)
+    return (*_outputs(spec, outs), _new_tape(leaves, tuple(outs)))
+
+
+@_rnn_op.register_fake
+def _rnn_fake(input, hx, weights, block, gid, train, grad_mask):
+    spec: RnnSpec = group(gid).spec
+    if spec.batch_first:
+        batch, steps = input.shape[0], input.shape[1]
+        out = input.new_empty((batch, steps, spec.directions * spec.out_hidden))
+    else:
+        steps, batch = input.shape[0], input.shape[1]
+        out = input.new_empty((steps, batch, spec.directions * spec.out_hidden))
+    ld = spec.num_layers * spec.directions
+    hy = input.new_empty((ld, batch, spec.out_hidden))
+    cy = input.new_empty((ld, batch, spec.hidden_size)) if spec.mode == "LSTM" else input.new_empty(0)
+    tape = torch.empty(8 if any(grad_mask) else 0, dtype=torch.uint8)
+    return out, hy, cy, tape
+
+
+@torch.library.custom_op("wfpass::rnn_backward", mutates_args=())
+def _rnn_backward_op(
+    tape: torch.Tensor, grad_out: Optional[torch.Tensor], grad_hy: Optional[torch.Tensor],
+    grad_cy: Optional[torch.Tensor], inputs: List[torch.Tensor], needs: List[bool], gid: str,
+) -> List[torch.Tensor]:
+    t = _TAPES.get(int(tape.view(torch.int64).item())) if tape.numel() == 8 else None
+    if t is None:
+        raise RuntimeError(
+            f"wfpass: the backward of RNN {group(gid).spec.name} found no recorded forward "
+            "(was it already run and freed, or did the forward run without grad?)"
+        )
+    leaves, outs = t.graph
+    pairs = [(o, g) for o, g in zip(outs, (grad_out, grad_hy, grad_cy)) if g is not None and o.requires_grad and g.numel()]
+    want = [i for i, m in enumerate(needs) if m]
+    result = [x.new_empty(0) for x in inputs]
+    if not want:
+        return result
+    with _compat.autograd_inside_op():
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [leaves[i] for i in want], [g for _, g in pairs],
+            retain_graph=True, allow_unused=True,
+        )
+    for i, gr in zip(want, grads):
+        result[i] = gr if gr is not None else torch.zeros_like(inputs[i])
+    return result
+
+
+@_rnn_backward_op.register_fake
+def _rnn_backward_fake(tape, grad_out, grad_hy, grad_cy, inputs, needs, gid):
+    return [torch.empty_like(x) if m else x.new_empty(0) for x, m in zip(inputs, needs)]
+
+
+def _setup_context(ctx, inputs, output):
+    x, hx, weights, _block, gid, _train, grad_mask = inputs
+    ctx.save_for_backward(output[3], x, *hx, *weights)
+    ctx.n_hx, ctx.gid, ctx.mask = len(hx), gid, list(grad_mask)
+
+
+def _backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
+    tape, *ins = ctx.saved_tensors
+    grads = torch.ops.wfpass.rnn_backward(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
+    grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
+    n = ctx.n_hx
+    return grads[0], grads[1 : 1 + n], grads[1 + n :], None, None, None, None
+
+
+_rnn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- symbolic_trace graphs: the module call -----------------------------------
+
+
+def rnn_module_call(gid: str, input, hx, block: torch.Tensor, *weights: torch.Tensor):
+    """``nn.LSTM/GRU/RNN.forward`` for ``wfpass.apply`` graphs: the module's
+    own argument checks (their errors name the RNN), unbatched input, zero
+    initial state, then ``wfpass::rnn``."""
+    g: RnnGroup = group(gid)
+    spec = g.spec
+    mod = g.module
+    if isinstance(input, torch.nn.utils.rnn.PackedSequence):
+        g.record.bump("packed_fallback_calls")
+        return type(mod).forward(mod, input, hx)
+    lstm = spec.mode == "LSTM"
+    if input.dim() not in (2, 3):
+        raise ValueError(f"{spec.name}: {_CLASS[spec.mode]}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+    batched = input.dim() == 3
+    batch_dim = 0 if spec.batch_first else 1
+    if not batched:
+        input = input.unsqueeze(batch_dim)
+        if hx is not None:
+            parts = hx if lstm else (hx,)
+            if any(h.dim() != 2 for h in parts):
+                raise RuntimeError(f"{spec.name}: for unbatched 2-D input, the hidden state should also be 2-D, got "
+                                   f"{', '.join(f'{h.dim()}-D' for h in parts)}")
+            hx = tuple(h.unsqueeze(1) for h in parts) if lstm else hx.unsqueeze(1)
+    batch = input.shape[batch_dim]
+    ld = spec.num_layers * spec.directions
+    if hx is None:
+        h0 = torch.zeros(ld, batch, spec.out_hidden, dtype=input.dtype, device=input.device)
+        hx = (h0, torch.zeros(ld, batch, spec.hidden_size, dtype=input.dtype, device=input.device)) if lstm else h0
+    try:
+        mod.check_forward_args(input, hx, None)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise type(e)(f"{spec.name}: {e}") from None
+    hx_list = list(hx) if lstm else [hx]
+    train = mod.training
+    tensors = [input, *hx_list, *weights]
+    if torch.is_grad_enabled():
+        mask = [t.requires_grad for t in tensors]
+    else:
+        mask = [False] * len(tensors)
+    out, hy, cy, _tape = torch.ops.wfpass.rnn(input, hx_list, list(weights), block, gid, train, mask)
+    if not batched:
+        out, hy, cy = out.squeeze(batch_dim), hy.squeeze(1), cy.squeeze(1) if lstm else cy
+    return (out, (hy, cy)) if lstm else (out, hy)

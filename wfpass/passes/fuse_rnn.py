@@ -1,0 +1,351 @@
+"""RNN weight format: one flat buffer, one opaque op per RNN call.
+
+Before (Dynamo flavour; ``torch.compile`` normally graph-breaks here, see
+``_compat.install_rnn_capture``)::
+
+    h0 = zeros(2, B, 8); c0 = zeros(2, B, 8)
+    lstm = torch.lstm(x, (h0, c0), [w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, ...], True, 2, 0.0, True, False, False)
+    out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]
+
+After::
+
+    blk  = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, ...)       # prologue, hoisted by the backend
+    lstm = wfpass.rnn(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", True, grad_mask)
+    out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]                    # users unchanged
+
+``symbolic_trace`` graphs: ``call_module`` of an ``nn.LSTM/GRU/RNN`` becomes
+``rnn_module_call("rnn0", x, hx, blk, *weights)`` over ``get_attr`` weights.
+
+Whatever the length T, the graph holds one op; the op picks the unfused path
+(T <= ``seq_threshold``) or the fused kernel at run time (``ops/rnn.py``).
+
+Guards, each a skip record when it fails (the node is left as it was): not a
+PackedSequence call; every weight a Parameter/buffer of the model; one dtype
+and device; the layer layout adds up; no autocast. Weights that share storage
+with other tensors are not moved (the op still runs; every call counts as a
+fallback), so ties stay tied.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .. import _compat
+from ..graph import PassContext, TensorRef, meta_value
+from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_module_call, rnn_weight_block
+from ..ops.runtime import register_group
+from ..storage import fuse, fused_storage_of, sharing_problem
+
+__all__ = ["fuse_rnn", "RNN_FUNCTIONS"]
+
+# Let Dynamo put RNN modules into the graph for wformat backends only.
+_compat.install_rnn_capture()
+
+_aten = torch.ops.aten
+#: Graph targets of a whole-sequence RNN call -> mode. ``torch.lstm`` is what
+#: Dynamo records for ``nn.LSTM``; the aten overloads appear in aten graphs.
+RNN_FUNCTIONS: Dict[Any, str] = {
+    torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH", torch.rnn_relu: "RNN_RELU",
+    _aten.lstm.input: "LSTM", _aten.gru.input: "GRU", _aten.rnn_tanh.input: "RNN_TANH", _aten.rnn_relu.input: "RNN_RELU",
+}
+_PACKED = {_aten.lstm.data, _aten.gru.data, _aten.rnn_tanh.data, _aten.rnn_relu.data}
+_MODULES = {nn.LSTM: "LSTM", nn.GRU: "GRU"}
+_CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
+
+_gid_counter = itertools.count()
+
+
+class _Site:
+    """One RNN call, in either flavour, with what the rewrite needs."""
+
+    def __init__(self, node: fx.Node, mode: str):
+        self.node, self.mode = node, mode
+        self.problem: Optional[str] = None
+        self.x: Optional[fx.Node] = None
+        self.hx: Optional[List[fx.Node]] = None  # Dynamo flavour: the state nodes
+        self.weights: List[TensorRef] = []
+        self.module: Optional[nn.Module] = None  # call_module flavour
+        self.consts: Tuple = ()
+        self.name = ""
+
+
+def _module_mode(mod: nn.Module) -> Optional[str]:
+    if type(mod) in _MODULES:
+        return _MODULES[type(mod)]
+    if type(mod) is nn.RNN:
+        return mod.mode  # RNN_TANH | RNN_RELU
+    return None
+
+
+def _display(path: str, mode: str) -> str:
+    return f"'{path}' (nn.{_CLASS[mode]})" if path else f"nn.{_CLASS[mode]}"
+
+
+def _module_path(weight_name: str) -> str:
+    path, _, _ = weight_name.rpartition(".")
+    return path
+
+
+def _site_of(ctx: PassContext, node: fx.Node) -> Optional[_Site]:
+    if node.op == "call_function":
+        if node.target in _PACKED:
+            s = _Site(node, "LSTM")
+            s.problem = "PackedSequence input: not supported yet (left to the inner compiler)"
+            return s
+        mode = RNN_FUNCTIONS.get(node.target)
+        if mode is None:
+            return None
+        return _dynamo_site(ctx, node, mode)
+    if node.op == "call_module":
+        mod = ctx.module_of(node)
+        mode = _module_mode(mod) if mod is not None else None
+        if mode is None:
+            if isinstance(mod, nn.RNNBase):
+                s = _Site(node, getattr(mod, "mode", "LSTM"))
+                s.name = _display(node.target, s.mode)
+                s.problem = f"{type(mod).__name__} is a subclass of nn.RNNBase with its own forward: not rewritten"
+                return s
+            return None
+        return _module_site(ctx, node, mod, mode)
+    return None
+
+
+def _dynamo_site(ctx: PassContext, node: fx.Node, mode: str) -> _Site:
+    s = _Site(node, mode)
+    args = node.args
+    if node.kwargs or len(args) != 9:
+        s.problem = f"unexpected call form of {node.target} ({len(args)} args, kwargs {list(node.kwargs)})"
+        return s
+    state_is_list = isinstance(args[1], (tuple, list)) if mode == "LSTM" else isinstance(args[2], (tuple, list))
+    if not state_is_list:
+        s.problem = "PackedSequence input (a batch_sizes argument): not supported yet (left to the inner compiler)"
+        return s
+    s.x = args[0]
+    s.hx = list(args[1]) if mode == "LSTM" else [args[1]]
+    consts = tuple(args[3:9])  # has_biases, num_layers, dropout, train, bidirectional, batch_first
+    if any(isinstance(c, fx.Node) for c in consts) or not all(isinstance(h, fx.Node) for h in s.hx):
+        s.problem = "RNN flags or state are not plain graph values"
+        return s
+    s.consts = consts
+    refs = [ctx.resolve(p) for p in args[2]]
+    names = [r.name if r is not None else str(p) for r, p in zip(refs, args[2])]
+    s.name = _display(_module_path(names[0]) if refs[0] is not None else "", mode)
+    for r, p in zip(refs, args[2]):
+        if r is None or not r.is_state:
+            s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
+            return s
+    s.weights = refs
+    return s
+
+
+def _module_site(ctx: PassContext, node: fx.Node, mod: nn.Module, mode: str) -> _Site:
+    s = _Site(node, mode)
+    s.module = mod
+    s.name = _display(node.target, mode)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) > 2 or set(kwargs) - {"hx", "input"}:
+        s.problem = "unexpected call form of the module"
+        return s
+    s.x = args[0] if args else kwargs.get("input")
+    if not isinstance(s.x, fx.Node):
+        s.problem = "input is not a graph value"
+        return s
+    s.consts = (mod.bias, mod.num_layers, float(mod.dropout), mod.training, mod.bidirectional, mod.batch_first)
+    s.weights = [
+        TensorRef(f"{node.target}.{n}", getattr(mod, n), "parameter", None) for n in mod._flat_weights_names
+    ]
+    if any(not isinstance(r.tensor, torch.Tensor) for r in s.weights):
+        s.problem = "a weight of the module is not a tensor"
+    return s
+
+
+def _spec_problem(s: _Site) -> Optional[str]:
+    ws = [r.tensor for r in s.weights]
+    if len({(w.dtype, w.device) for w in ws}) != 1:
+        return "weights differ in dtype or device"
+    if not ws[0].is_floating_point():
+        return f"weights are {ws[0].dtype}, not floating point"
+    x_val = meta_value(s.x)
+    if isinstance(x_val, torch.Tensor) and (x_val.dtype != ws[0].dtype or x_val.device != ws[0].device):
+        return f"input is {x_val.dtype}/{x_val.device}, weights {ws[0].dtype}/{ws[0].device}"
+    if torch.is_autocast_enabled(ws[0].device.type):
+        return "autocast is enabled: left to the inner compiler"
+    if len({id(w) for w in ws}) != len(ws):
+        return "the same tensor appears twice among the weights"
+    return None
+
+
+def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
+    has_biases, num_layers, dropout, train, bidirectional, batch_first = s.consts
+    ws = [r.tensor for r in s.weights]
+    D = 2 if bidirectional else 1
+    if num_layers < 1 or len(ws) % (num_layers * D):
+        return None, f"{len(ws)} weights do not split into {num_layers} layer(s) x {D} direction(s)"
+    per = len(ws) // (num_layers * D)
+    proj = per - (4 if has_biases else 2)
+    if proj not in (0, 1) or (proj and s.mode != "LSTM"):
+        return None, f"{per} weights per layer do not match mode {s.mode} (bias={has_biases})"
+    gates = GATES[s.mode]
+    g = ws[0].shape[0]
+    if ws[0].dim() != 2 or g % gates:
+        return None, "weight_ih_l0 is not [gates * hidden, input]"
+    hidden = g // gates
+    proj_size = ws[per - 1].shape[0] if proj else 0
+    spec = dict(
+        name=s.name, mode=s.mode, input_size=ws[0].shape[1], hidden_size=hidden, proj_size=proj_size,
+        num_layers=int(num_layers), bidirectional=bool(bidirectional), batch_first=bool(batch_first),
+        has_biases=bool(has_biases), dropout=float(dropout), threshold=threshold,
+    )
+    # Fake zero biases where the CPU kernels want bias tensors (oneDNN).
+    fake = not has_biases and ws[0].device.type == "cpu"
+    offsets, acc, fake_slots = [], 0, []
+    layout = None
+    if ws[0].device.type == "cuda":
+        layout = _compat.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
+                                           bool(batch_first), bool(bidirectional))
+    if layout is not None:
+        offsets, acc = layout
+    else:
+        for k in range(num_layers * D):
+            chunk = ws[k * per : (k + 1) * per]
+            for i, w in enumerate(chunk):
+                offsets.append(acc)
+                acc += w.numel()
+                if i == 1 and fake:
+                    fake_slots.append((acc, acc + g))
+                    acc += 2 * g
+    return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
+
+
+def _grad_mask(s: _Site, inputs: Sequence[fx.Node]) -> List[bool]:
+    out = meta_value(s.node)
+    first = out[0] if isinstance(out, (tuple, list)) and out else None
+    if isinstance(first, torch.Tensor):
+        if not first.requires_grad:
+            return [False] * len(inputs)
+    elif not torch.is_grad_enabled():
+        return [False] * len(inputs)
+    mask = []
+    for n in inputs:
+        v = meta_value(n)
+        mask.append(bool(getattr(v, "requires_grad", False)) and bool(getattr(v, "is_floating_point", lambda: False)()))
+    return mask
+
+
+def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Rewrite every RNN call in ``gm``; returns how many were rewritten."""
+    rewritten = 0
+    claimed: Dict[int, Tuple[Tuple[int, ...], RnnGroup]] = {}  # id(weight) -> (ids of its set, group)
+    for node in list(gm.graph.nodes):
+        s = _site_of(ctx, node)
+        if s is None:
+            continue
+        params = [r.name for r in s.weights]
+        if s.problem is None:
+            s.problem = _spec_problem(s)
+        spec = None
+        if s.problem is None:
+            spec, s.problem = _build_spec(s, ctx.config.seq_threshold)
+        if s.problem is not None:
+            ctx.report.add("rnn", "skipped", f"{s.name or node.name}: {s.problem}", params)
+            continue
+        _rewrite(gm, ctx, s, spec, claimed)
+        rewritten += 1
+    return rewritten
+
+
+def _describe(spec: RnnSpec) -> str:
+    bits = [f"{spec.num_layers} layer(s)"]
+    if spec.bidirectional:
+        bits.append("bidirectional")
+    if spec.proj_size:
+        bits.append(f"proj_size={spec.proj_size}")
+    if not spec.has_biases:
+        bits.append("bias=False")
+    if spec.dropout:
+        bits.append(f"dropout={spec.dropout}")
+    return ", ".join(bits)
+
+
+def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, claimed) -> None:
+    ws = [r.tensor for r in s.weights]
+    names = [r.name for r in s.weights]
+    ids = tuple(id(w) for w in ws)
+    detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
+                  bidirectional=spec.bidirectional, block_elements=spec.numel,
+                  fake_bias_elements=2 * spec.gate_size * len(spec.fake_bias_offsets))
+    how = f"{spec.name}: {_describe(spec)} -> one wfpass::rnn op; seq_threshold={spec.threshold!r}"
+    if ctx.config.dry_run:
+        ctx.report.add("rnn", "rewritten", how + " [dry run]", names, **detail)
+        return
+
+    # The same RNN called twice in this graph: one group, one block.
+    prior = claimed.get(ids[0])
+    if prior is not None and prior[0] == ids:
+        grp = prior[1]
+    else:
+        grp = _new_group(ctx, s, spec, ws, names, how, detail, overlap=any(i in claimed for i in ids))
+        for i in ids:
+            claimed[i] = (ids, grp)
+    gid = grp.gid
+
+    g = gm.graph
+    node = s.node
+    if s.module is None:  # Dynamo flavour: weights are placeholders / get_attr nodes
+        w_nodes = [r.node for r in s.weights]
+        with g.inserting_before(node):
+            blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
+            mask = _grad_mask(s, [s.x, *s.hx, *w_nodes])
+            train = bool(s.consts[3])
+            new = g.call_function(torch.ops.wfpass.rnn.default, (s.x, list(s.hx), w_nodes, blk, gid, train, mask))
+    else:
+        with g.inserting_before(node):
+            w_nodes = [g.get_attr(n) for n in names]
+            blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
+            hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+            new = g.call_function(rnn_module_call, (gid, s.x, hx, blk, *w_nodes))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+
+
+def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> RnnGroup:
+    existing = fused_storage_of(ws[0])
+    if existing is not None and not (
+        len(existing.shapes) == len(ws) and all(existing.is_member(w) for w in ws) and tuple(existing.offsets) == spec.offsets
+    ):
+        existing = None
+    why = None
+    if overlap:
+        why = "a weight also belongs to another RNN of this graph"
+    elif existing is None:
+        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        for n, w in zip(names, ws):
+            why = sharing_problem(w, n, others)
+            if why:
+                break
+    if why:
+        note = f"weights left where they are ({why}); every call counts as a fallback"
+    elif existing is not None:
+        note = "weights already in one flat block (idempotent re-run)"
+    else:
+        note = f"weights moved into one flat block of {spec.numel} elements"
+        if spec.fake_bias_offsets:
+            note += f" incl. {detail['fake_bias_elements']} zero fake-bias elements"
+    record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
+    for k in ("fused_calls", "unfused_calls", "fallback_calls"):
+        record.stats.setdefault(k, 0)
+    grp = RnnGroup(f"rnn{next(_gid_counter)}", record, existing, spec, module=s.module)
+    register_group(grp)
+    if existing is None and why is None:
+        kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
+
+        def move() -> None:
+            grp.storage = fuse(kind, names, ws, spec.offsets, spec.numel)
+
+        ctx.defer(move)
+    return grp
