@@ -6,7 +6,12 @@
 from .api import apply, explain, restore
 from .backend import backend, last_report
 from .config import Config
+from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
 from .report import Record, Report
 
-__all__ = ["apply", "backend", "explain", "last_report", "restore", "Config", "Record", "Report"]
+__all__ = [
+    "apply", "backend", "explain", "last_report", "restore",
+    "register_format", "unregister_format", "registered_formats",
+    "Config", "Format", "ParamFormat", "Record", "Report",
+]
 __version__ = "0.1.0"

@@ -165,9 +165,9 @@ def rnn_capture_wanted(compiler_fn) -> bool:
             return False
         cfg = getattr(fn, "config", None)
         if isinstance(cfg, Config):
-            return "fuse_rnn" in cfg.passes
+            return cfg.runs("fuse_rnn")
         if fn is _backend.wformat:
-            return "fuse_rnn" in _backend._DEFAULT.passes
+            return _backend._DEFAULT.runs("fuse_rnn")
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None) or getattr(fn, "__wrapped__", None)
     return False
 

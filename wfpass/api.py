@@ -32,6 +32,8 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
     ctx = PassContext(gm, config, report)
     run_passes(gm, ctx)
     ctx.run_deferred()
+    for move in ctx.take_first_call_moves():
+        move()
     _set_last(report)
     return report
 

@@ -16,6 +16,7 @@ computes it from the real arguments before calling the compiled graph::
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any, Callable, List, Sequence, Tuple
 
@@ -30,6 +31,8 @@ from .passes import run_passes
 from .report import Report
 
 __all__ = ["backend", "wformat", "last_report"]
+
+log = logging.getLogger("wfpass")
 
 _LAST: List[Report] = []
 
@@ -111,6 +114,15 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     inner = _resolve_inner(config.inner)
     compiled = inner(gm, inputs)
     ctx.run_deferred()
+    at_call = ctx.take_first_call_moves()
+    if at_call:
+        # A format changes a tensor's dtype or strides, which the inner
+        # compiler and Dynamo's guards specialised on. Do it on the first
+        # call and run this graph eagerly (right for any metadata); Dynamo's
+        # guards then see the change and recompile once, and that compile
+        # finds the tensors already in format.
+        log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
+        compiled = _first_call_then(at_call, gm.forward)
     if not hoisted:
         return compiled
 
@@ -119,6 +131,17 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
         return compiled(*args, *extra)
 
     call._wfpass_report = report
+    return call
+
+
+def _first_call_then(moves, fn: Callable) -> Callable:
+    pending = list(moves)
+
+    def call(*args):
+        while pending:
+            pending.pop(0)()
+        return fn(*args)
+
     return call
 
 

@@ -7,7 +7,7 @@ typo fails at ``torch.compile`` time instead of deep inside a kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 __all__ = ["Config", "INNER_BACKENDS", "LINEAR_PATHS", "PASS_NAMES"]
 
@@ -34,7 +34,8 @@ class Config:
 
     inner:            compiler the rewritten graph goes to: one of
                       ``INNER_BACKENDS`` or a backend callable.
-    passes:           names of the passes to run (subset of ``PASS_NAMES``).
+    passes:           names of the formats to run (``None``: every registered
+                      one; the built-ins are ``PASS_NAMES``).
     linear_path:      ``"auto"`` picks per group from the static row count M
                       (``fused`` when M <= ``fused_max_rows``), or force one.
     fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
@@ -47,7 +48,7 @@ class Config:
     """
 
     inner: Union[str, Callable] = "inductor"
-    passes: tuple = PASS_NAMES
+    passes: Optional[tuple] = None
     linear_path: str = "auto"
     fused_max_rows: int = 16
     min_group_size: int = 2
@@ -65,12 +66,16 @@ class Config:
             raise TypeError(
                 f"wfpass option 'inner' must be a string {INNER_BACKENDS} or a callable, got {type(self.inner).__name__}"
             )
-        if isinstance(self.passes, str) or not isinstance(self.passes, (tuple, list)):
-            raise TypeError(f"wfpass option 'passes' must be a tuple of pass names from {PASS_NAMES}, got {self.passes!r}")
-        unknown = [p for p in self.passes if p not in PASS_NAMES]
-        if unknown:
-            raise ValueError(f"wfpass option 'passes' has unknown pass names {unknown}; allowed: {PASS_NAMES}")
-        object.__setattr__(self, "passes", tuple(self.passes))
+        if self.passes is not None:
+            from .formats import registered_formats
+
+            known = tuple(f.name for f in registered_formats()) or PASS_NAMES
+            if isinstance(self.passes, str) or not isinstance(self.passes, (tuple, list)):
+                raise TypeError(f"wfpass option 'passes' must be a tuple of format names from {known}, got {self.passes!r}")
+            unknown = [p for p in self.passes if p not in known]
+            if unknown:
+                raise ValueError(f"wfpass option 'passes' has unknown format names {unknown}; allowed: {known}")
+            object.__setattr__(self, "passes", tuple(self.passes))
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"wfpass option 'linear_path' must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
         _check_int("fused_max_rows", self.fused_max_rows, 0)
@@ -82,6 +87,10 @@ class Config:
         for flag in ("fold_batchnorm", "dry_run"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")
+
+    def runs(self, name: str) -> bool:
+        """Does this config run the format called ``name``?"""
+        return self.passes is None or name in self.passes
 
     @classmethod
     def from_options(cls, **options: Any) -> "Config":

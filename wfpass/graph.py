@@ -60,18 +60,26 @@ class PassContext:
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._state_cache: Optional[List[TensorRef]] = None
         self._deferred: List[Callable[[], None]] = []
+        self._at_call: List[Callable[[], None]] = []
 
-    def defer(self, move: Callable[[], None]) -> None:
+    def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
         each input's storage offset and dtype at trace time and AOTAutograd
         checks them again, so the backend runs these after the inner compile;
-        ``wfpass.apply`` runs them at once."""
-        self._deferred.append(move)
+        ``wfpass.apply`` runs them at once. A move that changes a tensor's
+        dtype or strides must wait for the first call (``at_first_call``):
+        Dynamo checks its new guards against the tensors right after the
+        backend returns."""
+        (self._at_call if at_first_call else self._deferred).append(move)
 
     def run_deferred(self) -> None:
         moves, self._deferred = self._deferred, []
         for move in moves:
             move()
+
+    def take_first_call_moves(self) -> List[Callable[[], None]]:
+        moves, self._at_call = self._at_call, []
+        return moves
 
     @property
     def is_dynamo(self) -> bool:

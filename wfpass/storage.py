@@ -20,7 +20,7 @@ import torch
 from . import _compat
 
 __all__ = [
-    "FusedStorage", "fuse", "refuse", "fused_storage_of", "restore_tensor", "register_undo",
+    "FusedStorage", "fuse", "refuse", "fused_storage_of", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent",
 ]
 
@@ -135,6 +135,11 @@ def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
 # how to undo it here; ``wfpass.restore`` runs it. Weak keys: no leak.
 # Identity-keyed: a WeakKeyDictionary compares tensor keys with == (elementwise).
 _UNDO = _compat.weak_id_key_dict()
+
+
+def undo_registered(t: torch.Tensor) -> bool:
+    """Has a format changed ``t`` in a way ``wfpass.restore`` would undo?"""
+    return t in _UNDO
 
 
 def register_undo(t: torch.Tensor, undo: Callable[[torch.Tensor], None]) -> None:

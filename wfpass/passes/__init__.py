@@ -1,4 +1,4 @@
-"""The pass pipeline: the order is written once, here.
+"""The pass pipeline: the built-in formats, in the order written once, here.
 
 Each pass is ``(gm, ctx) -> int`` (the number of patterns it rewrote) and
 writes its decisions into ``ctx.report``. After every pass the graph is
@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch.fx as fx
 
+from ..formats import PassFormat, register_format, registered_formats
 from ..graph import PassContext
 from .fold_batchnorm import fold_batchnorm
 from .fp32_batchnorm import fp32_batchnorm
@@ -23,13 +24,16 @@ log = logging.getLogger("wfpass")
 
 PassFn = Callable[[fx.GraphModule, PassContext], int]
 
-#: (name, pass) in the order they run. Names match ``Config.passes``.
-PIPELINE: List[Tuple[str, PassFn]] = [
-    ("fuse_linears", fuse_linears),
-    ("fuse_rnn", fuse_rnn),
-    ("fp32_batchnorm", fp32_batchnorm),
-    ("fold_batchnorm", fold_batchnorm),
+#: The built-in formats, in the order they run; registered below, so the
+#: pipeline is simply "every registered format", users' ones after these.
+PIPELINE: List[Tuple[str, str, PassFn]] = [
+    ("fuse_linears", "linear", fuse_linears),
+    ("fuse_rnn", "rnn", fuse_rnn),
+    ("fp32_batchnorm", "batchnorm", fp32_batchnorm),
+    ("fold_batchnorm", "batchnorm", fold_batchnorm),
 ]
+for _name, _pattern, _fn in PIPELINE:
+    register_format(PassFormat(_name, _pattern, _fn))
 
 
 def _keep(node: fx.Node) -> bool:
@@ -46,11 +50,12 @@ def _cleanup(gm: fx.GraphModule) -> None:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext) -> Dict[str, int]:
     counts: Dict[str, int] = {}
-    for name, fn in PIPELINE:
-        if name not in ctx.config.passes:
+    wanted = ctx.config.passes
+    for fmt in registered_formats():
+        if wanted is not None and fmt.name not in wanted:
             continue
-        counts[name] = fn(gm, ctx)
-        if counts[name] and not ctx.config.dry_run:
+        counts[fmt.name] = fmt.run(gm, ctx)
+        if counts[fmt.name] and not ctx.config.dry_run:
             _cleanup(gm)
-        log.debug("pass %s rewrote %d pattern(s)", name, counts[name])
+        log.debug("format %s rewrote %d pattern(s)", fmt.name, counts[fmt.name])
     return counts

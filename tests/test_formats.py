@@ -1,0 +1,112 @@
+"""The format registry: built-ins registered, user formats, errors, examples run."""
+from __future__ import annotations
+
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import wfpass
+from wfpass.config import PASS_NAMES
+from models import QKV
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class Double(wfpass.ParamFormat):
+    """A toy format for tests: weights stored in float64."""
+
+    name = "double_linear_for_test"
+    targets = (nn.Linear,)
+    roles = ("weight", "bias")
+
+    def to_format(self, t):
+        return t.double()
+
+    def from_format(self, t):
+        return t.float()
+
+
+def test_builtins_are_registered_in_pipeline_order():
+    names = [f.name for f in wfpass.registered_formats()]
+    assert names[: len(PASS_NAMES)] == list(PASS_NAMES)
+
+
+def test_passes_option_selects_formats():
+    model = QKV()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager", passes=("fp32_batchnorm",)))(torch.randn(1, 32))
+    assert not wfpass.last_report().records
+    assert model.q.weight.untyped_storage().data_ptr() != model.v.weight.untyped_storage().data_ptr()
+
+
+def test_user_param_format_on_traced_graph_and_restore():
+    wfpass.register_format(Double)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4))
+        ids = [id(p) for p in model.parameters()]
+        gm = fx.symbolic_trace(model)
+        rep = wfpass.apply(gm, passes=("double_linear_for_test",))
+        (rec,) = rep.rewritten
+        assert rec.pattern == "double_linear_for_test" and rec.params == ["0.weight", "0.bias"]
+        assert model[0].weight.dtype == torch.float64 and [id(p) for p in model.parameters()] == ids
+        assert wfpass.apply(gm, passes=("double_linear_for_test",)).skipped[0].reason == "already in this format"
+        assert wfpass.restore(model) == 2
+        assert model[0].weight.dtype == torch.float32
+    finally:
+        wfpass.unregister_format("double_linear_for_test")
+
+
+def test_user_format_skips_tied_weights():
+    wfpass.register_format(Double)
+    try:
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        b.weight = nn.Parameter(a.weight.data)  # two Parameters, one storage
+        model = nn.Sequential(a, b)
+        rep = wfpass.apply(fx.symbolic_trace(model), passes=("double_linear_for_test",))
+        assert len(rep.skipped) == 2 and all("shares storage" in r.reason for r in rep.skipped)
+        assert model[0].weight.data_ptr() == model[1].weight.data_ptr()
+    finally:
+        wfpass.unregister_format("double_linear_for_test")
+
+
+def test_registry_errors():
+    with pytest.raises(TypeError, match="wfpass.Format"):
+        wfpass.register_format(object())
+    with pytest.raises(ValueError, match="already registered"):
+        wfpass.register_format(wfpass.registered_formats()[0])
+
+    class NoName(wfpass.ParamFormat):
+        targets = (nn.Linear,)
+
+    with pytest.raises(ValueError, match="name"):
+        wfpass.register_format(NoName)
+
+    class NoTargets(wfpass.ParamFormat):
+        name = "no_targets"
+
+    with pytest.raises(ValueError, match="targets"):
+        wfpass.register_format(NoTargets)
+
+    class NoUndo(wfpass.ParamFormat):
+        name = "no_undo"
+        targets = (nn.Linear,)
+
+        def to_format(self, t):
+            return t
+
+    with pytest.raises(TypeError, match="from_format"):
+        wfpass.register_format(NoUndo)
+    with pytest.raises(ValueError, match="no format named"):
+        wfpass.unregister_format("never_registered")
+    assert "no_undo" not in [f.name for f in wfpass.registered_formats()]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_examples_run(path):
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
