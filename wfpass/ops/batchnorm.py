@@ -160,20 +160,18 @@ class FoldSpec:
         self.modules = tuple(weakref.ref(m) for m in modules) if modules else None
         self._key: Optional[tuple] = None
         self._value: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._last: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # fold_weight -> fold_bias, same call
 
 
 def _key_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
-    key = []
-    for t in ts:
-        if t is None:
-            key.append(None)
-            continue
-        try:
-            version = t._version
-        except RuntimeError:  # inference tensors keep no version counter: do not cache
-            return None
-        key.append((t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, version))
-    return tuple(key)
+    """What identifies the current contents of the source tensors: the object,
+    its data pointer (``.data =`` and casts move it), dtype and version counter
+    (in-place updates: optimizer steps, ``load_state_dict``). Cheap: no storage
+    objects are created; this runs on every call."""
+    try:
+        return tuple(None if t is None else (id(t), t.data_ptr(), t.dtype, t._version) for t in ts)
+    except RuntimeError:  # inference tensors keep no version counter: do not cache
+        return None
 
 
 def folded_params(eps: float, w: torch.Tensor, b: Optional[torch.Tensor], rm: torch.Tensor, rv: torch.Tensor,
@@ -225,15 +223,23 @@ def _fold_bias_example(gid, w, b, rm, rv, gamma, beta):
 @prologue(example=_fold_weight_example)
 def fold_weight(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
     """The conv/linear weight with the BatchNorm folded in (cached)."""
-    group(gid).record.bump("folded_calls")
-    return _folded(gid, w, b, rm, rv, gamma, beta)[0]
+    g = group(gid)
+    g.record.bump("folded_calls")
+    pair = _folded(gid, w, b, rm, rv, gamma, beta)
+    g.spec._last = pair
+    return pair[0]
 
 
 @prologue(example=_fold_bias_example)
 def fold_bias(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
-    """The conv/linear bias with the BatchNorm folded in (cached; a conv
-    without bias gets one)."""
-    return _folded(gid, w, b, rm, rv, gamma, beta)[1]
+    """The conv/linear bias with the BatchNorm folded in (a conv without bias
+    gets one). ``fold_weight`` runs just before it in every graph (it comes
+    first in graph order) and has checked the sources: take its result."""
+    spec: FoldSpec = group(gid).spec
+    pair, spec._last = spec._last, None
+    if pair is None:
+        pair = _folded(gid, w, b, rm, rv, gamma, beta)
+    return pair[1]
 
 
 def fold_module_call(gid: str, x: torch.Tensor) -> torch.Tensor:

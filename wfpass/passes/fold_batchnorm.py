@@ -134,6 +134,9 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             skip("BatchNorm in training mode (folding is inference only: eval mode and no grad)" if site.training is True
                  else "training flag is not a constant")
             continue
+        if not isinstance(site.eps, (int, float)) or isinstance(site.eps, bool):
+            skip("eps is not a constant")
+            continue
         if not (site.present["running_mean"] and site.present["running_var"]):
             skip("no running statistics (track_running_stats=False): eval uses batch statistics")
             continue
