@@ -28,6 +28,12 @@ import wfpass
 
 D = 768
 
+# Every variant compiles the same forward code object (7 backends x 3 shapes x
+# train/eval): above Dynamo's default limit of 8 entries the extra ones would
+# silently run eagerly and be timed as if compiled.
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
 
 class ThreeLinears(nn.Module):
     def __init__(self):
@@ -132,6 +138,7 @@ def main(argv=None):
         title = "Training step (forward + backward)" if train else "Forward (eval, no_grad)"
         rows = {}
         for m, shape in shapes.items():
+            torch._dynamo.reset()
             x = torch.randn(*shape)
             variants = build_variants(base, train)
             rows[m] = bench(variants, x, args.rounds, args.calls, train)
