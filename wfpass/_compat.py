@@ -228,13 +228,25 @@ class mkldnn_disabled:
         return False
 
 
+_RNN_KERNELS: dict = {}
+
+
 def rnn_kernel(mode: str):
     """The fused multi-layer RNN entry point for ``mode`` (``torch._VF.lstm``
     etc., private module; torch 2.13.0). On CPU it dispatches to oneDNN
     (LSTM) or ATen's native loop; on CUDA to cuDNN."""
-    from torch import _VF
+    fn = _RNN_KERNELS.get(mode)
+    if fn is None:
+        from torch import _VF
 
-    return {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
+        fn = _RNN_KERNELS[mode] = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
+    return fn
+
+
+#: Read / set ATen's oneDNN switch without a context-manager object, for the
+#: per-call hot path (same private functions as ``mkldnn_disabled``).
+get_mkldnn_enabled = torch._C._get_mkldnn_enabled
+set_mkldnn_enabled = torch._C._set_mkldnn_enabled
 
 
 _CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}

@@ -188,12 +188,12 @@ def rnn_weight_block(gid: str, *ws: torch.Tensor) -> torch.Tensor:
 # -- the two paths ----------------------------------------------------------
 
 
-def _kernel_weights(g: RnnGroup, ws: Sequence[torch.Tensor], block: torch.Tensor) -> Tuple[List[torch.Tensor], bool]:
+def _kernel_weights(g: RnnGroup, ws: Sequence[torch.Tensor], block: torch.Tensor) -> Tuple[Sequence[torch.Tensor], bool]:
     """The weight list the kernel takes, with zero biases from the block where
     the spec asks for fake biases."""
     spec = g.spec
     if spec.has_biases or not spec.fake_bias_offsets or block.dtype != ws[0].dtype:
-        return list(ws), spec.has_biases
+        return ws, spec.has_biases
     fakes = g.fake_biases(block)
     per = spec.weights_per_layer
     out: List[torch.Tensor] = []
@@ -207,24 +207,30 @@ def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
     return list(hx) if spec.mode == "LSTM" else hx[0]
 
 
-def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     """``torch._VF.<mode>`` as PyTorch dispatches it: oneDNN (CPU LSTM), cuDNN (CUDA)."""
     return _compat.rnn_kernel(spec.mode)(
-        x, _hx_arg(spec, hx), ws, has_b, spec.num_layers, spec.dropout, train, spec.bidirectional, spec.batch_first
+        x, _hx_arg(spec, hx), ws, has_b, spec.num_layers, p, train, spec.bidirectional, spec.batch_first
     )
 
 
-def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     """Input projection for all steps as one GEMM, then per-step recurrent GEMMs."""
     if x.device.type == "cpu" and UNFUSED_IMPL != "loop":
         # ATen's native CPU kernel is this algorithm (it precomputes
-        # ``linear_ih`` over the whole sequence) without Python per step.
-        with _compat.mkldnn_disabled():
-            return fused_path(spec, x, hx, ws, has_b, train)
-    return _loop(spec, x, hx, ws, has_b, train)
+        # ``linear_ih`` over the whole sequence) without Python per step;
+        # only the LSTM has a oneDNN kernel to switch off.
+        if spec.mode != "LSTM" or not _compat.get_mkldnn_enabled():
+            return fused_path(spec, x, hx, ws, has_b, train, p)
+        _compat.set_mkldnn_enabled(False)
+        try:
+            return fused_path(spec, x, hx, ws, has_b, train, p)
+        finally:
+            _compat.set_mkldnn_enabled(True)
+    return _loop(spec, x, hx, ws, has_b, train, p)
 
 
-def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
+def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     """The unfused path in PyTorch ops (CUDA and other devices), with ATen's
     native cell formulas and dropout placement."""
     if spec.batch_first:
@@ -275,8 +281,8 @@ def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool):
             if lstm:
                 cs.append(c)
         layer_out = outs[0] if D == 1 else torch.cat(outs, 2)
-        if spec.dropout > 0 and train and layer < spec.num_layers - 1:
-            layer_out = F.dropout(layer_out, spec.dropout, True)
+        if p > 0 and train and layer < spec.num_layers - 1:
+            layer_out = F.dropout(layer_out, p, True)
         layer_in = layer_out
     out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
     if lstm:
@@ -304,10 +310,10 @@ def auto_threshold_cache() -> Dict[tuple, int]:
     return _AUTO
 
 
-def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool) -> tuple:
+def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool, p: float) -> tuple:
     batch = x.shape[0] if spec.batch_first else x.shape[1]
     return (x.device.type, x.dtype, int(batch), spec.hidden_size, spec.num_layers, spec.mode, spec.input_size,
-            spec.proj_size, spec.bidirectional, need_grad, bool(train and spec.dropout > 0))
+            spec.proj_size, spec.bidirectional, need_grad, bool(train and p > 0))
 
 
 def _median_time(fn, reps: int = 3) -> float:
@@ -320,7 +326,7 @@ def _median_time(fn, reps: int = 3) -> float:
     return statistics.median(ts)
 
 
-def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, need_grad: bool) -> int:
+def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool) -> int:
     """Largest length at which the unfused path was at least as fast as the
     fused kernel, measured on random data with this call's weights."""
     batch = x.shape[0] if spec.batch_first else x.shape[1]
@@ -333,14 +339,14 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, need_
                 wt = [w.detach().requires_grad_(w.is_floating_point() and i < len(ws)) for i, w in enumerate(ws)]
 
                 def run(path):
-                    out = path(spec, xt, hx, wt, has_b, train)[0]
+                    out = path(spec, xt, hx, wt, has_b, train, p)[0]
                     torch.autograd.grad(out, [w for w in wt if w.requires_grad], torch.ones_like(out))
             else:
                 wt = list(ws)
 
                 def run(path):
                     with torch.no_grad():
-                        path(spec, xt, hx, wt, has_b, train)
+                        path(spec, xt, hx, wt, has_b, train, p)
 
             t_unfused = _median_time(lambda: run(unfused_path))
             t_fused = _median_time(lambda: run(fused_path))
@@ -353,17 +359,17 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, need_
     return n
 
 
-def _threshold(g: RnnGroup, x, hx, ws, has_b: bool, train: bool, need_grad: bool) -> int:
+def _threshold(g: RnnGroup, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool) -> int:
     spec = g.spec
     if spec.threshold != "auto":
         return spec.threshold
     if not paths_differ(spec, x):
         return 0  # one kernel either way: nothing to measure
-    key = _auto_key(spec, x, need_grad, train)
+    key = _auto_key(spec, x, need_grad, train, p)
     n = _AUTO.get(key)
     if n is None:
         with _compat.autograd_inside_op() if need_grad else torch.no_grad():
-            n = _AUTO[key] = _measure_threshold(spec, x, hx, ws, has_b, train, need_grad)
+            n = _AUTO[key] = _measure_threshold(spec, x, hx, ws, has_b, train, p, need_grad)
         g.record.detail.setdefault("auto_thresholds", {})[f"batch={key[2]} {key[1]} grad={need_grad}"] = n
         g.record.bump("auto_measurements")
     return n
@@ -402,33 +408,36 @@ def _outputs(spec: RnnSpec, outs) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
 @torch.library.custom_op("wfpass::rnn", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _rnn_op(
     input: torch.Tensor, hx: List[torch.Tensor], weights: List[torch.Tensor], block: torch.Tensor,
-    gid: str, train: bool, grad_mask: List[bool],
+    gid: str, train: bool, grad_mask: List[bool], dropout: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g: RnnGroup = group(gid)
     spec = g.spec
+    p = spec.dropout if dropout is None else float(dropout)
     need_grad = any(grad_mask)
-    steps = input.shape[1] if spec.batch_first else input.shape[0]
     kw, has_b = _kernel_weights(g, weights, block)
-    n = _threshold(g, input, hx, kw, has_b, train, need_grad)
-    if steps <= n:
+    n = spec.threshold
+    if n.__class__ is not int:
+        n = _threshold(g, input, hx, kw, has_b, train, p, need_grad)
+    if input.shape[1 if spec.batch_first else 0] <= n:
         path = unfused_path
         g.record.bump("unfused_calls")
     else:
         path = fused_path
         g.record.bump("fused_calls")
     if not need_grad:
-        with torch.no_grad():
-            return (*_outputs(spec, path(spec, input, hx, kw, has_b, train)), _no_tape())
+        outs = path(spec, input, hx, kw, has_b, train, p)
+        cy = outs[2].contiguous() if spec.mode == "LSTM" else input.new_empty(0)
+        return outs[0].contiguous(), outs[1].contiguous(), cy, torch.empty(0, dtype=torch.uint8)
     with _compat.autograd_inside_op():
         leaves = [t.detach().requires_grad_(bool(m)) for t, m in zip([input, *hx, *weights], grad_mask)]
         x_, hx_ = leaves[0], leaves[1 : 1 + len(hx)]
         kw, has_b = _kernel_weights(g, leaves[1 + len(hx) :], block)
-        outs = path(spec, x_, hx_, kw, has_b, train)
+        outs = path(spec, x_, hx_, kw, has_b, train, p)
     return (*_outputs(spec, outs), _new_tape(leaves, tuple(outs)))
 
 
 @_rnn_op.register_fake
-def _rnn_fake(input, hx, weights, block, gid, train, grad_mask):
+def _rnn_fake(input, hx, weights, block, gid, train, grad_mask, dropout):
     spec: RnnSpec = group(gid).spec
     if spec.batch_first:
         batch, steps = input.shape[0], input.shape[1]
@@ -476,7 +485,7 @@ def _rnn_backward_fake(tape, grad_out, grad_hy, grad_cy, inputs, needs, gid):
 
 
 def _setup_context(ctx, inputs, output):
-    x, hx, weights, _block, gid, _train, grad_mask = inputs
+    x, hx, weights, _block, gid, _train, grad_mask, _dropout = inputs
     ctx.save_for_backward(output[3], x, *hx, *weights)
     ctx.n_hx, ctx.gid, ctx.mask = len(hx), gid, list(grad_mask)
 
@@ -486,7 +495,7 @@ def _backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
     grads = torch.ops.wfpass.rnn_backward(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
     grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
     n = ctx.n_hx
-    return grads[0], grads[1 : 1 + n], grads[1 + n :], None, None, None, None
+    return grads[0], grads[1 : 1 + n], grads[1 + n :], None, None, None, None, None
 
 
 _rnn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -534,7 +543,7 @@ def rnn_module_call(gid: str, input, hx, block: torch.Tensor, *weights: torch.Te
         mask = [t.requires_grad for t in tensors]
     else:
         mask = [False] * len(tensors)
-    out, hy, cy, _tape = torch.ops.wfpass.rnn(input, hx_list, list(weights), block, gid, train, mask)
+    out, hy, cy, _tape = torch.ops.wfpass.rnn(input, hx_list, list(weights), block, gid, train, mask, None)
     if not batched:
         out, hy, cy = out.squeeze(batch_dim), hy.squeeze(1), cy.squeeze(1) if lstm else cy
     return (out, (hy, cy)) if lstm else (out, hy)

@@ -70,6 +70,7 @@ class _Site:
         self.weights: List[TensorRef] = []
         self.module: Optional[nn.Module] = None  # call_module flavour
         self.consts: Tuple = ()
+        self.dropout_node: Optional[fx.Node] = None  # dynamic=True: the dropout float is a graph input
         self.name = ""
 
 
@@ -126,7 +127,15 @@ def _dynamo_site(ctx: PassContext, node: fx.Node, mode: str) -> _Site:
         return s
     s.x = args[0]
     s.hx = list(args[1]) if mode == "LSTM" else [args[1]]
-    consts = tuple(args[3:9])  # has_biases, num_layers, dropout, train, bidirectional, batch_first
+    consts = list(args[3:9])  # has_biases, num_layers, dropout, train, bidirectional, batch_first
+    p = consts[2]
+    if isinstance(p, fx.Node) and p.op == "call_method" and p.target == "item" and isinstance(p.args[0], fx.Node):
+        # dynamic=True lifts float attributes (``self.dropout``) to 0-d tensor
+        # inputs read with .item(): pass the tensor; the op reads it per call.
+        ref = ctx.resolve(p.args[0])
+        if ref is not None and ref.tensor.dim() == 0:
+            s.dropout_node, consts[2] = p.args[0], float(ref.tensor)
+    consts = tuple(consts)
     if any(isinstance(c, fx.Node) for c in consts) or not all(isinstance(h, fx.Node) for h in s.hx):
         s.problem = "RNN flags or state are not plain graph values"
         return s
@@ -301,7 +310,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
             blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
             mask = _grad_mask(s, [s.x, *s.hx, *w_nodes])
             train = bool(s.consts[3])
-            new = g.call_function(torch.ops.wfpass.rnn.default, (s.x, list(s.hx), w_nodes, blk, gid, train, mask))
+            args = (s.x, list(s.hx), w_nodes, blk, gid, train, mask, s.dropout_node)
+            new = g.call_function(torch.ops.wfpass.rnn.default, args)
     else:
         with g.inserting_before(node):
             w_nodes = [g.get_attr(n) for n in names]

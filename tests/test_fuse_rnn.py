@@ -1,0 +1,643 @@
+"""fuse_rnn: nn.LSTM/GRU/RNN as one wfpass::rnn op over a flat weight block.
+
+Numerics run through ``inner="aot_eager"`` (AOTAutograd traces the op and
+its backward exactly as for Inductor); a few tests go end to end through
+Inductor. N (``seq_threshold``) is 4 unless a test says otherwise, and the
+lengths 2 / 4 / 7 sit below / at / above it.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import wfpass
+from wfpass.ops import rnn as rnn_ops
+from wfpass.storage import fused_storage_of
+from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
+
+N = 4
+LENGTHS = {"below": 2, "at": N, "above": 7}
+
+# (class, kwargs): every variant of the issue, small sizes (input 5, hidden 6).
+VARIANTS = {
+    "lstm": (nn.LSTM, {}),
+    "lstm-2layer": (nn.LSTM, dict(num_layers=2)),
+    "lstm-bi-batch_first": (nn.LSTM, dict(num_layers=2, bidirectional=True, batch_first=True)),
+    "lstm-nobias": (nn.LSTM, dict(num_layers=2, bias=False)),
+    "lstm-proj": (nn.LSTM, dict(num_layers=2, proj_size=3, bidirectional=True)),
+    "gru-2layer-bi": (nn.GRU, dict(num_layers=2, bidirectional=True)),
+    "gru-nobias-batch_first": (nn.GRU, dict(bias=False, batch_first=True)),
+    "rnn-tanh-2layer": (nn.RNN, dict(num_layers=2)),
+    "rnn-relu-nobias": (nn.RNN, dict(nonlinearity="relu", bias=False)),
+}
+
+
+class Net(nn.Module):
+    """An RNN between two linears; returns the output and (optionally) the state."""
+
+    def __init__(self, cls, use_state=True, **kw):
+        super().__init__()
+        self.rnn = cls(5, 6, **kw)
+        out = (kw.get("proj_size") or 6) * (2 if kw.get("bidirectional") else 1)
+        self.head = nn.Linear(out, 2)
+        self.use_state = use_state
+
+    def forward(self, x, *state):
+        y, h = self.rnn(x, *state)
+        if not self.use_state:
+            return self.head(y)
+        return self.head(y), h
+
+
+class TNet(Net):
+    """``Net`` with an optional state argument, for ``torch.fx.symbolic_trace``."""
+
+    def forward(self, x, state=None):
+        y, h = self.rnn(x, state)
+        if not self.use_state:
+            return self.head(y)
+        return self.head(y), h
+
+
+def make_inputs(cls, kw, T, B=3, dtype=torch.float32, state=False):
+    bf = kw.get("batch_first", False)
+    x = torch.randn((B, T, 5) if bf else (T, B, 5), dtype=dtype, requires_grad=True)
+    if not state:
+        return [x]
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    h0 = torch.randn(layers, B, kw.get("proj_size") or 6, dtype=dtype, requires_grad=True)
+    if cls is nn.LSTM:
+        return [x, (h0, torch.randn(layers, B, 6, dtype=dtype, requires_grad=True))]
+    return [x, h0]
+
+
+def wformat(**options):
+    options.setdefault("inner", "aot_eager")
+    options.setdefault("seq_threshold", N)
+    return lambda m: torch.compile(m, backend=wfpass.backend(**options))
+
+
+def rnn_record():
+    recs = wfpass.last_report().find("rnn", "rewritten")
+    assert len(recs) == 1, wfpass.last_report()
+    return recs[0]
+
+
+class Recorder:
+    """A wformat backend that keeps the graphs its inner compiler receives
+    (after the passes) and counts compilations."""
+
+    def __init__(self, **options):
+        self.graphs = []
+        be = wfpass.backend(**options)
+        inner = be.config.inner
+
+        def keep(gm, example_inputs):
+            self.graphs.append(gm)
+            from wfpass.backend import _resolve_inner
+
+            return _resolve_inner(inner)(gm, example_inputs)
+
+        self.backend = wfpass.backend(**{**options, "inner": keep})
+
+    @property
+    def compiles(self):
+        return len(self.graphs)
+
+
+def count_targets(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+# -- numerics -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", list(LENGTHS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_backward_equal_eager(variant, where):
+    """Every variant, state given and (h, c) used at one length, neither at the others."""
+    cls, kw = VARIANTS[variant]
+    state = where != "below"
+    model = Net(cls, use_state=state, **kw)
+    inputs = make_inputs(cls, kw, LENGTHS[where], state=state)
+    assert_same_fwd_bwd(model, wformat(), inputs)
+    rec = rnn_record()
+    path = "unfused_calls" if LENGTHS[where] <= N else "fused_calls"
+    assert rec.stats[path] == 1, rec.stats
+
+
+@pytest.mark.parametrize("variant", ["lstm-proj", "lstm-nobias", "gru-2layer-bi", "rnn-relu-nobias", "lstm-bi-batch_first"])
+def test_python_loop_unfused_path_equal_eager(variant, monkeypatch):
+    """The per-step loop the unfused path uses off the CPU, checked on the CPU."""
+    monkeypatch.setattr(rnn_ops, "UNFUSED_IMPL", "loop")
+    cls, kw = VARIANTS[variant]
+    model = Net(cls, **kw)
+    assert_same_fwd_bwd(model, wformat(), make_inputs(cls, kw, 3, state=True))
+    assert rnn_record().stats["unfused_calls"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["lstm-2layer", "gru-2layer-bi"])
+def test_half_precision_equal_eager(variant, dtype):
+    # Both paths; eager picks oneDNN or the native kernel by dtype, so allow
+    # the dtype's rounding over a few steps.
+    cls, kw = VARIANTS[variant]
+    rtol, atol = TOL[dtype]
+    for T in (2, 7):
+        torch._dynamo.reset()
+        model = Net(cls, **kw).to(dtype)
+        assert_same_fwd_bwd(model, wformat(), make_inputs(cls, kw, T, dtype=dtype), rtol=4 * rtol, atol=4 * atol, dtype=dtype)
+
+
+@pytest.mark.parametrize("T", [2, 7])
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_dropout_in_training_equal_eager_with_seed(cls, T):
+    """Dropout between layers draws from the global generator exactly as eager does."""
+    model = Net(cls, num_layers=3, dropout=0.5).train()
+    ref = copy.deepcopy(model)
+    fn = wformat()(model)
+    x = torch.randn(T, 3, 5)
+    torch.manual_seed(123)
+    out = fn(x)
+    torch.manual_seed(123)
+    expected = ref(x)
+    torch.testing.assert_close(out, expected)
+    out[0].sum().backward()
+    expected[0].sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    # It really is random: another seed, another output.
+    torch.manual_seed(7)
+    assert not torch.allclose(fn(x)[0], out[0])
+
+
+def test_dropout_in_eval_is_off():
+    model = Net(nn.LSTM, num_layers=2, dropout=0.5).eval()
+    assert_same_fwd_bwd(model, wformat(), make_inputs(nn.LSTM, {}, 7))
+
+
+def test_unbatched_input_equal_eager():
+    model = Net(nn.GRU, num_layers=2)
+    x = torch.randn(7, 5, requires_grad=True)
+    assert_same_fwd_bwd(model, wformat(), [x])
+
+
+def test_no_grad_inference_and_grad_mask():
+    # Frozen RNN weights, input requiring grad: only the input gets a gradient.
+    model = Net(nn.LSTM, num_layers=2)
+    model.rnn.requires_grad_(False)
+    assert_same_fwd_bwd(model, wformat(), make_inputs(nn.LSTM, {}, 7))
+    with torch.no_grad():
+        torch._dynamo.reset()
+        fn = wformat()(model)
+        x = torch.randn(7, 3, 5)
+        torch.testing.assert_close(fn(x), model(x))
+
+
+# -- training, parameters, state_dict ------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_five_training_steps_equal_eager(inner):
+    model = Net(nn.LSTM, num_layers=2, bidirectional=True)
+    ref = copy.deepcopy(model)
+    fn = wformat(inner=inner)(model)
+    # Lengths on both sides of N: each compiles once (static shapes).
+    batches = [(torch.randn(T, 3, 5),) for T in (2, 7, 2, 7, 2)]
+    losses = train_steps(model, fn, lambda i: batches[i], torch.optim.Adam, steps=5, lr=1e-2)
+    ref_losses = train_steps(ref, ref, lambda i: batches[i], torch.optim.Adam, steps=5, lr=1e-2)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_parameters_same_objects_views_of_one_block_state_dict_unchanged():
+    model = Net(nn.LSTM, num_layers=2, bias=False)
+    ids = param_ids(model)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    wformat()(model)(torch.randn(7, 3, 5))
+    assert param_ids(model) == ids
+    flat = list(model.rnn._flat_weights)
+    fs = fused_storage_of(flat[0])
+    assert fs is not None and all(fs.is_member(w) for w in flat)
+    assert len({w.untyped_storage().data_ptr() for w in flat}) == 1
+    rec = rnn_record()
+    # bias=False: the block holds zero fake-bias slots for the CPU kernel.
+    assert rec.detail["fake_bias_elements"] == 2 * 2 * 24
+    assert fs.numel == sum(w.numel() for w in flat) + rec.detail["fake_bias_elements"]
+    new_sd = model.state_dict()
+    assert list(new_sd) == list(sd)
+    for k in sd:
+        assert new_sd[k].shape == sd[k].shape
+        torch.testing.assert_close(new_sd[k], sd[k], rtol=0, atol=0)
+    # A checkpoint loads into an un-passed model and back.
+    plain = Net(nn.LSTM, num_layers=2, bias=False)
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    assert wfpass.restore(model) == len(flat)
+    assert len({w.untyped_storage().data_ptr() for w in model.rnn._flat_weights}) == len(flat)
+
+
+# -- graph shape ------------------------------------------------------------------
+
+
+def test_one_rnn_node_for_any_length():
+    """T = 1, 8, 200 through Inductor: one wfpass::rnn node in the graph it
+    receives, the same graph size each time."""
+    inner = "inductor"
+    node_counts = []
+    for T in (1, 8, 200):
+        torch._dynamo.reset()
+        model = Net(nn.LSTM, num_layers=2)
+        rec = Recorder(inner=inner, seq_threshold=N)
+        fn = torch.compile(model, backend=rec.backend)
+        out, _ = fn(torch.randn(T, 2, 5, requires_grad=True))
+        out.sum().backward()
+        (gm,) = rec.graphs
+        assert count_targets(gm, torch.ops.wfpass.rnn.default) == 1
+        assert count_targets(gm, torch.lstm) == 0
+        node_counts.append(len(gm.graph.nodes))
+    assert len(set(node_counts)) == 1, node_counts
+
+
+def test_aot_graphs_hold_one_op_each_way():
+    from torch._dynamo.backends.common import aot_autograd
+
+    sizes = []
+    for T in (1, 8, 200):
+        torch._dynamo.reset()
+        graphs = {}
+
+        def fw(gm, _):
+            graphs["fw"] = gm
+            return gm.forward
+
+        def bw(gm, _):
+            graphs["bw"] = gm
+            return gm.forward
+
+        model = Net(nn.GRU, num_layers=2)
+        fn = torch.compile(model, backend=wfpass.backend(inner=aot_autograd(fw_compiler=fw, bw_compiler=bw), seq_threshold=N))
+        fn(torch.randn(T, 2, 5))[0].sum().backward()
+        assert count_targets(graphs["fw"], torch.ops.wfpass.rnn.default) == 1
+        assert count_targets(graphs["bw"], torch.ops.wfpass.rnn_backward.default) == 1
+        sizes.append((len(graphs["fw"].graph.nodes), len(graphs["bw"].graph.nodes)))
+    assert len(set(sizes)) == 1, sizes
+
+
+# -- dynamic lengths -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_dynamic_lengths_take_both_paths_without_recompiling(inner):
+    model = Net(nn.LSTM, num_layers=2, batch_first=True)
+    ref = copy.deepcopy(model)
+    rec = Recorder(inner=inner, seq_threshold=8)
+    fn = torch.compile(model, backend=rec.backend, dynamic=True)
+    # Lengths >= 2: Dynamo specialises a dimension of size 1 even with dynamic=True.
+    first = None
+    for T in (2, 3, 8, 9, 40, 5, 100):
+        if first is None and rec.compiles:
+            # The first compile may run twice: with dynamic=True Dynamo lifts the
+            # float ``self.dropout`` to an input, and AOTAutograd's float
+            # tensorification restarts the analysis once to specialise it
+            # (plain torch.compile with allow_rnn does the same).
+            first = rec.compiles
+        x = torch.randn(3, T, 5)
+        out, (h, c) = fn(x)
+        expected, (eh, ec) = ref(x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c, ec, rtol=1e-4, atol=1e-5)
+        out.sum().backward()
+        expected.sum().backward()
+    assert first in (1, 2) and rec.compiles == first, (first, rec.compiles)
+    stats = wfpass.last_report().find("rnn")[0].stats
+    assert stats["unfused_calls"] == 4 and stats["fused_calls"] == 3, stats
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+# -- layout lost ----------------------------------------------------------------
+
+
+def test_layout_lost_after_dtype_round_trip_is_refused_and_counted():
+    model = Net(nn.LSTM, num_layers=2)
+    ref = copy.deepcopy(model)
+    fn = wformat()(model)
+    x = torch.randn(7, 3, 5)
+    fn(x)
+    rec = rnn_record()
+    model.to(torch.float64)
+    fn(x.double())  # a new graph for float64 (its own record)
+    model.to(torch.float32)
+    assert fused_storage_of(model.rnn.weight_ih_l0) is None  # .to() gave every parameter its own storage
+    out = fn(x)  # the float32 graph again: its prologue re-fuses
+    assert rec.stats.get("refused") == 1, rec.stats
+    torch.testing.assert_close(out, ref(x))
+    assert fused_storage_of(model.rnn.weight_ih_l0) is not None
+
+
+def test_layout_lost_with_shared_storage_falls_back_and_counts():
+    model = Net(nn.LSTM, num_layers=2, bias=False)
+    fn = wformat()(model)
+    records = []
+    for T in (2, 7):  # one graph per length (static shapes), one record each
+        fn(torch.randn(T, 3, 5, requires_grad=True))
+        records.append(rnn_record())
+    with torch.no_grad():
+        model.rnn.weight_hh_l1.data = model.rnn.weight_hh_l1.data.clone()
+    keep = model.rnn.weight_hh_l1.data  # an alias held elsewhere: re-fusing would untie it
+    for T in (2, 7):
+        model.zero_grad(set_to_none=True)
+        assert_same_fwd_bwd(model, lambda m: fn, [torch.randn(T, 3, 5, requires_grad=True)])
+    assert [r.stats["fallback_calls"] for r in records] == [1, 1]
+    assert keep.data_ptr() == model.rnn.weight_hh_l1.data_ptr()
+
+
+def test_fallback_counter_and_refuse_counter_on_records():
+    model = Net(nn.GRU)
+    fn = wformat()(model)
+    x = torch.randn(7, 3, 5)
+    fn(x)
+    rec = rnn_record()
+    keep = model.rnn.weight_ih_l0.data.clone()
+    model.rnn.weight_ih_l0.data = keep  # layout lost, and ``keep`` shares the new storage
+    fn(x)
+    assert rec.stats["fallback_calls"] == 1 and "refused" not in rec.stats, rec.stats
+    del keep
+    fn(x)  # nothing else holds the storage now: re-fused
+    assert rec.stats["refused"] == 1, rec.stats
+
+
+# -- skipped and other backends -------------------------------------------------
+
+
+def test_packed_sequence_runs_eagerly_and_is_not_rewritten():
+    model = nn.LSTM(5, 6)
+    packed = pack_padded_sequence(torch.randn(7, 3, 5), torch.tensor([7, 4, 2]))
+    rec = Recorder(inner="aot_eager")
+    out, (h, c) = torch.compile(model, backend=rec.backend)(packed)
+    expected, (eh, ec) = model(packed)
+    torch.testing.assert_close(out.data, expected.data)
+    torch.testing.assert_close(c, ec)
+    # Dynamo graph-breaks on PackedSequence before any RNN node exists.
+    assert all(count_targets(g, torch.ops.wfpass.rnn.default) == 0 for g in rec.graphs)
+
+
+def test_packed_form_in_a_graph_is_skipped_with_a_reason():
+    """aten's packed overloads (``lstm.data``) are reported, not rewritten."""
+
+    rnn = nn.GRU(5, 6)
+    graph = fx.Graph()
+    data, sizes = graph.placeholder("data"), graph.placeholder("batch_sizes")
+    ws = [graph.get_attr(n) for n in rnn._flat_weights_names]
+    h0 = graph.call_function(torch.zeros, (1, 3, 6))
+    out = graph.call_function(torch.ops.aten.gru.data, (data, sizes, h0, ws, True, 1, 0.0, False, False))
+    graph.output(graph.call_function(operator.getitem, (out, 0)))
+    gm = fx.GraphModule(rnn, graph)
+    report = wfpass.apply(gm)
+    (rec,) = report.find("rnn")
+    assert rec.action == "skipped" and "PackedSequence" in rec.reason
+
+
+def test_other_backends_still_graph_break():
+    seen = []
+
+    def plain(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    model = Net(nn.LSTM)
+    torch.compile(model, backend=plain)(torch.randn(7, 3, 5))
+    assert torch.lstm not in seen
+    assert not torch._dynamo.config.allow_rnn
+    # ... and wformat without fuse_rnn does not capture RNNs either.
+    torch._dynamo.reset()
+    rec = Recorder(inner="eager", passes=("fuse_linears",))
+    torch.compile(model, backend=rec.backend)(torch.randn(7, 3, 5))
+    assert all(count_targets(g, torch.lstm) == 0 for g in rec.graphs)
+
+
+def test_registered_wformat_name_captures_rnn():
+    model = Net(nn.GRU)
+    x = torch.randn(7, 3, 5)
+    out = torch.compile(model, backend="wformat")(x)
+    torch.testing.assert_close(out, model(x))
+    assert rnn_record().stats["fused_calls"] + rnn_record().stats["unfused_calls"] == 1
+
+
+def test_functional_call_with_computed_weights_is_skipped():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.RNN(5, 6)
+
+        def forward(self, x):
+            ws = [w * 1.0 for w in self.rnn._flat_weights]
+            return torch.rnn_tanh(x, torch.zeros(1, x.shape[1], 6), ws, True, 1, 0.0, False, False, False)[0]
+
+    model = Functional()
+    x = torch.randn(7, 3, 5)
+    out = wformat()(model)(x)
+    torch.testing.assert_close(out, model(x))
+    (rec,) = wfpass.last_report().find("rnn")
+    assert rec.action == "skipped" and "not a Parameter" in rec.reason
+
+
+def test_same_rnn_called_twice_shares_one_group():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(5, 5)
+
+        def forward(self, x):
+            y, _ = self.rnn(x)
+            return self.rnn(y)[0]
+
+    model = Twice()
+    assert_same_fwd_bwd(model, wformat(), [torch.randn(7, 3, 5, requires_grad=True)])
+    (rec,) = wfpass.last_report().find("rnn")
+    assert rec.stats["fused_calls"] == 2
+
+
+def test_tied_weights_are_left_in_place():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.GRU(5, 5)
+            self.b = nn.GRU(5, 5)
+            self.b.weight_hh_l0 = self.a.weight_hh_l0
+
+        def forward(self, x):
+            return self.b(self.a(x)[0])[0]
+
+    model = Tied()
+    assert_same_fwd_bwd(model, wformat(), [torch.randn(7, 3, 5, requires_grad=True)])
+    recs = wfpass.last_report().find("rnn")
+    assert len(recs) == 2 and any("left where they are" in r.reason for r in recs)
+    assert model.a.weight_hh_l0 is model.b.weight_hh_l0
+
+
+# -- seq_threshold="auto" ---------------------------------------------------------
+
+
+def test_auto_threshold_measures_once_per_shape(monkeypatch):
+    monkeypatch.setattr(rnn_ops, "AUTO_LENGTHS", (1, 2, 4))
+    rnn_ops.auto_threshold_cache().clear()
+    model = Net(nn.LSTM)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", seq_threshold="auto"), dynamic=True)
+    with torch.no_grad():
+        for T in (3, 9, 5):
+            x = torch.randn(T, 4, 5)
+            torch.testing.assert_close(fn(x), ref(x))
+    rec = wfpass.last_report().find("rnn")[0]
+    assert rec.stats["auto_measurements"] == 1
+    assert rec.detail["threshold"] == "auto" and len(rec.detail["auto_thresholds"]) == 1
+    n = next(iter(rnn_ops.auto_threshold_cache().values()))
+    assert n in (0, 1, 2, 4)
+    # A new batch size is a new shape: measured again.
+    with torch.no_grad():
+        fn(torch.randn(3, 2, 5))
+    assert rec.stats["auto_measurements"] == 2
+
+
+def test_auto_threshold_skips_measuring_when_paths_share_a_kernel():
+    model = Net(nn.GRU)
+    wformat(seq_threshold="auto")(model)(torch.randn(7, 3, 5))
+    assert "auto_measurements" not in rnn_record().stats
+
+
+def test_auto_with_dropout_keeps_callers_random_stream(monkeypatch):
+    monkeypatch.setattr(rnn_ops, "AUTO_LENGTHS", (1, 8))
+    model = Net(nn.LSTM, num_layers=2, dropout=0.3).train()
+    ref = copy.deepcopy(model)
+    fn = wformat(seq_threshold="auto")(model)
+    x = torch.randn(7, 3, 5)
+    torch.manual_seed(5)
+    out = fn(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(out, ref(x))
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+def _traced(cls=nn.LSTM, **kw):
+    model = TNet(cls, num_layers=2, **kw)
+    gm = fx.symbolic_trace(model)
+    wfpass.apply(gm)
+    return model, gm
+
+
+def test_apply_on_symbolic_trace_equal_eager():
+    for cls, kw in (VARIANTS["lstm-bi-batch_first"], VARIANTS["gru-nobias-batch_first"], VARIANTS["lstm-proj"]):
+        model = TNet(cls, **kw)
+        gm = fx.symbolic_trace(model)
+        report = wfpass.apply(gm, seq_threshold=N)
+        assert not any(n.op == "call_module" and n.target == "rnn" for n in gm.graph.nodes)
+        (rec,) = report.find("rnn", "rewritten")
+        for T, state in ((2, False), (7, True)):
+            model.zero_grad(set_to_none=True)
+            ins = make_inputs(cls, kw, T, state=state)
+            assert_same_fwd_bwd(model, lambda m: gm, ins)
+        assert rec.stats["unfused_calls"] == 1 and rec.stats["fused_calls"] == 1
+
+
+@pytest.mark.parametrize(
+    "bad, kind, text",
+    [
+        ("input_size", RuntimeError, "input.size(-1) must be equal to input_size"),
+        ("hidden", RuntimeError, "Expected hidden[0] size"),
+        ("dtype", ValueError, "dtype"),
+        ("dims", ValueError, "Expected input to be 2D or 3D"),
+    ],
+)
+def test_bad_input_raises_eagers_error_naming_the_rnn(bad, kind, text):
+    model, gm = _traced()
+    x = torch.randn(7, 3, 5)
+    args = {
+        "input_size": (torch.randn(7, 3, 4),),
+        "hidden": (x, (torch.zeros(2, 3, 5), torch.zeros(2, 3, 6))),
+        "dtype": (x.double(),),
+        "dims": (torch.randn(2, 7, 3, 5),),
+    }[bad]
+    with pytest.raises(kind) as eager_err:
+        model(*args)
+    with pytest.raises(kind, match="'rnn' \\(nn.LSTM\\)") as err:
+        gm(*args)
+    assert text in str(err.value) and text in str(eager_err.value)
+
+
+def test_bad_input_through_torch_compile_raises_eagers_error():
+    """Under torch.compile Dynamo runs nn.LSTM's own argument checks while it
+    traces, and the frame falls back to eager: the same error as eager."""
+    model = Net(nn.LSTM, num_layers=2)
+    fn = wformat()(model)
+    fn(torch.randn(7, 3, 5))
+    with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size"):
+        fn(torch.randn(7, 3, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        fn(torch.randn(7, 3, 5, dtype=torch.float64))
+
+
+def test_apply_subclass_with_own_forward_is_skipped():
+    class MyLSTM(nn.LSTM):
+        def forward(self, x, hx=None):
+            return super().forward(x * 2, hx)
+
+    model = TNet(nn.LSTM)
+    model.rnn = MyLSTM(5, 6)
+    tracer = fx.Tracer()
+    tracer.is_leaf_module = lambda m, name: isinstance(m, nn.RNNBase) or fx.Tracer.is_leaf_module(tracer, m, name)
+    gm = fx.GraphModule(model, tracer.trace(model))
+    report = wfpass.apply(gm)
+    (rec,) = report.find("rnn")
+    assert rec.action == "skipped" and "subclass" in rec.reason
+
+
+def test_report_record_fields():
+    model = Net(nn.LSTM, num_layers=2, bidirectional=True)
+    fn = wformat(seq_threshold=3)(model)
+    for T in (2, 5):
+        fn(torch.randn(T, 3, 5))
+    rec = wfpass.last_report().find("rnn")[0]
+    assert rec.pattern == "rnn" and rec.detail["threshold"] == 3 and rec.detail["mode"] == "LSTM"
+    assert set(rec.stats) >= {"fused_calls", "unfused_calls", "fallback_calls"}
+    assert "'rnn' (nn.LSTM)" in rec.reason and "rnn.weight_ih_l0" in rec.params
+    assert "rnn" in str(wfpass.last_report())
+
+
+def test_explain_and_dry_run_change_nothing():
+    model = Net(nn.GRU)
+    ids = param_ids(model)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    rec = Recorder(inner="eager", dry_run=True)
+    torch.compile(model, backend=rec.backend)(torch.randn(7, 3, 5))
+    assert param_ids(model) == ids and [p.data_ptr() for p in model.parameters()] == ptrs
+    (r,) = wfpass.last_report().find("rnn")
+    assert "[dry run]" in r.reason
+
+
+# -- CUDA (skipped here) ----------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN flat-buffer path)")
+
+
+@cuda
+@pytest.mark.parametrize("variant", ["lstm-2layer", "lstm-nobias", "lstm-proj", "gru-2layer-bi"])
+def test_cuda_cudnn_flat_buffer_no_compaction_warning(variant, recwarn):
+    cls, kw = VARIANTS[variant]
+    model = Net(cls, **kw).cuda()
+    inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make_inputs(cls, kw, 7)]
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    assert_same_fwd_bwd(model, wformat(inner="inductor"), inputs, rtol=1e-3, atol=1e-4)
+    fs = fused_storage_of(model.rnn.weight_ih_l0)
+    assert fs is not None and fs.kind == "rnn.cudnn"
+    assert not [w for w in recwarn if "contiguous chunk of memory" in str(w.message)]
