@@ -61,6 +61,7 @@ class PassContext:
         self._state_cache: Optional[List[TensorRef]] = None
         self._deferred: List[Callable[[], None]] = []
         self._at_call: List[Callable[[], None]] = []
+        self._compile_examples: Dict[int, Any] = {}
 
     def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
@@ -80,6 +81,22 @@ class PassContext:
     def take_first_call_moves(self) -> List[Callable[[], None]]:
         moves, self._at_call = self._at_call, []
         return moves
+
+    def compile_example(self, placeholder: fx.Node, value: Any) -> None:
+        """Dynamo graphs: hand the inner compiler ``value`` (a new tensor, the
+        format's dtype) as ``placeholder``'s example, for a deferred move that
+        gives the real tensor that dtype before the first call. AOTAutograd
+        fakifies a new object afresh, so the compiled code expects the new
+        dtype; Dynamo builds its guards after the backend returns, from the
+        moved tensors: no recompile. ``resolve`` still gives the real tensor."""
+        self._compile_examples[self._placeholders.index(placeholder)] = value
+
+    def compile_inputs(self) -> List[Any]:
+        """The example inputs the inner compiler gets (see ``compile_example``)."""
+        out = list(self.example_inputs or ())
+        for i, v in self._compile_examples.items():
+            out[i] = v
+        return out
 
     @property
     def is_dynamo(self) -> bool:

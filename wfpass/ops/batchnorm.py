@@ -9,24 +9,12 @@ input and fp32 weight, bias and statistics is a kernel PyTorch already has (CPU
 and cuDNN); the output keeps the input dtype. (On the CPU it needs all four
 fp32: a partial mix raises.)
 
-Graph after ``fp32_batchnorm`` (Dynamo flavour)::
-
-    rm = bn_fp32("bn0", 0, running_mean, True)   # prologue: the buffer itself, fp32
-    rv = bn_fp32("bn0", 1, running_var, False)
-    w  = bn_fp32("bn0", 2, weight, False)
-    b  = bn_fp32("bn0", 3, bias, False)
-    y  = batch_norm(x_bf16, rm, rv, w, b, training, momentum, eps)   # y is bf16
-
-Why a prologue and not the placeholder itself: Dynamo traced the graph while
-the buffers were still bf16, and the cast can only happen after the inner
-compiler has run (see ``PassContext.defer``). Inductor would then read the
-fp32 buffers as bf16 memory, and AOTAutograd's functionalised update would
-round the new statistics through bf16 before writing them back. The backend
-hoists each prologue out of the graph into a new input whose example is an
-fp32 tensor, so the compiled code is built for fp32 statistics from the start
-and, at run time, receives the real (now fp32) buffer: the update lands in it
-in place. Dynamo builds its guards from the live tensors after the backend has
-returned, so they see fp32 already: measured, no recompile on torch 2.13.0.
+Under ``torch.compile`` the graph is compiled for fp32 statistics from the
+start and nothing here runs per call (see ``passes/fp32_batchnorm.py``). In
+``symbolic_trace`` graphs (``wfpass.apply``) the graph runs in place, and
+``bn_fp32`` / ``bn_module_fp32`` check the format before each batch norm: a
+tensor that lost it (``model.to(bf16)``, ``load_state_dict(assign=True)``,
+``wfpass.restore``) is cast again, counted.
 
 **Folding.** In eval mode without grad, ``bn(conv(x))`` is
 ``conv(x, W * s, (b - mean) * s + beta)`` with ``s = gamma / sqrt(var + eps)``.
@@ -119,7 +107,7 @@ def _drifted(gid: str, role: int, t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
-@prologue(example=_fp32_example)
+@prologue(example=_fp32_example)  # hoisted if it ever reaches a Dynamo graph
 def bn_fp32(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
     """The BatchNorm tensor ``t`` (``ROLES[role]``) in fp32: ``t`` itself, no
     copy, when it is fp32, which it is from the first call after the pass on.

@@ -1,31 +1,36 @@
 """BatchNorm in half-precision models: fp32 weight, bias and running statistics.
 
-Before (Dynamo flavour, a bf16 model in training)::
+Dynamo flavour: the graph does not change::
 
     add_ = num_batches_tracked.add_(1)
-    y = batch_norm(x, running_mean, running_var, weight, bias, True, 0.1, 1e-5)
+    y = batch_norm(x_bf16, running_mean, running_var, weight, bias, True, 0.1, 1e-5)
 
-After (each tensor is the same object, its data now fp32; see ``ops/batchnorm.py``
-for why they go through a hoisted prologue)::
+but the inner compiler gets new fp32 example tensors for the four
+placeholders (``ctx.compile_example``), and after it has run the real
+Parameter/buffer objects get fp32 data (a deferred move). Why not cast first:
+Dynamo traced with bf16 fake tensors memoised per real tensor object, and
+AOTAutograd would reuse them; a new example object is fakified afresh, so the
+compiled code is built for fp32 statistics and updates them in place, from
+the first call on. Dynamo builds its guards from the live tensors after the
+backend returns, so they see fp32: no recompile (measured, torch 2.13.0), and
+nothing runs per call. A later ``model.to(bf16)`` fails those guards; the
+recompile casts again.
 
-    add_ = num_batches_tracked.add_(1)
-    rm = bn_fp32("bn0", 0, running_mean, True)   # True: this one counts the calls
-    rv = bn_fp32("bn0", 1, running_var, False)
-    w = bn_fp32("bn0", 2, weight, False)
-    b = bn_fp32("bn0", 3, bias, False)
-    y = batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)        # y: bf16, stats updated in fp32
+``symbolic_trace`` flavours (``wfpass.apply``) run in place, so a cheap
+check before each batch norm restores the format if it was lost (counted)::
 
-``call_module`` flavour (``torch.fx.symbolic_trace``)::
+    y = batch_norm(x, rm, rv, w, b, ...)   ->   y = batch_norm(x, bn_fp32("bn0", 0, rm, True), ...)
+    y = bn(x)                              ->   x2 = bn_module_fp32("bn0", x); y = bn(x2)
 
-    y = bn(x)   ->   x2 = bn_module_fp32("bn0", x); y = bn(x2)
-
-The module keeps running its own forward (train/eval switches after the pass,
-``num_batches_tracked``, ``momentum=None``: all as eager); its tensors are fp32.
+A ``call_module`` BatchNorm keeps running its own forward (train/eval switches
+after the pass, ``num_batches_tracked``, ``momentum=None``: all as eager); its
+tensors are fp32.
 
 Guards, each a skip record when it fails: the input is fp16/bf16 (fp32 input:
 nothing to do); the tensors are not already fp32 (autocast with fp32
 parameters runs the mixed kernel already); every tensor resolves to a
-Parameter/buffer of the model; none shares storage with another tensor.
+Parameter/buffer of the model; none shares storage with another tensor;
+nothing but batch norms reads them in this graph (it would see fp32).
 
 Not seen by this pass: a BatchNorm with ``momentum=None`` in training mode
 under ``torch.compile``. Dynamo (torch 2.13.0) graph-breaks on
@@ -178,12 +183,40 @@ def _input_dtype(site: BNSite) -> Optional[torch.dtype]:
     return getattr(v, "dtype", None)
 
 
+def _fp32_example(t: torch.Tensor) -> torch.Tensor:
+    """A new fp32 tensor like ``t`` for the inner compiler (a Parameter stays a
+    Parameter: AOTAutograd treats those as static inputs)."""
+    e = t.detach().float()
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(e, requires_grad=t.requires_grad)
+    return e
+
+
+def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) -> Optional[str]:
+    """Does anything but a batch norm read one of these tensors in this graph?
+    It would then see fp32 where the model computed in half precision."""
+    names = {site.refs[r].name: r for r in roles}
+    for node in ctx.gm.graph.nodes:
+        is_ours = (node.op == "placeholder" and ctx.is_dynamo and any(site.args.get(r) is node for r in roles)) or (
+            node.op == "get_attr" and node.target in names)
+        if not is_ours:
+            continue
+        for u in node.users:
+            if u in bn_nodes or (u.op == "call_function" and u.target is bn_fp32):
+                continue
+            label = names.get(node.target) if node.op == "get_attr" else next(r for r in roles if site.args.get(r) is node)
+            return f"{label} is also read by {u.name} ({u.op} {getattr(u.target, '__name__', u.target)}), which would see float32 instead of the model's dtype"
+    return None
+
+
 def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Keep every half-precision BatchNorm's tensors in fp32; returns how many
     batch norms were rewritten."""
     rewritten = 0
     others = None
-    for site in batchnorm_sites(ctx):
+    sites = batchnorm_sites(ctx)
+    bn_nodes = {site.node for site in sites}
+    for site in sites:
         present = [r for r in ROLES if site.present[r]]
         params = site.names or [site.label]
         train_note = "training" if site.training is True else ("eval" if site.training is False else "train/eval at run time")
@@ -229,6 +262,10 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         if problem:
             ctx.report.add("batchnorm", "skipped", problem, params, **detail)
             continue
+        reader = _other_reader(ctx, site, half, bn_nodes)
+        if reader:
+            ctx.report.add("batchnorm", "skipped", reader, params, **detail)
+            continue
 
         src = _dtype_name(tensors[half[0]].dtype)
         ins = _dtype_name(in_dtype) if in_dtype is not None else src
@@ -254,6 +291,13 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                 with g.inserting_before(site.node):
                     x2 = g.call_function(bn_module_fp32, (gid, site.x))
                 site.node.replace_input_with(site.x, x2)
+        elif all(site.args[r].op == "placeholder" for r in half) and ctx.is_dynamo:
+            # Dynamo: compile for fp32 inputs from the start (see the module
+            # docstring); nothing runs per call.
+            for r in half:
+                ctx.compile_example(site.args[r], _fp32_example(tensors[r]))
+            record.detail["compiled_for"] = "float32 inputs (no per-call work)"
+            record.stats.pop("fp32_calls", None)
         else:
             register_group(Group(gid, record, None, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES)))
             pos = BN_FUNCTIONS[site.node.target]
