@@ -421,19 +421,35 @@ def test_state_dict_round_trips_both_ways():
     assert y.dtype == torch.bfloat16
 
 
-def test_optimizer_updates_fp32_params_in_place():
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.SGD])
+def test_optimizer_with_state_from_before_the_pass(opt_cls):
+    """An optimizer that already stepped holds bf16 state for the BN params
+    (Adam would raise on the dtype mix): it follows the parameter's dtype,
+    as Optimizer.load_state_dict would cast it; and back after restore."""
     model = ConvBN(2).to(torch.bfloat16)
+    kw = dict(momentum=0.9) if opt_cls is torch.optim.SGD else {}
+    opt = opt_cls(model.parameters(), lr=1e-2, **kw)
+
+    def step(f):
+        opt.zero_grad()
+        f(model.example(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+
+    step(model)  # eager bf16 step: state in bf16
     fn = wf_compile(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # created before the pass
     w0 = model.bn.weight.detach().clone()
     for _ in range(3):
-        opt.zero_grad()
-        fn(model.example(torch.bfloat16)).float().pow(2).mean().backward()
-        opt.step()
+        step(fn)
     assert model.bn.weight.dtype == torch.float32
-    assert opt.state[model.bn.weight]["exp_avg"].dtype == torch.float32
+    state = opt.state[model.bn.weight]
+    key = "exp_avg" if opt_cls is torch.optim.Adam else "momentum_buffer"
+    assert state[key].dtype == torch.float32
+    assert model.c1.weight.dtype == opt.state[model.c1.weight][key].dtype == torch.bfloat16
     assert not torch.equal(model.bn.weight, w0.float())
     assert any(p is model.bn.weight for p in opt.param_groups[0]["params"])
+    wfpass.restore(model)
+    step(model)  # eager again, parameters back in bf16
+    assert opt.state[model.bn.weight][key].dtype == torch.bfloat16
 
 
 def test_restore_casts_back():

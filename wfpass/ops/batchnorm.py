@@ -79,7 +79,39 @@ def to_fp32(t: torch.Tensor) -> bool:
         t.grad = t.grad.float()
     _HELD[t] = orig
     register_undo(t, functools.partial(_undo, orig))
+    if isinstance(t, torch.nn.Parameter):
+        _watch_optimizer_state(t)
     return True
+
+
+# An optimizer that already stepped holds per-parameter state (Adam's exp_avg,
+# SGD's momentum_buffer) in the parameter's old dtype; Adam then raises on the
+# dtype mix. Before every optimizer step, state of a parameter whose dtype
+# wfpass changed is cast to the parameter's dtype: the policy
+# ``Optimizer.load_state_dict`` applies (floating state follows the
+# parameter, ``step`` is left alone). Public hook API, installed once.
+_TOUCHED = _compat.weak_id_key_dict()
+_HOOK: List[Any] = []
+
+
+def _align_optimizer_state(opt, args, kwargs) -> None:
+    if not _TOUCHED:
+        return
+    for p in list(_TOUCHED.keys()):
+        st = opt.state.get(p) if p in opt.state else None
+        if not st:
+            continue
+        for k, v in list(st.items()):
+            if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dtype != p.dtype and v.shape == p.shape:
+                st[k] = v.to(p.dtype)
+
+
+def _watch_optimizer_state(p: torch.nn.Parameter) -> None:
+    _TOUCHED[p] = True
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(_align_optimizer_state))
 
 
 # -- fp32 state: the prologue ------------------------------------------------
