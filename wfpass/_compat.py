@@ -295,3 +295,15 @@ def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return False
+
+
+def disable_compile_caches() -> None:
+    """Turn off Inductor's FX-graph cache and AOTAutograd's cache
+    (``torch._inductor.config.fx_graph_cache``,
+    ``torch._functorch.config.enable_autograd_cache``; private, torch 2.13.0),
+    so a benchmark's first-call times are cold compiles."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
