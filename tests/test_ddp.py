@@ -57,6 +57,7 @@ def _worker(rank, world, port, inner, out_dir):
             ptr = lambda t: t.untyped_storage().data_ptr()
             results["layout"] = {
                 "qkv_one_buffer": len({ptr(model.q.weight), ptr(model.k.weight), ptr(model.v.weight)}) == 1,
+                "lstm_one_buffer": len({ptr(p) for p in model.lstm.parameters()}) == 1,
             }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -70,12 +71,16 @@ def _free_port():
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo not available")
 def test_ddp_two_processes_train_like_plain_ddp(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), "aot_eager", str(tmp_path)), nprocs=2, join=True)
+    # Inductor, the default inner compiler. (aot_eager fails on this model in
+    # torch 2.13 with or without wfpass: BatchNorm's fake kernel predicts
+    # transposed strides for a transposed 3-D CPU input, the real kernel
+    # returns contiguous, and a later view fails.)
+    mp.spawn(_worker, args=(2, _free_port(), "inductor", str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         for k, v in res["plain"].items():
             torch.testing.assert_close(res["wformat"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
-        assert res["layout"] == {"qkv_one_buffer": True}, res["layout"]
+        assert res["layout"] == {"qkv_one_buffer": True, "lstm_one_buffer": True}, res["layout"]
     # Both ranks end with the same parameters (DDP kept them in sync; the
     # BatchNorm running stats differ per rank in plain DDP too: each rank
     # updates them from its own batch after DDP's broadcast).

@@ -168,7 +168,15 @@ def rnn_capture_wanted(compiler_fn) -> bool:
             return cfg.runs("fuse_rnn")
         if fn is _backend.wformat:
             return _backend._DEFAULT.runs("fuse_rnn")
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None) or getattr(fn, "__wrapped__", None)
+        fn = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "__wrapped__", None)
+            # DistributedDataParallel: Dynamo compiles through the bound method
+            # DDPOptimizer.compile_fn, whose object holds our backend as
+            # ``backend_compile_fn`` (torch/_dynamo/backends/distributed.py, 2.13.0).
+            or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+        )
     return False
 
 
