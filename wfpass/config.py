@@ -52,7 +52,7 @@ class Config:
     linear_path: str = "auto"
     fused_max_rows: int = 16
     min_group_size: int = 2
-    seq_threshold: Union[int, str] = 1
+    seq_threshold: Union[int, str] = 2  # measured crossover, see docs/rnn.md
     fold_batchnorm: bool = False
     dry_run: bool = False
 
