@@ -273,14 +273,18 @@ def fold_module_call(gid: str, x: torch.Tensor) -> torch.Tensor:
     conv, bn = (r() for r in spec.modules)
     if conv is None or bn is None:
         raise RuntimeError(f"wfpass: the modules folded by {gid} were deleted")
-    if bn.training or not bn.track_running_stats or bn.running_mean is None or (spec.kind == "linear" and x.dim() != 2):
+    rank = 2 if spec.kind == "linear" else conv.weight.dim()
+    if bn.training or not bn.track_running_stats or bn.running_mean is None or x.dim() != rank:
         g.record.bump("unfolded_calls")
         return bn(conv(x))
     g.record.bump("folded_calls")
     wf, bf = _folded(gid, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if spec.kind == "linear":
         return F.linear(x, wf, bf)
-    return conv._conv_forward(x, wf, bf)
+    if conv.bias is not None:
+        return conv._conv_forward(x, wf, bf)
+    # No bias before: keep it out of the conv (see fold_batchnorm.py).
+    return conv._conv_forward(x, wf, None) + bf.view((1, -1) + (1,) * (rank - 2))
 
 
 def fold_groups_bytes(tensors: List[torch.Tensor]) -> int:

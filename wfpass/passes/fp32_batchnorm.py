@@ -262,6 +262,11 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         if problem:
             ctx.report.add("batchnorm", "skipped", problem, params, **detail)
             continue
+        if ctx.is_dynamo and site.flavour == "function" and not all(
+                isinstance(site.args[r], fx.Node) and unwrap(site.args[r]).op == "placeholder" for r in half):
+            ctx.report.add("batchnorm", "skipped", "a BatchNorm tensor is not an input of this Dynamo graph (get_attr): "
+                           "its dtype is baked into the compiled code", params, **detail)
+            continue
         reader = _other_reader(ctx, site, half, bn_nodes)
         if reader:
             ctx.report.add("batchnorm", "skipped", reader, params, **detail)
@@ -291,7 +296,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                 with g.inserting_before(site.node):
                     x2 = g.call_function(bn_module_fp32, (gid, site.x))
                 site.node.replace_input_with(site.x, x2)
-        elif all(site.args[r].op == "placeholder" for r in half) and ctx.is_dynamo:
+        elif ctx.is_dynamo:
             # Dynamo: compile for fp32 inputs from the start (see the module
             # docstring); nothing runs per call.
             for r in half:
