@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..storage import register_undo, sharing_problem
-from .runtime import Group, group, prologue
+from .runtime import group, prologue
 
 __all__ = [
     "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32",
@@ -281,11 +281,4 @@ def fold_module_call(gid: str, x: torch.Tensor) -> torch.Tensor:
     wf, bf = _folded(gid, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if spec.kind == "linear":
         return F.linear(x, wf, bf)
-    if conv.bias is not None:
-        return conv._conv_forward(x, wf, bf)
-    # No bias before: keep it out of the conv (see fold_batchnorm.py).
-    return conv._conv_forward(x, wf, None) + bf.view((1, -1) + (1,) * (rank - 2))
-
-
-def fold_groups_bytes(tensors: List[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return conv._conv_forward(x, wf, bf)

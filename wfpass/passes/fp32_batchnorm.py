@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
