@@ -14,22 +14,27 @@ backward, SGD step), T = 1 .. 512:
 
 The wformat variants compile once with ``dynamic=True`` (one graph for every
 T > 1; Dynamo specialises T = 1); compile time against T is measured
-separately with static shapes. Medians of repeated runs; single-threaded by
-default (``--threads``) because the machine is shared and multi-threaded
-timings spike. Writes a markdown table and a PNG plot::
+separately with static shapes and the on-disk compile caches off. Each
+variant runs its own copy of the model under its own forward code object, and
+the variants are timed interleaved (round-robin, shuffled) so they share the
+machine's load; medians over the rounds. Single-threaded by default
+(``--threads``) because the machine is shared and multi-threaded timings spike. Writes a markdown table and a PNG plot::
 
     .venv/bin/python benchmarks/bench_rnn.py --out docs/rnn_results.md --plot docs/rnn_crossover.png
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
 import platform
+import random
 import statistics
 import sys
 import time
+import types
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -43,26 +48,16 @@ LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 VARIANTS = ("eager", "inductor", "unfused", "fused", "default", "auto")
 
 
-def _median_time(fn: Callable[[], None], reps: int, min_rep_s: float = 2e-3) -> float:
-    """Median seconds per call: ``reps`` timed repetitions of ``n`` calls each,
-    ``n`` chosen so one repetition lasts at least ``min_rep_s``."""
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    n = max(1, int(min_rep_s / max(once, 1e-7)))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        ts.append((time.perf_counter() - t0) / n)
-    return statistics.median(ts)
+def _wrapper_class(name: str):
+    """A module class whose forward is a code object of its own: Dynamo keeps
+    its compiled entries per code object, so variants compiled from one
+    shared forward would queue behind each other's guards and distort timings."""
 
+    def forward(self, x):
+        return self.lstm(x)
 
-def _reps_for(T: int, batch: int, hidden: int, base: int) -> int:
-    # Long, wide runs take a second each: fewer repetitions keep the run short.
-    work = T * batch * hidden * hidden
-    return base if work < 2e8 else max(3, base // 2)
+    fn = types.FunctionType(forward.__code__.replace(co_name=name), globals(), name)
+    return type(name, (nn.Module,), {"forward": fn})
 
 
 class Case:
@@ -72,10 +67,13 @@ class Case:
         self.batch, self.hidden, self.train = batch, hidden, train
         torch.manual_seed(0)
         self.template = nn.LSTM(hidden, hidden)
+        self._n = 0
 
-    def model(self) -> nn.LSTM:
-        m = nn.LSTM(self.hidden, self.hidden)
-        m.load_state_dict(self.template.state_dict())
+    def model(self, tag: str) -> nn.Module:
+        self._n += 1
+        m = _wrapper_class(f"{tag}_{self._n}")()
+        m.lstm = nn.LSTM(self.hidden, self.hidden)
+        m.lstm.load_state_dict(self.template.state_dict())
         return m
 
     def inputs(self, T: int) -> torch.Tensor:
@@ -87,88 +85,118 @@ class Case:
                 with torch.no_grad():
                     fn(x)
             return fwd
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        xg = x.requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
 
         def train():
-            out = fn(xg)[0]
+            out = fn(x)[0]
             out.sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return train
 
 
-def _wformat(threshold) -> Callable:
-    return wfpass.backend(seq_threshold=threshold)
+def _interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_block_s: float = 2e-3) -> Dict[str, float]:
+    """Median seconds per call of each step. Every round times one block of
+    each step in turn (shuffled), so all variants see the same machine load."""
+    n = {}
+    for k, f in steps.items():
+        t0 = time.perf_counter()
+        f()
+        n[k] = max(1, int(min_block_s / max(time.perf_counter() - t0, 1e-7)))
+    ts: Dict[str, List[float]] = {k: [] for k in steps}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(steps)
+        rng.shuffle(order)
+        for k in order:
+            f = steps[k]
+            t0 = time.perf_counter()
+            for _ in range(n[k]):
+                f()
+            ts[k].append((time.perf_counter() - t0) / n[k])
+    return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def _rounds_for(T: int, batch: int, hidden: int, base: int) -> int:
+    # Long, wide runs take a second each: fewer rounds keep the run short.
+    work = T * batch * hidden * hidden
+    return base if work < 2e8 else max(3, base // 2)
 
 
 def run_case(case: Case, lengths, reps: int, inductor_train_max_t: int, log) -> Dict[str, Dict[int, Optional[float]]]:
     res: Dict[str, Dict[int, Optional[float]]] = {v: {} for v in VARIANTS}
     notes: Dict[str, str] = {}
     thresholds = {"unfused": 10**9, "fused": 0, "default": Config().seq_threshold, "auto": "auto"}
-    # Eager and the wformat variants (one dynamic compile each).
-    for variant in ("eager", "unfused", "fused", "default", "auto"):
-        torch._dynamo.reset()
-        model = case.model()
-        fn = model if variant == "eager" else torch.compile(model, backend=_wformat(thresholds[variant]), dynamic=True)
-        for T in lengths:
-            x = case.inputs(T)
-            step = case.step(fn, model, x)
-            step()  # compile / warm-up / "auto" measurement, untimed
-            res[variant][T] = _median_time(step, _reps_for(T, case.batch, case.hidden, reps))
-        log(f"  {variant:8s} " + " ".join(f"{T}:{res[variant][T] * 1e6:.0f}" for T in lengths))
-        del fn, model
+    models, fns = {}, {}
+    for v in ("eager", "unfused", "fused", "default", "auto"):
+        models[v] = case.model(v)
+        # wformat: one compile with dynamic=True serves every T > 1.
+        fns[v] = models[v] if v == "eager" else torch.compile(models[v], backend=wfpass.backend(seq_threshold=thresholds[v]), dynamic=True)
+    inductor_crash = None
+    for T in lengths:
+        x = case.inputs(T)
+        steps = {v: case.step(fns[v], models[v], x) for v in fns}
+        for f in steps.values():
+            f()  # compile / warm-up / "auto" measurement, untimed
+        # torch.compile default (Inductor) with allow_rnn: static shapes, a fresh model per T.
+        if (case.train and T > inductor_train_max_t) or inductor_crash:
+            res["inductor"][T] = None
+        else:
+            with torch._dynamo.config.patch(allow_rnn=True):
+                m = case.model("inductor")
+                step = case.step(torch.compile(m), m, x)
+                try:
+                    step()
+                    steps["inductor"] = step
+                except Exception as e:  # report crashes honestly
+                    res["inductor"][T] = None
+                    notes[f"T={T}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    if case.train:
+                        inductor_crash = notes[f"T={T}"]
+        times = _interleaved(steps, _rounds_for(T, case.batch, case.hidden, reps))
+        for v, t in times.items():
+            res[v][T] = t
+        log(f"  T={T}: " + " ".join(f"{v}={t * 1e6:.0f}" for v, t in times.items()))
+        steps.pop("inductor", None)
         gc.collect()
-    # torch.compile default (Inductor) with allow_rnn, static shapes.
-    with torch._dynamo.config.patch(allow_rnn=True):
-        for T in lengths:
-            if case.train and T > inductor_train_max_t:
-                res["inductor"][T] = None
-                continue
-            torch._dynamo.reset()
-            model = case.model()
-            fn = torch.compile(model)
-            x = case.inputs(T)
-            step = case.step(fn, model, x)
-            try:
-                step()
-                res["inductor"][T] = _median_time(step, _reps_for(T, case.batch, case.hidden, reps))
-            except Exception as e:  # report crashes honestly
-                res["inductor"][T] = None
-                notes[f"T={T}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        log("  inductor " + " ".join(f"{T}:{(res['inductor'][T] or float('nan')) * 1e6:.0f}" for T in lengths))
+    if inductor_crash:
+        notes["training"] = f"crashed at the first T tried, not run at larger T: {inductor_crash}"
     res["_notes"] = notes  # type: ignore[assignment]
     return res
 
 
 def compile_times(batch: int, hidden: int, lengths, train: bool, inductor_max_t: int, log) -> Dict[str, Dict[int, Optional[float]]]:
     """Seconds from the first call to its return (trace + passes + compile +
-    one run), static shapes, fresh Dynamo state each time."""
+    one run), static shapes, fresh Dynamo state each time, Inductor's and
+    AOTAutograd's on-disk caches off (a cache hit would hide the compile)."""
     out: Dict[str, Dict[int, Optional[float]]] = {"wformat": {}, "inductor": {}}
     case = Case(batch, hidden, train)
-    for name in ("wformat", "inductor"):
-        for T in lengths:
-            if name == "inductor" and T > inductor_max_t:
-                out[name][T] = None
-                continue
-            torch._dynamo.reset()
-            model = case.model()
-            x = case.inputs(T)
-            if name == "wformat":
-                fn = torch.compile(model, backend="wformat")
-                ctx = torch._dynamo.config.patch()  # nothing: wformat captures RNNs by itself
-            else:
-                fn = torch.compile(model)
-                ctx = torch._dynamo.config.patch(allow_rnn=True)
-            with ctx:
-                step = case.step(fn, model, x)
-                t0 = time.perf_counter()
-                try:
-                    step()
-                    out[name][T] = time.perf_counter() - t0
-                except Exception:
+    crashed = False
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for name in ("wformat", "inductor"):
+            for T in lengths:
+                if name == "inductor" and (T > inductor_max_t or crashed):
                     out[name][T] = None
-        log(f"  compile {name:8s} {'train' if train else 'fwd'}: " + " ".join(f"{T}:{v:.1f}s" if v else f"{T}:-" for T, v in out[name].items()))
+                    continue
+                torch._dynamo.reset()
+                model = case.model(f"c{name}")
+                x = case.inputs(T)
+                if name == "wformat":
+                    fn = torch.compile(model, backend="wformat")
+                    ctx = contextlib.nullcontext()  # wformat captures RNNs by itself
+                else:
+                    fn = torch.compile(model)
+                    ctx = torch._dynamo.config.patch(allow_rnn=True)
+                with ctx:
+                    step = case.step(fn, model, x)
+                    t0 = time.perf_counter()
+                    try:
+                        step()
+                        out[name][T] = time.perf_counter() - t0
+                    except Exception:
+                        out[name][T] = None
+                        crashed = name == "inductor"
+            log(f"  compile {name:8s} {'train' if train else 'fwd'}: " + " ".join(f"{T}:{v:.1f}s" if v else f"{T}:-" for T, v in out[name].items()))
     return out
 
 
@@ -210,6 +238,7 @@ def markdown(results, compile_res, args, elapsed: float) -> str:
         notes = res.get("_notes") or {}
         for k, v in notes.items():
             lines.append(f"\ninductor at {k}: {v}")
+        lines.append("")
         lines.append("")
     lines += ["## Compile time (seconds, first call incl. one run), static shapes", ""]
     for (batch, hidden, train), cres in compile_res.items():

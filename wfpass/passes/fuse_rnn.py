@@ -335,7 +335,9 @@ def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail
     elif existing is None:
         others = [(r.name, r.tensor) for r in ctx.state_tensors()]
         for n, w in zip(names, ws):
-            why = sharing_problem(w, n, others)
+            # The RNN's own weights may already share one buffer (CUDA:
+            # PyTorch's flatten_parameters): that is not a tie.
+            why = sharing_problem(w, n, others, allowed=ws)
             if why:
                 break
     if why:
