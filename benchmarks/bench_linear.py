@@ -122,13 +122,16 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--out", default="docs/linear_results.md")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base = ThreeLinears()
     shapes = {1: (1, D), 8: (8, D), 1024: (8, 128, D)}
     lines = [
         "# Sibling-linear fusion: measured results\n",
-        f"Command: `python benchmarks/bench_linear.py --rounds {args.rounds} --calls {args.calls}`  ",
+        f"Command: `python benchmarks/bench_linear.py --rounds {args.rounds} --calls {args.calls}" + (f" --threads {args.threads}" if args.threads else "") + "`  ",
         f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, Python {platform.python_version()}. "
         "Model: three Linear(768, 768) with bias reading one input (Q/K/V-like). "
         f"Each cell: median over {args.rounds} interleaved rounds of the per-call median of {args.calls} calls, in ms. "
