@@ -67,10 +67,12 @@ class PassContext:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
         each input's storage offset and dtype at trace time and AOTAutograd
         checks them again, so the backend runs these after the inner compile;
-        ``wfpass.apply`` runs them at once. A move that changes a tensor's
-        dtype or strides must wait for the first call (``at_first_call``):
-        Dynamo checks its new guards against the tensors right after the
-        backend returns."""
+        ``wfpass.apply`` runs them at once. A dtype change can run here if the
+        pass also gives the inner compiler an example of the new dtype
+        (``compile_example``): Dynamo builds its guards from the live tensors
+        after the backend returns. A stride change cannot: Dynamo's stride
+        guards come from trace time and are checked right after the backend
+        returns, so such a move waits for the first call (``at_first_call``)."""
         (self._at_call if at_first_call else self._deferred).append(move)
 
     def run_deferred(self) -> None:
