@@ -241,7 +241,10 @@ def _grad_mask(s: _Site, inputs: Sequence[fx.Node]) -> List[bool]:
     mask = []
     for n in inputs:
         v = meta_value(n)
-        mask.append(bool(getattr(v, "requires_grad", False)) and bool(getattr(v, "is_floating_point", lambda: False)()))
+        if not isinstance(v, torch.Tensor):
+            mask.append(True)  # unknown: a gradient too many is harmless, one too few is wrong
+        else:
+            mask.append(bool(v.requires_grad) and v.is_floating_point())
     return mask
 
 
