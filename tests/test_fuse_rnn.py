@@ -623,6 +623,10 @@ def test_explain_and_dry_run_change_nothing():
     assert param_ids(model) == ids and [p.data_ptr() for p in model.parameters()] == ptrs
     (r,) = wfpass.last_report().find("rnn")
     assert "[dry run]" in r.reason
+    # wfpass.explain wraps the backend in a closure: RNNs are still captured.
+    report = wfpass.explain(model, torch.randn(7, 3, 5))
+    assert [r.action for r in report.find("rnn")] == ["rewritten"]
+    assert param_ids(model) == ids and [p.data_ptr() for p in model.parameters()] == ptrs
 
 
 # -- CUDA (skipped here) ----------------------------------------------------------

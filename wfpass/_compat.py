@@ -176,8 +176,24 @@ def rnn_capture_wanted(compiler_fn) -> bool:
             # DDPOptimizer.compile_fn, whose object holds our backend as
             # ``backend_compile_fn`` (torch/_dynamo/backends/distributed.py, 2.13.0).
             or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+            # A plain function wrapping a wformat backend (``wfpass.explain``'s
+            # collector): the backend it closes over.
+            or _closed_over_backend(fn)
         )
     return False
+
+
+def _closed_over_backend(fn):
+    from .config import Config
+
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            c = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(c) and isinstance(getattr(c, "config", None), Config):
+            return c
+    return None
 
 
 def install_rnn_capture() -> None:
