@@ -217,6 +217,18 @@ def test_five_training_steps_equal_eager(inner):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
 
 
+def test_tapes_are_freed():
+    """The recorded forward lives exactly as long as AOTAutograd keeps it."""
+    fn = wformat(inner="inductor")(Net(nn.LSTM, num_layers=2))
+    for T in (2, 7):
+        fn(torch.randn(T, 3, 5))[0].sum().backward()
+    assert len(rnn_ops._TAPES) == 0
+    out = fn(torch.randn(7, 3, 5))[0]
+    assert len(rnn_ops._TAPES) == 1
+    del out
+    assert len(rnn_ops._TAPES) == 0
+
+
 def test_parameters_same_objects_views_of_one_block_state_dict_unchanged():
     model = Net(nn.LSTM, num_layers=2, bias=False)
     ids = param_ids(model)
