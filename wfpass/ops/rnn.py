@@ -316,12 +316,15 @@ def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool, p: f
             spec.proj_size, spec.bidirectional, need_grad, bool(train and p > 0))
 
 
-def _median_time(fn, reps: int = 3) -> float:
-    fn()  # warm-up: oneDNN builds its primitive for the shape on the first call
+def _median_time(fn, reps: int = 3, device: Optional[torch.device] = None) -> float:
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: oneDNN / cuDNN build their plan for the shape on the first call
     ts = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -336,7 +339,7 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: fl
             shape = (batch, T, spec.input_size) if spec.batch_first else (T, batch, spec.input_size)
             xt = torch.randn(shape, dtype=x.dtype, device=x.device)
             if need_grad:
-                wt = [w.detach().requires_grad_(w.is_floating_point() and i < len(ws)) for i, w in enumerate(ws)]
+                wt = [w.detach().requires_grad_() for w in ws]
 
                 def run(path):
                     out = path(spec, xt, hx, wt, has_b, train, p)[0]
@@ -348,8 +351,8 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: fl
                     with torch.no_grad():
                         path(spec, xt, hx, wt, has_b, train, p)
 
-            t_unfused = _median_time(lambda: run(unfused_path))
-            t_fused = _median_time(lambda: run(fused_path))
+            t_unfused = _median_time(lambda: run(unfused_path), device=x.device)
+            t_fused = _median_time(lambda: run(fused_path), device=x.device)
             if t_unfused <= t_fused:
                 n, fused_wins = T, 0
             else:
