@@ -85,6 +85,34 @@ class FusedStorage:
                 return False
         return True
 
+    def block_offset(self, ts: Sequence[Optional[torch.Tensor]], offsets: Sequence[int]) -> Optional[int]:
+        """Storage offset of this buffer if every present ``ts[i]`` is a
+        contiguous view at element ``offsets[i]`` of it, else None. The
+        per-call "are these views of one parent?" check of every format:
+        address arithmetic only. The buffer must be the one wfpass built
+        (its gaps are the zero fake biases), and must fit inside the first
+        member's storage: that storage is alive, so no other allocation can
+        start inside it and a matching address means the same storage."""
+        first = None
+        for t, off in zip(ts, offsets):
+            if t is None:
+                continue
+            if first is None:
+                first, es = t, t.element_size()
+                storage = t.untyped_storage()
+                sptr = storage.data_ptr()
+                if sptr != self._key[1]:  # not (or no longer) our buffer
+                    return None
+                start = t.data_ptr() - off * es
+            if t.data_ptr() - off * es != start or not t.is_contiguous() or t.dtype != first.dtype:
+                return None
+        if first is None:
+            return None
+        base_bytes = start - sptr
+        if base_bytes < 0 or base_bytes + self.numel * es > storage.nbytes():
+            return None
+        return base_bytes // es
+
     def is_member(self, t: torch.Tensor) -> bool:
         return any(m is t for m in self.members)
 

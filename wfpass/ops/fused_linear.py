@@ -22,27 +22,6 @@ from .runtime import group, prologue
 __all__ = ["FusedLinear", "LinearLayout", "fused_linear", "fused_linear_weight", "fused_linear_bias"]
 
 
-def _block_base(ts: Sequence[Optional[torch.Tensor]], byte_deltas: Sequence[int]) -> Optional[int]:
-    """Storage offset of the block if every present ``ts[i]`` is a contiguous
-    view of one storage starting ``byte_deltas[i]`` bytes after the block's
-    start, else None. Runs on every call: address arithmetic only, no data.
-    (Addresses alone are not enough: a caching allocator can place two
-    separate allocations back to back, hence the storage comparison.)"""
-    first = None
-    for t, d in zip(ts, byte_deltas):
-        if t is None:
-            continue
-        if first is None:
-            first, start, storage = t, t.data_ptr() - d, t.untyped_storage().data_ptr()
-            if start < storage or not t.is_contiguous():
-                return None
-        elif t.data_ptr() - d != start or t.untyped_storage().data_ptr() != storage or not t.is_contiguous():
-            return None
-    if first is None:
-        return None
-    return (start - storage) // first.element_size()
-
-
 def _offsets(sizes: Sequence[int], scale: int) -> Tuple[int, ...]:
     offs, acc = [], 0
     for s in sizes:
@@ -52,14 +31,19 @@ def _offsets(sizes: Sequence[int], scale: int) -> Tuple[int, ...]:
 
 
 class LinearLayout:
-    """Static facts of one group, computed once at rewrite time."""
+    """Static facts of one group, computed once at rewrite time: element
+    offsets of each member's weight in the weight block and of each bias slot
+    in the bias block."""
 
-    def __init__(self, sizes: Sequence[int], has_bias: Sequence[bool], in_features: int, element_size: int):
+    def __init__(self, sizes: Sequence[int], has_bias: Sequence[bool], in_features: int):
         self.sizes, self.has_bias = tuple(sizes), tuple(has_bias)
         self.total, self.in_features = sum(sizes), in_features
-        self.w_bytes = _offsets(sizes, in_features * element_size)
-        self.b_bytes = _offsets(sizes, element_size)
+        self.w_offsets = _offsets(sizes, in_features)
         self.b_slots = _offsets(sizes, 1)
+
+
+def _base(g, ts: Sequence[Optional[torch.Tensor]], offsets: Sequence[int]) -> Optional[int]:
+    return None if g.storage is None else g.storage.block_offset(ts, offsets)
 
 
 def _cat_weights(gid: str, *ws: torch.Tensor) -> torch.Tensor:
@@ -85,9 +69,9 @@ def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
     when that is unsafe, concatenate for this call (counted)."""
     g = group(gid)
     lay: LinearLayout = g.spec
-    base = _block_base(ws, lay.w_bytes)
+    base = _base(g, ws, lay.w_offsets)
     if base is None and g.try_refuse(ws):
-        base = _block_base(ws, lay.w_bytes)
+        base = _base(g, ws, lay.w_offsets)
     if base is None:
         g.record.bump("fallback_calls")
         return _cat_weights(gid, *ws)
@@ -101,9 +85,9 @@ def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.T
     Layout checks, re-fusing and fallback as in :func:`fused_linear_weight`."""
     g = group(gid)
     lay: LinearLayout = g.spec
-    base = _block_base(bs, lay.b_bytes)
+    base = _base(g, bs, lay.b_slots)
     if base is None and g.try_refuse([b for b in bs if b is not None]):
-        base = _block_base(bs, lay.b_bytes)
+        base = _base(g, bs, lay.b_slots)
     if base is None:
         g.record.bump("bias_fallback_calls")
         return _cat_biases(gid, *bs)

@@ -143,26 +143,7 @@ class RnnGroup(Group):
 
 
 def _block_base(g: RnnGroup, ws: Sequence[torch.Tensor]) -> Optional[int]:
-    """Storage offset of the block if every weight is a contiguous view at its
-    offset of the group's fused storage, else None. Pointer arithmetic only."""
-    fs = g.storage
-    if fs is None:
-        return None
-    w0 = ws[0]
-    es = w0.element_size()
-    storage = w0.untyped_storage()
-    sptr = storage.data_ptr()
-    if sptr != fs._key[1]:  # not (or no longer) the buffer wfpass built
-        return None
-    offsets = g.spec.offsets
-    start = w0.data_ptr() - offsets[0] * es
-    for w, off in zip(ws, offsets):
-        if w.data_ptr() - off * es != start or not w.is_contiguous() or w.dtype != w0.dtype:
-            return None
-    base_bytes = start - sptr
-    if base_bytes < 0 or base_bytes + g.spec.numel * es > storage.nbytes():
-        return None
-    return base_bytes // es
+    return None if g.storage is None else g.storage.block_offset(ws, g.spec.offsets)
 
 
 def _block_example(gid: str, *ws: torch.Tensor) -> torch.Tensor:

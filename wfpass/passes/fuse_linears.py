@@ -186,9 +186,10 @@ def _existing_storage(tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -
     fs = fused_storage_of(tensors[0])
     if fs is None:
         return None
-    if [m for m in fs.members] == list(tensors) or (len(fs.members) == len(tensors) and all(a is b for a, b in zip(fs.members, tensors))):
-        if list(fs.offsets) == list(offsets):
-            return fs
+    # Identity, not ==: comparing tensor lists with == compares their values.
+    members = fs.members
+    if len(members) == len(tensors) and all(a is b for a, b in zip(members, tensors)) and list(fs.offsets) == list(offsets):
+        return fs
     return None
 
 
@@ -209,13 +210,10 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     has_bias = tuple(s.has_bias for s in sites)
     path, why = _choose_path(ctx, x)
     weights = [s.weight.tensor for s in sites]
-    w_offsets, acc = [], 0
-    for w in weights:
-        w_offsets.append(acc)
-        acc += w.numel()
+    layout = LinearLayout(sizes, has_bias, weights[0].shape[1])
+    w_offsets = layout.w_offsets
     biases = [s.bias.tensor for s in sites if s.has_bias]
-    b_slot = [sum(sizes[:i]) for i in range(len(sizes))]
-    b_offsets = [o for o, hb in zip(b_slot, has_bias) if hb]
+    b_offsets = [o for o, hb in zip(layout.b_slots, has_bias) if hb]
     zero_slots = sum(sz for sz, hb in zip(sizes, has_bias) if not hb) if any(has_bias) else 0
     params = _params(sites)
     detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
@@ -229,7 +227,6 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
     record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}", params, **detail)
     gid = f"linear{next(_gid_counter)}"
-    layout = LinearLayout(sizes, has_bias, weights[0].shape[1], weights[0].element_size())
     grp = Group(gid, record, fs, spec=layout)
     register_group(grp)
     bgrp = None
@@ -240,9 +237,9 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
 
     def move() -> None:
         if grp.storage is None:
-            grp.storage = fuse("linear.weight", wnames, weights, w_offsets, acc)
+            grp.storage = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features)
         if biases and bgrp.storage is None:
-            bgrp.storage = fuse("linear.bias", bnames, biases, b_offsets, sum(sizes))
+            bgrp.storage = fuse("linear.bias", bnames, biases, b_offsets, layout.total)
 
     ctx.defer(move)
     record.stats.setdefault("fused_calls", 0)
