@@ -587,16 +587,72 @@ def test_bad_input_raises_eagers_error_naming_the_rnn(bad, kind, text):
     assert text in str(err.value) and text in str(eager_err.value)
 
 
-def test_bad_input_through_torch_compile_raises_eagers_error():
-    """Under torch.compile Dynamo runs nn.LSTM's own argument checks while it
-    traces, and the frame falls back to eager: the same error as eager."""
-    model = Net(nn.LSTM, num_layers=2)
+_BAD_UNDER_COMPILE = {
+    # name: (args after a good (7, 3, 5) call, eager's exception type, eager's text)
+    "input_size": (lambda: (torch.randn(7, 3, 4),), RuntimeError, "input.size(-1) must be equal to input_size"),
+    "hidden": (lambda: (torch.randn(7, 3, 5), (torch.zeros(2, 4, 6), torch.zeros(2, 4, 6))), RuntimeError,
+               "Expected hidden[0] size"),
+    "dtype": (lambda: (torch.randn(7, 3, 5, dtype=torch.float64),), ValueError, "does not match weight dtype"),
+}
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-call", "after-a-good-call"])
+@pytest.mark.parametrize("bad", sorted(_BAD_UNDER_COMPILE))
+def test_bad_input_through_torch_compile_raises_eagers_error_naming_the_rnn(bad, first):
+    """Dynamo runs nn.LSTM's own argument checks while it traces and runs the
+    frame eagerly when they raise, so no graph is involved; the check that
+    raises is the module's ``check_forward_args``, which wfpass names when
+    Dynamo first wraps the RNN for a wformat backend (``fuse_rnn.name_errors``)."""
+    make_args, kind, text = _BAD_UNDER_COMPILE[bad]
+
+    class Outer(nn.Module):  # a nested RNN, so the name is a dotted path
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleDict({"net": Net(nn.LSTM, num_layers=2)})
+
+        def forward(self, x, *state):
+            return self.enc["net"](x, *state)
+
+    model = Outer()
+    ref = copy.deepcopy(model)
+    args = make_args()
+    with pytest.raises(kind) as eager_err:
+        ref(*args)
     fn = wformat()(model)
-    fn(torch.randn(7, 3, 5))
-    with pytest.raises(RuntimeError, match="input.size\\(-1\\) must be equal to input_size"):
-        fn(torch.randn(7, 3, 4))
-    with pytest.raises(ValueError, match="dtype"):
-        fn(torch.randn(7, 3, 5, dtype=torch.float64))
+    if not first:
+        fn(torch.randn(7, 3, 5))
+    with pytest.raises(kind) as err:
+        fn(*args)
+    assert type(err.value) is type(eager_err.value)
+    assert str(err.value) == f"'enc.net.rnn' (nn.LSTM): {eager_err.value}"
+    assert text in str(err.value)
+
+
+def test_naming_the_rnn_costs_no_graph_break_and_is_undone_by_restore():
+    from torch._dynamo.utils import counters
+
+    model = Net(nn.LSTM, num_layers=2)
+    counters.clear()
+    assert_same_fwd_bwd(model, wformat(), make_inputs(nn.LSTM, {"num_layers": 2}, 7))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert "check_forward_args" in vars(model.rnn)
+    # deepcopy and pickling keep a working, self-referencing check
+    for clone in (copy.deepcopy(model), _pickled(model)):
+        with pytest.raises(RuntimeError, match="'rnn' \\(nn.LSTM\\): input.size"):
+            clone.rnn.check_forward_args(torch.randn(7, 3, 4), None, None)
+        assert clone.rnn.check_forward_args.args[0] is clone.rnn
+    wfpass.restore(model)
+    assert "check_forward_args" not in vars(model.rnn)
+
+
+def _pickled(model):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def test_apply_subclass_with_own_forward_is_skipped():

@@ -132,9 +132,12 @@ class _AllowRnnUnderWformat:
         except Exception:
             return False
         try:
-            return rnn_capture_wanted(getattr(getattr(tx, "output", None), "compiler_fn", None))
+            wanted = rnn_capture_wanted(getattr(getattr(tx, "output", None), "compiler_fn", None))
         except Exception:  # never break a trace over this
             return False
+        if wanted:
+            _name_rnn_being_wrapped()
+        return wanted
 
     def __repr__(self) -> str:
         return "False"
@@ -147,6 +150,43 @@ class _AllowRnnUnderWformat:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def _name_rnn_being_wrapped() -> None:
+    """Give the RNN that Dynamo is wrapping right now errors that name it
+    (``fuse_rnn.name_errors``). The module and where it came from are the
+    locals ``value`` and ``self.source`` of ``VariableBuilder.wrap_module``
+    (torch/_dynamo/variables/builder.py, torch 2.13.0), the frame that asks
+    ``not config.allow_rnn``. Anything unexpected: leave the module alone."""
+    import sys
+
+    try:
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None or frame.f_code.co_name == "wrap_module":
+                break
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_name != "wrap_module":
+            return
+        module = frame.f_locals.get("value")
+        source = getattr(frame.f_locals.get("self"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if not isinstance(module, torch.nn.RNNBase):
+            return
+        from .passes.fuse_rnn import name_errors
+
+        name_errors(module, module_name_from_source(name) if isinstance(name, str) else "")
+    except Exception:  # never break a trace over this
+        return
+
+
+def module_name_from_source(source: str) -> str:
+    """``L['self']._modules['enc']._modules['0']`` -> ``enc.0``; ``""`` for
+    the root object itself (``L['rnn']``)."""
+    head = source.find("]")
+    parts = [a or b or c for a, b, c in _PART.findall(source[head + 1 :])]
+    return ".".join(p for p in parts if p not in ("_modules", "_parameters", "_buffers"))
 
 
 def rnn_capture_wanted(compiler_fn) -> bool:
