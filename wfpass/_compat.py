@@ -65,6 +65,47 @@ def current_fake_mode():
     return None if ctx is None else ctx.fake_mode
 
 
+def traced_frame_modules() -> list:
+    """The ``nn.Module`` objects the frame Dynamo is compiling can reach: its
+    locals (``self`` of a ``forward``), the globals its code names and the
+    module whose call runs it. For
+    modules Dynamo did not put into the graph (a graph break runs them
+    eagerly). ``InstructionTranslator.current_tx()`` and its ``f_locals`` /
+    ``f_globals`` / ``f_code`` (private; torch 2.13.0) are set while the
+    backend runs; anywhere else this returns ``[]``."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return []
+    if tx is None:
+        return []
+    found, seen = [], set()
+    values = list(getattr(tx, "f_locals", {}).values())
+    # A resume function (the rest of a frame after a graph break) holds only
+    # stack values; the module whose forward it continues is the ``self`` of
+    # the nearest ``nn.Module._call_impl`` on the Python stack
+    # (torch/nn/modules/module.py, torch 2.13.0), which also holds for a
+    # first compile: Dynamo compiles ``forward`` as ``_call_impl`` calls it.
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            values.append(frame.f_locals["self"])
+            break
+        frame = frame.f_back
+    del frame
+    f_globals = getattr(tx, "f_globals", {}) or {}
+    values += [f_globals[n] for n in getattr(getattr(tx, "f_code", None), "co_names", ()) if n in f_globals]
+    for v in values:
+        if isinstance(v, torch.nn.Module) and id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+    return found
+
+
 def mark_lifted_input(placeholder: torch.fx.Node, like: Optional[torch.fx.Node] = None) -> None:
     """AOTAutograd asserts every placeholder of a Dynamo graph has a
     ``_dynamo_source`` attribute (torch/_functorch/_aot_autograd/frontend_utils.py,

@@ -65,10 +65,12 @@ def restore(model: torch.nn.Module) -> int:
     the same values and the same objects. Returns how many tensors moved."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
+    from .passes.fp32_batchnorm import drop_eager_hook
     from .passes.fuse_rnn import unname_errors
 
     for m in model.modules():
         unname_errors(m)
+        drop_eager_hook(m)
     n = 0
     seen = set()
     for t in list(model.parameters()) + list(model.buffers()):

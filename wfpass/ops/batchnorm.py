@@ -36,7 +36,7 @@ from ..storage import register_undo, sharing_problem
 from .runtime import group, prologue
 
 __all__ = [
-    "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32",
+    "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32", "bn_eager_pre_hook",
     "fold_weight", "fold_bias", "fold_module_call", "folded_params", "FoldSpec",
 ]
 
@@ -153,20 +153,30 @@ def bn_fp32(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False)
     return _drifted(gid, role, t)
 
 
-def bn_module_fp32(gid: str, x: torch.Tensor) -> torch.Tensor:
-    """``call_module`` flavour: runs before an ``nn.BatchNorm*`` call and returns
-    ``x`` unchanged. The module's own forward then reads its (fp32) tensors and
-    keeps train/eval, ``num_batches_tracked`` and ``momentum=None`` exactly as
-    eager; this only checks, and restores, the fp32 format."""
-    g = group(gid)
-    mod = g.spec()
+def _check_module(gid: str, mod: Optional[torch.nn.Module]) -> None:
     if mod is not None:
         for role, name in enumerate(ROLES):
             t = getattr(mod, name, None)
             if t is not None and t.dtype is not torch.float32:
                 _drifted(gid, role, t)
-    g.record.bump("fp32_calls")
+    group(gid).record.bump("fp32_calls")
+
+
+def bn_module_fp32(gid: str, x: torch.Tensor) -> torch.Tensor:
+    """``call_module`` flavour: runs before an ``nn.BatchNorm*`` call and returns
+    ``x`` unchanged. The module's own forward then reads its (fp32) tensors and
+    keeps train/eval, ``num_batches_tracked`` and ``momentum=None`` exactly as
+    eager; this only checks, and restores, the fp32 format."""
+    _check_module(gid, group(gid).spec())
     return x
+
+
+def bn_eager_pre_hook(gid: str, module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook of a BatchNorm that Dynamo runs eagerly (a graph
+    break): the same check as ``bn_module_fp32``, on the module the hook is
+    called for (a deep copy's hook then checks the copy). Bound with
+    ``functools.partial`` so the module still pickles."""
+    _check_module(gid, module)
 
 
 # -- folding -------------------------------------------------------------------

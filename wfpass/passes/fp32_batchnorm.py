@@ -32,14 +32,22 @@ parameters runs the mixed kernel already); every tensor resolves to a
 Parameter/buffer of the model; none shares storage with another tensor;
 nothing but batch norms reads them in this graph (it would see fp32).
 
-Not seen by this pass: a BatchNorm with ``momentum=None`` in training mode
-under ``torch.compile``. Dynamo (torch 2.13.0) graph-breaks on
-``float(self.num_batches_tracked)`` and runs that module eagerly, outside any
-graph the backend receives.
+BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in
+training mode is not in any graph: Dynamo (torch 2.13.0) graph-breaks on
+``float(self.num_batches_tracked)`` and calls that module eagerly. While the
+backend compiles a graph of the same frame, the pass finds such modules among
+the modules the frame can reach (``_compat.traced_frame_modules``), moves
+their half tensors to fp32 (eager's BatchNorm then runs the mixed kernel with
+fp32 statistics, as in the graphs) and adds a forward pre-hook that keeps the
+format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
+record is ``rewritten`` with ``flavour="eager"``, and says how many training
+calls the module ran in half precision before a graph of its frame was
+compiled (when it is the first thing its frame runs, that is one).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 from typing import Any, Dict, List, Optional
@@ -49,11 +57,12 @@ import torch.fx as fx
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..graph import PassContext, TensorRef, meta_value
-from ..ops.batchnorm import HALF, ROLES, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
+from .. import _compat
+from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
 from ..ops.runtime import Group, register_group
 from ..storage import sharing_problem
 
-__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap"]
+__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook"]
 
 _gid_counter = itertools.count()
 
@@ -316,4 +325,79 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                 first = False
                 _set(site.node, pos, r, w)
         rewritten += 1
+    if ctx.is_dynamo:
+        rewritten += _eager_batchnorms(ctx)
     return rewritten
+
+
+# -- BatchNorms that Dynamo runs eagerly ----------------------------------------
+
+# module -> hook handle; weak keys (modules hash by identity).
+_EAGER_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def _graph_breaking(mod: torch.nn.Module) -> bool:
+    """Does Dynamo (torch 2.13.0) graph-break inside this module's forward?
+    Only ``momentum=None`` in training with running statistics: it reads
+    ``float(self.num_batches_tracked)``."""
+    return mod.training and mod.momentum is None and mod.track_running_stats
+
+
+def _eager_batchnorms(ctx: PassContext) -> int:
+    """See "BatchNorms Dynamo runs eagerly" in the module docstring."""
+    in_graph = {id(r.tensor) for r in ctx.state_tensors()}
+    done = set()
+    n = 0
+    for root in _compat.traced_frame_modules():
+        state = None
+        for name, mod in root.named_modules():
+            if id(mod) in done or not _is_module_bn(mod) or mod in _EAGER_HOOKS or not _graph_breaking(mod):
+                continue
+            done.add(id(mod))
+            tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
+            half = [r for r in tensors if tensors[r].dtype in HALF]
+            if not half or any(id(t) in in_graph for t in tensors.values()):
+                continue  # fp32 model, or compiled in this graph after all (the sites above)
+            label = name or type(mod).__name__
+            params = [f"{label}.{r}" for r in tensors]
+            why = (f"'{label}': momentum=None in training, so Dynamo graph-breaks on float(num_batches_tracked) "
+                   f"and runs this BatchNorm eagerly")
+            detail: Dict[str, Any] = dict(flavour="eager", mode="training", folded=False)
+            if state is None:
+                state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
+            problem = next((p for p in (sharing_problem(tensors[r], f"{label}.{r}", state) for r in half) if p), None)
+            if problem:
+                ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)
+                continue
+            src = _dtype_name(tensors[half[0]].dtype)
+            before = int(mod.num_batches_tracked) if mod.num_batches_tracked is not None else 0
+            detail.update(from_dtype=src, cast=[f"{label}.{r}" for r in half],
+                          extra_bytes=sum(tensors[r].numel() * 2 for r in half), half_calls_before=before)
+            what = ", ".join(half)
+            if ctx.config.dry_run:
+                ctx.report.add("batchnorm", "rewritten", f"{why}; would hold {what} in float32 [dry run]", params, **detail)
+                n += 1
+                continue
+            late = (f"; it had already run {before} training call(s) with {src} statistics before a graph of its "
+                    f"frame was compiled") if before else ""
+            record = ctx.report.add(
+                "batchnorm", "rewritten",
+                f"{why}; {what} held in float32 so that call runs the mixed-precision kernel with fp32 statistics; "
+                f"a forward pre-hook keeps the format{late}", params, **detail)
+            record.stats.setdefault("fp32_calls", 0)
+            gid = f"bn{next(_gid_counter)}"
+            register_group(Group(gid, record, None, spec=weakref.ref(mod)))
+            moved = [tensors[r] for r in half]
+            ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
+            _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, gid))
+            n += 1
+    return n
+
+
+def drop_eager_hook(mod: torch.nn.Module) -> bool:
+    """``wfpass.restore``: remove the pre-hook ``_eager_batchnorms`` added."""
+    handle = _EAGER_HOOKS.pop(mod, None)
+    if handle is None:
+        return False
+    handle.remove()
+    return True
