@@ -125,7 +125,7 @@ class ParamFormat(Format):
 
     def run(self, gm: fx.GraphModule, ctx) -> int:
         from .graph import TensorRef
-        from .storage import register_undo, sharing_problem, undo_registered
+        from .storage import register_undo, sharing_problem, undo_registered, unmovable
 
         pattern = self.pattern or self.name
         others = [(r.name, r.tensor) for r in ctx.state_tensors()]
@@ -143,8 +143,11 @@ class ParamFormat(Format):
             if all(undo_registered(t) for t in tensors.values()):
                 ctx.report.add(pattern, "skipped", "already in this format", names)
                 continue
-            why = self.check(node, tensors) or next(
-                (w for w in (sharing_problem(r.tensor, r.name, others) for r in refs.values()) if w), None
+            # unmovable first: a DTensor/FSDP2 tensor never reaches the format's own check.
+            why = (
+                next((w for w in (unmovable(r.tensor, r.name) for r in refs.values()) if w), None)
+                or self.check(node, tensors)
+                or next((w for w in (sharing_problem(r.tensor, r.name, others) for r in refs.values()) if w), None)
             )
             if why:
                 ctx.report.add(pattern, "skipped", why, names)

@@ -12,6 +12,7 @@ deleted model frees its buffer.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,7 +22,7 @@ from . import _compat
 
 __all__ = [
     "FusedStorage", "fuse", "refuse", "fused_storage_of", "restore_tensor", "register_undo", "undo_registered",
-    "overlaps", "sharing_problem", "byte_extent",
+    "overlaps", "sharing_problem", "byte_extent", "unmovable",
 ]
 
 # storage data_ptr -> FusedStorage. A stale entry (its members gone or moved)
@@ -31,6 +32,98 @@ _REGISTRY: Dict[Tuple[str, int], "FusedStorage"] = {}
 
 def _key(t: torch.Tensor) -> Tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+# -- tensors wfpass must not move ---------------------------------------------
+# Exactly these types own plain storage that wfpass may re-point. A subclass
+# (DTensor, FakeTensor, a quantized or user wrapper) may keep its data
+# elsewhere or attach meaning to where it lives: wfpass cannot prove a move
+# safe, so it leaves it alone (invariant 7).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _loaded(module: str, attr: str):
+    """``module.attr`` if ``module`` is already imported, else None. No such
+    object can exist before its module is imported, so the checks below cost
+    nothing (and import nothing) for a model that does not use
+    torch.distributed, and work on builds without it."""
+    return getattr(sys.modules.get(module), attr, None)
+
+
+def _fsdp_owner(t: torch.Tensor) -> Optional[torch.nn.Module]:
+    """The FSDP2 module (``fully_shard``) whose parameters include ``t``, or None.
+
+    Between its pre-forward and post-forward hooks FSDP2 registers plain
+    unsharded Parameters on the module, views of its all-gather buffer that
+    it frees and re-allocates every step: a plain tensor on the outside, but
+    FSDP owns its storage. ``fully_shard`` swaps the module's class to a
+    subclass of ``FSDPModule`` and records its state in torch.distributed's
+    registry of composable-API modules (a private WeakKeyDictionary,
+    torch 2.13): that registry is the one place reachable from a tensor alone.
+    Where it is missing, the DTensor check and ``sharing_problem``'s
+    storage-use count (the all-gather buffer holds the storage too) still skip it."""
+    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
+    mapping = _loaded("torch.distributed._composable_state", "_module_state_mapping")
+    if fsdp_module is None or not mapping:
+        return None
+    try:
+        modules = [m for m in list(mapping.keys()) if isinstance(m, fsdp_module)]
+    except Exception:  # pragma: no cover - the registry changed shape
+        return None
+    for m in modules:
+        if any(p is t for p in m.parameters()):
+            return m
+    return None
+
+
+def unmovable(t: torch.Tensor, name: str) -> Optional[str]:
+    """Why wfpass must not move ``t`` into a fused format at all, or None.
+
+    * a DTensor (FSDP2's sharded parameters, tensor parallel): its storage
+      is one rank's shard and torch.distributed owns it;
+    * any other tensor subclass: only ``torch.Tensor`` and ``nn.Parameter``
+      are known to keep their values in their own storage;
+    * a parameter of an FSDP2-managed module (``fully_shard``), even when it
+      is a plain tensor: FSDP re-allocates its storage every forward.
+
+    Every pass asks this first (``sharing_problem`` does); the pattern is
+    then reported ``skipped`` with this reason.
+    """
+    cls = type(t)
+    if cls not in _PLAIN:
+        dtensor = _loaded("torch.distributed.tensor", "DTensor")
+        if dtensor is not None and isinstance(t, dtensor):
+            placements = ", ".join(map(repr, getattr(t, "placements", ()) or ()))
+            return (f"{name} is a DTensor ({placements + ', ' if placements else ''}FSDP2 or tensor parallel): its storage "
+                    f"is sharded across ranks and owned by torch.distributed; wfpass leaves it alone")
+        return (f"{name} is a {cls.__module__}.{cls.__qualname__}, a torch.Tensor subclass: wfpass moves only plain "
+                f"tensors and Parameters (it cannot tell where a subclass keeps its data); left alone")
+    owner = _fsdp_owner(t)
+    if owner is not None:
+        return (f"{name} belongs to an FSDP2-managed module ({type(owner).__name__}, fully_shard): FSDP re-allocates "
+                f"its unsharded storage every forward; wfpass leaves it alone")
+    return None
+
+
+def _storage_parts(t: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors whose storage ``t`` reads: ``t`` itself, or the
+    inner tensors of a wrapper subclass (``__tensor_flatten__``: a DTensor's
+    local shard). Empty where that cannot be told."""
+    if type(t) in _PLAIN:
+        return [t]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        try:
+            attrs, _ = flatten()
+            inner = [getattr(t, a, None) for a in attrs]
+            return [p for i in inner if isinstance(i, torch.Tensor) for p in _storage_parts(i)]
+        except Exception:
+            return []
+    try:
+        t.untyped_storage().data_ptr()
+    except Exception:
+        return []
+    return [t]
 
 
 def byte_extent(t: torch.Tensor) -> Tuple[int, int]:
@@ -43,7 +136,14 @@ def byte_extent(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if ``a`` and ``b`` can read or write the same bytes (the data_ptr check the forum thread asks for)."""
+    """True if ``a`` and ``b`` can read or write the same bytes (the data_ptr check the forum thread asks for).
+    A wrapper subclass (DTensor) is compared through the tensors it wraps."""
+    if type(a) not in _PLAIN or type(b) not in _PLAIN:
+        return any(_overlaps_plain(x, y) for x in _storage_parts(a) for y in _storage_parts(b))
+    return _overlaps_plain(a, b)
+
+
+def _overlaps_plain(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     a0, a1 = byte_extent(a)
@@ -119,6 +219,8 @@ class FusedStorage:
 
 def fused_storage_of(t: torch.Tensor) -> Optional[FusedStorage]:
     """The live FusedStorage ``t`` belongs to, if any."""
+    if type(t) not in _PLAIN:
+        return None  # wfpass never fuses a subclass (``unmovable``)
     fs = _REGISTRY.get(_key(t))
     if fs is not None and fs.is_member(t) and fs.intact():
         return fs
@@ -181,6 +283,8 @@ def restore_tensor(t: torch.Tensor) -> bool:
     undo = _UNDO.pop(t, None)
     if undo is not None:
         undo(t)
+    if type(t) not in _PLAIN:
+        return undo is not None  # never fused (``unmovable``); a DTensor has no storage of its own
     fs = _REGISTRY.get(_key(t))
     if fs is None or not fs.is_member(t):
         return undo is not None
@@ -194,18 +298,24 @@ def restore_tensor(t: torch.Tensor) -> bool:
 def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torch.Tensor]], allowed: Sequence[torch.Tensor] = ()) -> Optional[str]:
     """Why moving ``t`` into a new buffer could silently untie it, or None.
 
-    Two checks: byte overlap with any other tensor the model has (ties inside
-    the model), and the storage's reference count (aliases held anywhere else,
-    e.g. a tensor the user kept from ``param.data``). Tensors in ``allowed``
-    (the same group's members already fused together) do not count.
+    First ``unmovable``: a DTensor, another tensor subclass or an FSDP2
+    parameter is never moved. Then two checks: byte overlap with any other
+    tensor the model has (ties inside the model), and the storage's reference
+    count (aliases held anywhere else, e.g. a tensor the user kept from
+    ``param.data``). Tensors in ``allowed`` (the same group's members already
+    fused together) do not count.
     """
+    why = unmovable(t, name)
+    if why is not None:
+        return why
     for oname, o in others:
         if o is t or any(o is a for a in allowed):
             continue
         if overlaps(t, o):
             return f"{name} shares storage with {oname} (tied weights); moving it would untie them"
     uses = _compat.storage_use_count(t)
-    expected = 1 + sum(1 for a in allowed if a is not t and a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+    ptr = t.untyped_storage().data_ptr()
+    expected = 1 + sum(1 for a in allowed if a is not t and type(a) in _PLAIN and a.untyped_storage().data_ptr() == ptr)
     if uses is not None and uses > expected:
         return f"{name}'s storage is also held by {uses - expected} other tensor(s) outside this graph; moving it would untie them"
     return None

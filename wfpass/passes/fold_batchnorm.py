@@ -46,7 +46,7 @@ import torch.fx as fx
 from ..graph import LINEAR_TARGETS, PassContext, meta_value
 from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight
 from ..ops.runtime import Group, register_group
-from ..storage import sharing_problem
+from ..storage import sharing_problem, unmovable
 from .fp32_batchnorm import BNSite, batchnorm_sites, unwrap
 
 __all__ = ["fold_batchnorm"]
@@ -195,7 +195,14 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         layer_names = [w_name] + ([b_name] if b_t is not None else [])
         if others is None:
             others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        problem = None
+        # A DTensor, another subclass or an FSDP2 parameter: not a tie, and
+        # never folded (the fold would compute on one rank's shard).
+        checked = [(w_name, w_t), (b_name, b_t)] + [
+            (site.refs[r].name, site.refs[r].tensor) for r in ("running_mean", "running_var", "weight", "bias") if site.present[r]]
+        problem = next((why for why in (unmovable(t, n) for n, t in checked if t is not None) if why), None)
+        if problem:
+            skip(problem, layer_names)
+            continue
         for name, t, n in [(w_name, w_t, w_node), (b_name, b_t, b_node)]:
             if t is not None:
                 problem = _tied(ctx, others, t, name, n)

@@ -39,7 +39,7 @@ from .. import _compat
 from ..graph import PassContext, TensorRef, meta_value
 from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_module_call, rnn_weight_block
 from ..ops.runtime import register_group
-from ..storage import fuse, fused_storage_of, sharing_problem
+from ..storage import fuse, fused_storage_of, sharing_problem, unmovable
 
 __all__ = ["fuse_rnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
@@ -296,6 +296,9 @@ def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
         if s is None:
             continue
         params = [r.name for r in s.weights]
+        if s.problem is None:
+            # A DTensor/FSDP2 weight: not even the fallback op may run on it.
+            s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
         if s.problem is None:
             s.problem = _spec_problem(s)
         spec = None
