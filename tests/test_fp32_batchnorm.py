@@ -329,7 +329,19 @@ def _collecting(model, **kw):
 
 
 def _eager_records(reports):
-    return [r for rep in reports for r in rep.records if r.pattern == "batchnorm" and r.detail.get("flavour") == "eager"]
+    # last_report() holds every graph of one call, so records repeat: by identity
+    recs = {id(r): r for rep in reports for r in rep.records}.values()
+    return [r for r in recs if r.pattern == "batchnorm" and r.detail.get("flavour") == "eager"]
+
+
+def test_last_report_holds_every_graph_of_a_call_split_by_a_graph_break():
+    model = ConvBN(2, momentum=None).to(torch.bfloat16)
+    fn = wf_compile(model)
+    fn(model.example(torch.bfloat16))
+    rep = wfpass.last_report()
+    assert "graphs of one call" in rep.title
+    assert [r.detail.get("flavour") for r in rep.find("batchnorm")] == ["eager"]
+    assert len(rep.find("batchnorm", "rewritten")) == 1
 
 
 @pytest.mark.parametrize("dim", [1, 2, 3])

@@ -106,6 +106,48 @@ def traced_frame_modules() -> list:
     return found
 
 
+def compile_origin() -> tuple:
+    """((compile context, attempt), does this compile continue a call already under way?) of
+    the Dynamo compile in progress, so ``last_report`` can hold every graph of
+    one model call. DDPOptimizer compiles several subgraphs under one compile
+    id. A graph break runs part of a frame eagerly: Dynamo then compiles
+    nested frames it calls and a resume function for the rest, each while the
+    user's frame is executing. A first compile of a call has only
+    ``nn.Module`` call plumbing between Dynamo's ``compile_wrapper``
+    (torch/_dynamo/eval_frame.py) and its frame callback
+    (torch/_dynamo/convert_frame.py); a continuation has the user's code
+    there. (Those file and function names, and ``CompileContext.
+    current_compile_id``, are private; torch 2.13.0.) ``(None, False)``
+    outside Dynamo."""
+    import sys
+
+    try:
+        from torch._guards import CompileContext
+
+        # The context object, not its id string: ids restart at "0/0" after
+        # torch._dynamo.reset(). The caller keeps it, so it cannot be reused.
+        cid = CompileContext.try_get()
+    except Exception:
+        return None, False
+    frame, seen_callback, continues = sys._getframe(1), False, False
+    while frame is not None:
+        fname = frame.f_code.co_filename.replace("\\", "/")
+        if fname.endswith("torch/_dynamo/convert_frame.py"):
+            seen_callback, continues = True, False
+        elif seen_callback:
+            if fname.endswith("torch/_dynamo/eval_frame.py") and frame.f_code.co_name == "compile_wrapper":
+                break
+            if not fname.endswith("torch/nn/modules/module.py"):
+                continues = True
+        frame = frame.f_back
+    else:
+        continues = False  # no compile_wrapper: not a torch.compile call we can place
+    del frame
+    # A restarted analysis (attempt + 1) compiles the same graph again: a new
+    # report, not a second graph of the call.
+    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues
+
+
 def mark_lifted_input(placeholder: torch.fx.Node, like: Optional[torch.fx.Node] = None) -> None:
     """AOTAutograd asserts every placeholder of a Dynamo graph has a
     ``_dynamo_source`` attribute (torch/_functorch/_aot_autograd/frontend_utils.py,

@@ -50,9 +50,9 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
 
     def collect(gm, example_inputs):
         out = be(gm, example_inputs)
-        from .backend import last_report
+        from .backend import _last_graph_report
 
-        reports.extend(last_report())
+        reports.extend(_last_graph_report())
         return out
 
     with torch.no_grad():

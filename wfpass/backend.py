@@ -35,18 +35,39 @@ __all__ = ["backend", "wformat", "last_report"]
 log = logging.getLogger("wfpass")
 
 _LAST: List[Report] = []
+_LAST_ORIGIN: List[Any] = [None]
 
 
 def last_report() -> Report:
-    """The report of the graph wfpass compiled or rewrote most recently.
-    (A model that graph-breaks compiles several graphs; each has its own.)"""
+    """The report of what wfpass compiled or rewrote most recently: one graph,
+    or, where Dynamo split one call into several graphs (a graph break, whose
+    rest runs as a resume function; DDP's per-bucket subgraphs), all of them
+    in order. Records are the live ones: their ``stats`` keep counting."""
     if not _LAST:
         return Report("wfpass report (nothing compiled yet)")
-    return _LAST[-1]
+    if len(_LAST) == 1:
+        return _LAST[0]
+    merged = Report(f"wfpass report ({len(_LAST)} graphs of one call, split by Dynamo)")
+    for r in _LAST:
+        merged.extend(r)
+    return merged
 
 
-def _set_last(report: Report) -> None:
-    _LAST[:] = [report]
+def _last_graph_report() -> Report:
+    """The most recent graph's report alone (``wfpass.explain`` collects them)."""
+    return _LAST[-1] if _LAST else Report("wfpass report (nothing compiled yet)")
+
+
+def _set_last(report: Report, origin: Any = None, continues: bool = False) -> None:
+    """``origin``: Dynamo's (compile context, attempt) (None outside Dynamo); ``continues``:
+    this graph is a resume function, the rest of the previous graph's call."""
+    last = _LAST_ORIGIN[0]
+    same = origin is not None and last is not None and origin[0] is last[0] and origin[1] == last[1]
+    if _LAST and (continues or same):
+        _LAST.append(report)
+    else:
+        _LAST[:] = [report]
+    _LAST_ORIGIN[0] = origin
     if os.environ.get("WFPASS_REPORT", "") not in ("", "0"):
         print(report)
 
@@ -109,7 +130,7 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)")
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
-    _set_last(report)
+    _set_last(report, *_compat.compile_origin())
     hoisted, inputs = _hoist_prologues(gm, ctx.compile_inputs())
     inner = _resolve_inner(config.inner)
     compiled = inner(gm, inputs)
