@@ -148,6 +148,25 @@ def compile_origin() -> tuple:
     return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues
 
 
+def fsdp2_modules() -> list:
+    """Live modules ``fully_shard`` (FSDP2) manages: the ``FSDPModule``
+    instances in torch.distributed's registry of composable-API module states
+    (``torch.distributed._composable_state._module_state_mapping``, a private
+    WeakKeyDictionary; torch 2.13.0). Read only if torch.distributed's FSDP is
+    already imported (no FSDP2 module can exist otherwise); ``[]`` where the
+    registry is missing or changed shape."""
+    import sys
+
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    mapping = getattr(sys.modules.get("torch.distributed._composable_state"), "_module_state_mapping", None)
+    if fsdp_module is None or not mapping:
+        return []
+    try:
+        return [m for m in list(mapping.keys()) if isinstance(m, fsdp_module)]
+    except Exception:  # pragma: no cover - the registry changed shape
+        return []
+
+
 def mark_lifted_input(placeholder: torch.fx.Node, like: Optional[torch.fx.Node] = None) -> None:
     """AOTAutograd asserts every placeholder of a Dynamo graph has a
     ``_dynamo_source`` attribute (torch/_functorch/_aot_autograd/frontend_utils.py,

@@ -58,18 +58,11 @@ def _fsdp_owner(t: torch.Tensor) -> Optional[torch.nn.Module]:
     it frees and re-allocates every step: a plain tensor on the outside, but
     FSDP owns its storage. ``fully_shard`` swaps the module's class to a
     subclass of ``FSDPModule`` and records its state in torch.distributed's
-    registry of composable-API modules (a private WeakKeyDictionary,
-    torch 2.13): that registry is the one place reachable from a tensor alone.
+    registry of composable-API modules (``_compat.fsdp2_modules``): that
+    registry is the one place reachable from a tensor alone.
     Where it is missing, the DTensor check and ``sharing_problem``'s
     storage-use count (the all-gather buffer holds the storage too) still skip it."""
-    fsdp_module = _loaded("torch.distributed.fsdp", "FSDPModule")
-    mapping = _loaded("torch.distributed._composable_state", "_module_state_mapping")
-    if fsdp_module is None or not mapping:
-        return None
-    try:
-        modules = [m for m in list(mapping.keys()) if isinstance(m, fsdp_module)]
-    except Exception:  # pragma: no cover - the registry changed shape
-        return None
+    modules = _compat.fsdp2_modules()
     for m in modules:
         if any(p is t for p in m.parameters()):
             return m
