@@ -117,8 +117,9 @@ def compile_origin() -> tuple:
     (torch/_dynamo/eval_frame.py) and its frame callback
     (torch/_dynamo/convert_frame.py); a continuation has the user's code
     there. (Those file and function names, and ``CompileContext.
-    current_compile_id``, are private; torch 2.13.0.) ``(None, False)``
-    outside Dynamo."""
+    current_compile_id``, are private; torch 2.13.0.) Third: the call's
+    tensor arguments, to check that a continuation belongs to the same call
+    as the graphs before it. ``(None, False, ())`` outside Dynamo."""
     import sys
 
     try:
@@ -128,14 +129,18 @@ def compile_origin() -> tuple:
         # torch._dynamo.reset(). The caller keeps it, so it cannot be reused.
         cid = CompileContext.try_get()
     except Exception:
-        return None, False
-    frame, seen_callback, continues = sys._getframe(1), False, False
+        return None, False, ()
+    frame, seen_callback, continues, call = sys._getframe(1), False, False, ()
     while frame is not None:
         fname = frame.f_code.co_filename.replace("\\", "/")
         if fname.endswith("torch/_dynamo/convert_frame.py"):
             seen_callback, continues = True, False
         elif seen_callback:
             if fname.endswith("torch/_dynamo/eval_frame.py") and frame.f_code.co_name == "compile_wrapper":
+                # The call's tensor arguments tell two calls apart (frame
+                # objects are not weak-referenceable and their ids are reused).
+                args = frame.f_locals.get("args") or ()
+                call = tuple(a for a in args if isinstance(a, torch.Tensor))
                 break
             if not fname.endswith("torch/nn/modules/module.py"):
                 continues = True
@@ -145,7 +150,7 @@ def compile_origin() -> tuple:
     del frame
     # A restarted analysis (attempt + 1) compiles the same graph again: a new
     # report, not a second graph of the call.
-    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues
+    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues, call
 
 
 def fsdp2_modules() -> list:

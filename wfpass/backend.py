@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
@@ -36,6 +37,7 @@ log = logging.getLogger("wfpass")
 
 _LAST: List[Report] = []
 _LAST_ORIGIN: List[Any] = [None]
+_LAST_CALL: List[Any] = [[]]
 
 
 def last_report() -> Report:
@@ -58,16 +60,22 @@ def _last_graph_report() -> Report:
     return _LAST[-1] if _LAST else Report("wfpass report (nothing compiled yet)")
 
 
-def _set_last(report: Report, origin: Any = None, continues: bool = False) -> None:
-    """``origin``: Dynamo's (compile context, attempt) (None outside Dynamo); ``continues``:
-    this graph is a resume function, the rest of the previous graph's call."""
+def _set_last(report: Report, origin: Any = None, continues: bool = False, call: Sequence[Any] = ()) -> None:
+    """``origin``: Dynamo's (compile context, attempt) (None outside Dynamo);
+    ``continues``: this graph continues a call already under way (a nested
+    frame or resume function after a graph break), whose tensor arguments are
+    ``call``. A continuation joins the previous reports only if they came
+    from the same call (the same argument objects, held weakly)."""
     last = _LAST_ORIGIN[0]
     same = origin is not None and last is not None and origin[0] is last[0] and origin[1] == last[1]
-    if _LAST and (continues or same):
+    refs = _LAST_CALL[0]
+    same_call = bool(call) and len(refs) == len(call) and all(r() is t for r, t in zip(refs, call))
+    if _LAST and (same or (continues and same_call)):
         _LAST.append(report)
     else:
         _LAST[:] = [report]
     _LAST_ORIGIN[0] = origin
+    _LAST_CALL[0] = [weakref.ref(t) for t in call]
     if os.environ.get("WFPASS_REPORT", "") not in ("", "0"):
         print(report)
 
