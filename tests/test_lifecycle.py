@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import wfpass
 from models import QKV, SwiGLU
-from wftest import param_ids, train_steps
+from wfpass.storage import fused_storage_of
+from wftest import TOL, param_ids, train_steps
 
 
 def _fused(model, x=None, **kw):
@@ -198,3 +199,133 @@ def test_restore_after_training_and_checkpoint():
     assert len(set(ptrs)) == len(ptrs)
     for k, v in fused.state_dict().items():
         assert torch.equal(v, values[k])
+
+
+# -- an embedding tied to the output projection, inside a fused group ------------
+
+
+class TiedLM(nn.Module):
+    """``lm_head.weight`` is ``emb.weight`` (one Parameter), and ``lm_head``
+    has a sibling reading the same hidden state (a value head): the tied
+    weight is a member of a sibling group."""
+
+    def __init__(self, V=24, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.lm_head.weight = self.emb.weight
+        self.value = nn.Linear(d, 1)
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        return self.lm_head(h), self.value(h)
+
+
+def _assert_tied(m: TiedLM):
+    assert m.emb.weight is m.lm_head.weight
+    assert m.emb.weight.data_ptr() == m.lm_head.weight.data_ptr()
+    assert len(list(m.parameters())) == 3  # the tie is still one Parameter
+
+
+def _assert_same_training(model, fn, ref, opt, ropt, steps=3):
+    """``steps`` SGD steps of ``fn`` (compiled/rewritten ``model``) and of the
+    eager ``ref``: same outputs, grads and parameters after every step; the
+    tie holds throughout."""
+    rtol, atol = TOL[torch.float32]
+    g = torch.Generator().manual_seed(steps)
+    for _ in range(steps):
+        ids = torch.randint(0, 24, (2, 5), generator=g)
+        outs = []
+        for f, o in ((fn, opt), (ref, ropt)):
+            o.zero_grad(set_to_none=True)
+            logits, value = f(ids)
+            (logits.pow(2).mean() + value.sum()).backward()
+            outs.append((logits, value))
+        torch.testing.assert_close(outs[0], outs[1], rtol=rtol, atol=atol)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad {n}: {m}")
+        opt.step()
+        ropt.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+        _assert_tied(model)
+
+
+@pytest.mark.parametrize("how", ["compile", "apply"])
+def test_embedding_tied_to_output_projection_in_a_fused_group(how, tmp_path):
+    """wfpass keeps the tie and fuses the group: the tied Parameter (embedding
+    and lm_head) and the value head become views of one block. The tie is
+    never silently lost: not by the pass, not by a dtype round trip, not by a
+    checkpoint round trip, not by restore."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    _assert_tied(ref)  # deepcopy keeps the tie: the reference is a tied eager model
+    ids_before = param_ids(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # built before the pass
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    if how == "compile":
+        fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+        fn(torch.randint(0, 24, (2, 5)))
+        report = wfpass.last_report()
+    else:
+        fn = torch.fx.symbolic_trace(model)
+        report = wfpass.apply(fn, linear_path="fused")
+
+    def assert_fused():
+        _assert_tied(model)
+        assert fused_storage_of(model.emb.weight) is not None
+        assert model.emb.weight.untyped_storage().data_ptr() == model.value.weight.untyped_storage().data_ptr()
+
+    # What wfpass does: the group is rewritten with the tied weight in it (under
+    # its Dynamo name emb.weight or its traced name lm_head.weight); nothing
+    # is skipped.
+    (rec,) = report.find("linear", "rewritten")
+    assert set(rec.params) & {"emb.weight", "lm_head.weight"} and "value.weight" in rec.params, rec.params
+    assert not report.find("linear", "skipped"), report
+    assert_fused()
+    assert param_ids(model) == ids_before
+    _assert_same_training(model, fn, ref, opt, ropt)
+
+    # A dtype round trip: the layout is lost, the tie is not; the next call re-fuses.
+    for m in (model, ref):
+        m.to(torch.float64)
+        _assert_tied(m)
+        m.float()
+    _assert_tied(model)
+    _assert_same_training(model, fn, ref, opt, ropt)
+    assert rec.stats.get("refused", 0) >= 1, rec.stats
+    assert_fused()
+
+    # Checkpoint round trip: the file holds the tie (two keys, one storage) as
+    # eager's does; a plain model reads it tied; loading it (and a plain
+    # model's checkpoint) into the fused model keeps tie and layout.
+    torch.save(model.state_dict(), tmp_path / "fused.pt")
+    sd = torch.load(tmp_path / "fused.pt")
+    assert list(sd) == list(ref.state_dict())
+    assert sd["emb.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()
+    plain = TiedLM()
+    plain.load_state_dict(sd)
+    _assert_tied(plain)
+    _same(plain, model)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    for m in (model, ref):
+        m.load_state_dict(torch.load(tmp_path / "plain.pt"))
+    _same(model, plain)
+    assert_fused()
+    _assert_same_training(model, fn, ref, opt, ropt)
+
+    # Restore: plain independent storages, the tie kept, the same values.
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    wfpass.restore(model)
+    _assert_tied(model)
+    assert fused_storage_of(model.emb.weight) is None
+    ptrs = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(ptrs)) == len(ptrs)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k]), k
+    assert param_ids(model) == ids_before
+    _assert_same_training(model, fn, ref, opt, ropt)  # the rewritten graph still runs (and re-fuses)
