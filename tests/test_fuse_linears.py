@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import wfpass
 from wfpass.ops.fused_linear import fused_linear
+from wfpass.storage import fused_storage_of
 from wfpass.passes.fuse_linears import _dependency_graph, _fusion_keeps_dag
 
 from models import QKV, Chain, Functional, SwiGLU
@@ -98,12 +99,64 @@ def test_params_identity_state_dict_and_zero_extra_memory():
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
 
 
-def test_mixed_bias_costs_only_zero_slots():
+def test_mixed_bias_keeps_biases_apart_and_costs_no_bytes():
+    """A member without a bias: the bias vector (zeros in its slot) is
+    assembled per call; the biases keep their own storage, so neither memory
+    nor a checkpoint grows. (Zero slots in a shared bias buffer would be
+    written by torch.save, which writes a view's whole storage.)"""
     model = QKV(k_bias=False)
-    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    for _ in range(2):
+        fn(torch.randn(1, 32))
     (rec,) = wfpass.last_report().find("linear", "rewritten")
-    assert rec.detail["zero_bias_slots"] == 16 and rec.detail["extra_bytes"] == 64
+    assert rec.detail["zero_bias_slots"] == 16 and rec.detail["extra_bytes"] == 0
+    assert rec.detail["bias_layout"] == "per call"
+    assert rec.stats["bias_cat_calls"] == 2 and rec.stats["fused_calls"] == 2 and "bias_fallback_calls" not in rec.stats
     assert rec.params == ["q.weight", "q.bias", "k.weight", "v.weight", "v.bias"]
+    assert model.q.bias.untyped_storage().data_ptr() != model.v.bias.untyped_storage().data_ptr()
+
+
+def test_all_biases_served_from_their_buffer_without_copy():
+    model = QKV(k_bias=True)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    for _ in range(3):
+        fn(torch.randn(1, 32))
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.detail["bias_layout"] == "one buffer"
+    assert rec.stats["fused_calls"] == 3 and rec.stats.get("bias_fallback_calls", 0) == 0, rec.stats
+    assert fused_storage_of(model.q.bias) is not None
+
+
+@pytest.mark.parametrize("kind", ["linear-mixed-bias", "lstm-no-bias"])
+def test_checkpoint_no_larger_than_plain_with_zero_slots(kind, tmp_path):
+    """Where the fused kernels need zeros (a member without a bias; an RNN with
+    bias=False on the CPU), the zeros are kept out of the parameters' storage,
+    so the saved file is no larger than the plain model's. Sizes chosen so the
+    zeros would be visible: 4096 rows without a bias; a 2-layer LSTM."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(8, 4096, bias=False)
+            self.value = nn.Linear(8, 1)
+
+        def forward(self, h):
+            return self.lm_head(h), self.value(h)
+
+    if kind == "linear-mixed-bias":
+        model, x = Heads(), torch.randn(2, 8)
+        options = dict(linear_path="fused")
+    else:
+        model, x = nn.LSTM(16, 64, num_layers=2, bias=False), torch.randn(5, 2, 16)
+        options = {}
+    plain = copy.deepcopy(model)
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager", **options))(x)
+    assert wfpass.last_report().rewritten
+    sizes = {}
+    for name, m in (("wformat", model), ("plain", plain)):
+        torch.save(m.state_dict(), tmp_path / name)
+        sizes[name] = (tmp_path / name).stat().st_size
+    assert sizes["wformat"] <= sizes["plain"], sizes
 
 
 @pytest.mark.parametrize("opt_cls,kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)), (torch.optim.Adam, dict(lr=1e-2))])
@@ -340,3 +393,28 @@ def test_entry_point_without_import(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "wfpass loaded by entry point: True" in res.stdout
+
+
+@pytest.mark.parametrize("flavour", ["compile", "apply"])
+def test_split_path_layout_lost_comes_back_and_is_counted(flavour):
+    """The split path's GEMMs read each member's own tensor, so nothing reads
+    the block; a per-call check still brings a lost layout back (refused)."""
+    torch.manual_seed(0)
+    model = QKV(k_bias=True)
+    ref = copy.deepcopy(model)
+    if flavour == "compile":
+        fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="split"))
+    else:
+        fn = fx.symbolic_trace(model)
+        wfpass.apply(fn, linear_path="split")
+    x = torch.randn(4, 8, 32)
+    torch.testing.assert_close(fn(x), ref(x))
+    (rec,) = wfpass.last_report().find("linear", "rewritten")
+    assert rec.detail["path"] == "split"
+    model.double().float()  # the layout is lost: each weight gets its own storage
+    ref.double().float()
+    assert fused_storage_of(model.q.weight) is None or not fused_storage_of(model.q.weight).is_member(model.q.weight)
+    torch.testing.assert_close(fn(x), ref(x))
+    assert rec.stats["refused"] == 1 and not rec.stats.get("unfused_layout_calls")
+    assert model.q.weight.untyped_storage().data_ptr() == model.v.weight.untyped_storage().data_ptr()
+

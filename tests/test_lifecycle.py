@@ -71,6 +71,33 @@ def test_load_state_dict_non_strict_and_assign():
     torch.testing.assert_close(c(x), ref(x))
 
 
+def test_assign_load_of_a_fused_checkpoint_then_restore_gives_independent_storage(tmp_path):
+    """torch.save writes a view's whole storage, so a checkpoint of a fused
+    model loads as views of one storage; with assign=True even a plain model
+    then shares storage between its parameters (values right; safetensors'
+    save_model refuses it). wfpass.restore separates them, values intact."""
+    st = pytest.importorskip("safetensors.torch")
+    fused = _trained()
+    torch.save(fused.state_dict(), tmp_path / "fused.pt")
+    plain = QKV(k_bias=False)
+    plain.load_state_dict(torch.load(tmp_path / "fused.pt"), assign=True)
+    ptrs = lambda m: {p.untyped_storage().data_ptr() for p in m.parameters()}
+    assert len(ptrs(plain)) < len(list(plain.parameters()))  # what torch.load gives
+    with pytest.raises(RuntimeError):
+        st.save_model(plain, str(tmp_path / "refused.safetensors"))
+    ids = param_ids(plain)
+    assert wfpass.restore(plain) > 0
+    assert len(ptrs(plain)) == len(list(plain.parameters())) and param_ids(plain) == ids
+    _same(fused, plain)
+    st.save_model(plain, str(tmp_path / "ok.safetensors"))
+    # A tie (one Parameter used twice) is not a shared storage to split.
+    tied = QKV(k_bias=False)
+    tied.k.weight = tied.q.weight if tied.k.weight.shape == tied.q.weight.shape else tied.k.weight
+    before = {id(p): p.untyped_storage().data_ptr() for p in tied.parameters()}
+    assert wfpass.restore(tied) == 0
+    assert {id(p): p.untyped_storage().data_ptr() for p in tied.parameters()} == before
+
+
 def test_safetensors(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     fused = _trained()

@@ -12,7 +12,7 @@ from .config import Config
 from .graph import PassContext
 from .passes import run_passes
 from .report import Report
-from .storage import restore_tensor
+from .storage import overlaps, restore_tensor
 
 __all__ = ["apply", "explain", "restore"]
 
@@ -62,7 +62,10 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
 
 def restore(model: torch.nn.Module) -> int:
     """Give every parameter and buffer wfpass fused its own storage again, with
-    the same values and the same objects. Returns how many tensors moved."""
+    the same values and the same objects; also parameters and buffers that
+    are disjoint views of one storage for another reason (a checkpoint saved
+    from a fused model and loaded with ``assign=True``). Ties (the same
+    object, or overlapping bytes) stay tied. Returns how many tensors moved."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
     from .passes.fp32_batchnorm import drop_eager_hook
@@ -73,9 +76,33 @@ def restore(model: torch.nn.Module) -> int:
         drop_eager_hook(m)
     n = 0
     seen = set()
+    tensors = []
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
+        tensors.append(t)
         n += restore_tensor(t)
-    return n
+    return n + _separate_views(tensors)
+
+
+def _separate_views(tensors) -> int:
+    """Tensors that are disjoint views of one storage although wfpass did not
+    fuse them get their own storage too. That is what ``load_state_dict(
+    assign=True)`` of a checkpoint saved from a fused model gives, even to a
+    model that never saw wfpass: ``torch.save`` writes a view's whole storage
+    and ``torch.load`` rebuilds the views. Overlapping tensors are ties and
+    stay as they are; a Parameter used twice is one object."""
+    by_storage = {}
+    for t in tensors:
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta":
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(t)
+    moved = 0
+    for group in by_storage.values():
+        if len(group) < 2 or any(overlaps(a, b) for i, a in enumerate(group) for b in group[i + 1 :]):
+            continue
+        for t in group:
+            with torch.no_grad():
+                t.data = t.data.clone(memory_format=torch.contiguous_format)
+            moved += 1
+    return moved

@@ -3,7 +3,7 @@
 Graph after ``fuse_linears`` (Dynamo flavour; q: 16 rows, k: 8, v: 8)::
 
     w   = fused_linear_weight("g0", q_w, k_w, v_w)      # prologue: alias of the block
-    b   = fused_linear_bias("g0", q_b, None, v_b)       # prologue: k's slot is zero
+    b   = fused_linear_bias("g0.bias", q_b, None, v_b)  # prologue: k's slot is zero
     y   = fused_linear(x, w, b, spec, q_w, k_w, v_w, q_b, v_b)
     q, k, v = y.split([16, 8, 8], -1)
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .runtime import group, prologue
 
-__all__ = ["FusedLinear", "LinearLayout", "fused_linear", "fused_linear_weight", "fused_linear_bias"]
+__all__ = ["FusedLinear", "LinearLayout", "fused_linear", "fused_linear_weight", "fused_linear_bias", "linear_layout_check"]
 
 
 def _offsets(sizes: Sequence[int], scale: int) -> Tuple[int, ...]:
@@ -79,12 +79,38 @@ def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(ws[0].detach(), (lay.total, lay.in_features), (lay.in_features, 1), base)
 
 
-@prologue(example=_cat_biases)
-def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The group's bias block, with zero slots for members without a bias.
-    Layout checks, re-fusing and fallback as in :func:`fused_linear_weight`."""
+def _no_value(gid: str, *ws: torch.Tensor) -> torch.Tensor:
+    return ws[0].new_empty(0)
+
+
+@prologue(example=_no_value)
+def linear_layout_check(gid: str, *ws: torch.Tensor) -> torch.Tensor:
+    """The split path's per-call check: its GEMMs read each member's own
+    tensor, so nothing needs the block, but a lost layout (``.to()``,
+    ``param.data = ...``) is re-fused here (counted ``refused``) so the
+    format comes back as on the fused path; when that is unsafe (a member's
+    storage is shared) the call just goes on, counted ``unfused_layout_calls``.
+    Returns an empty tensor nothing reads."""
     g = group(gid)
     lay: LinearLayout = g.spec
+    if _base(g, ws, lay.w_offsets) is None and not g.try_refuse(ws):
+        g.record.bump("unfused_layout_calls")
+    return _no_value(gid, *ws)
+
+
+@prologue(example=_cat_biases)
+def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The group's bias vector (``gid`` is the bias group's). When every
+    member has a bias: an alias of their one buffer, with layout checks,
+    re-fusing and fallback as in :func:`fused_linear_weight`. Otherwise the
+    biases stay independent (zero slots in a shared buffer would be saved in
+    checkpoints) and the vector, with zeros for the members without a bias,
+    is assembled per call (``bias_cat_calls``)."""
+    g = group(gid)
+    lay: LinearLayout = g.spec
+    if not all(lay.has_bias):
+        g.record.bump("bias_cat_calls")
+        return _cat_biases(gid, *bs)
     base = _base(g, bs, lay.b_slots)
     if base is None and g.try_refuse([b for b in bs if b is not None]):
         base = _base(g, bs, lay.b_slots)

@@ -31,9 +31,11 @@ freed when AOTAutograd frees its saved tensors.
 
 The flat block: every Parameter of the RNN is a view into one buffer (same
 objects). On the CPU the kernels read each weight separately, so the order is
-PyTorch's own (``_flat_weights``) with zero slots for the fake biases of a
-``bias=False`` RNN (oneDNN takes bias tensors and would otherwise allocate
-zeros on every call); on CUDA it is cuDNN's layout. ``rnn_weight_block`` (a
+PyTorch's own (``_flat_weights``); the zero fake biases a ``bias=False`` RNN
+passes to the CPU kernel (oneDNN takes bias tensors and would otherwise
+allocate zeros on every call) live in a separate cached buffer, so saving a
+parameter (``torch.save`` writes a view's whole storage) writes no zeros. On
+CUDA the block is cuDNN's layout. ``rnn_weight_block`` (a
 prologue, run before the compiled graph) checks the views are still in place,
 re-fuses them if the layout was lost, and otherwise counts a fallback: the
 kernels then read the separate tensors (and cuDNN copies them), with the same
@@ -87,7 +89,7 @@ class RnnSpec:
     threshold: Union[int, str]
     offsets: Tuple[int, ...]  # element offset of each weight in the block
     numel: int  # elements in the block
-    fake_bias_offsets: Tuple[Tuple[int, int], ...]  # per (layer, direction), when the kernel gets zero biases
+    fake_bias_offsets: Tuple[Tuple[int, int], ...]  # per (layer, direction): (b_ih, b_hh) offsets in the zero buffer
 
     @property
     def directions(self) -> int:
@@ -126,15 +128,18 @@ class RnnGroup(Group):
             z = self._zeros = torch.zeros(self.spec.numel, dtype=like.dtype, device=like.device)
         return z
 
-    def fake_biases(self, block: torch.Tensor) -> List[torch.Tensor]:
-        """Zero (b_ih, b_hh) views of the block's fake-bias slots, per layer and direction."""
-        key = block.data_ptr()
+    def fake_biases(self, like: torch.Tensor) -> List[torch.Tensor]:
+        """Zero (b_ih, b_hh) tensors per layer and direction, views of one
+        cached zero buffer of ``like``'s dtype and device (kept apart from the
+        parameters' block: see the module docstring)."""
+        key = (like.dtype, like.device)
         cached = self._fake
-        if cached is None or cached[0] != key or cached[1][0].dtype != block.dtype:
+        if cached is None or cached[0] != key:
             g = self.spec.gate_size
+            zeros = torch.zeros(2 * g * len(self.spec.fake_bias_offsets), dtype=like.dtype, device=like.device)
             views = []
             for o_ih, o_hh in self.spec.fake_bias_offsets:
-                views += [block[o_ih : o_ih + g], block[o_hh : o_hh + g]]
+                views += [zeros[o_ih : o_ih + g], zeros[o_hh : o_hh + g]]
             cached = self._fake = (key, views)
         return cached[1]
 
@@ -175,7 +180,7 @@ def _kernel_weights(g: RnnGroup, ws: Sequence[torch.Tensor], block: torch.Tensor
     spec = g.spec
     if spec.has_biases or not spec.fake_bias_offsets or block.dtype != ws[0].dtype:
         return ws, spec.has_biases
-    fakes = g.fake_biases(block)
+    fakes = g.fake_biases(ws[0])
     per = spec.weights_per_layer
     out: List[torch.Tensor] = []
     for k in range(len(spec.fake_bias_offsets)):

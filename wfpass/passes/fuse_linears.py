@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import LinearSite, PassContext, linear_sites, rows_of
-from ..ops.fused_linear import LinearLayout, fused_linear, fused_linear_bias, fused_linear_weight
+from ..ops.fused_linear import LinearLayout, fused_linear, fused_linear_bias, fused_linear_weight, linear_layout_check
 from ..ops.runtime import Group, register_group
 from ..storage import FusedStorage, fuse, fused_storage_of, sharing_problem
 
@@ -215,9 +215,15 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     biases = [s.bias.tensor for s in sites if s.has_bias]
     b_offsets = [o for o, hb in zip(layout.b_slots, has_bias) if hb]
     zero_slots = sum(sz for sz, hb in zip(sizes, has_bias) if not hb) if any(has_bias) else 0
+    # Biases share one buffer only when every member has one. Zero slots for
+    # the others inside that buffer would be written by torch.save (it writes
+    # a view's whole storage) and make every checkpoint larger than the plain
+    # model's; so a mixed group keeps its biases where they are and its
+    # prologue assembles the bias vector per call (counted as bias_cat_calls).
+    fuse_biases = bool(biases) and all(has_bias)
     params = _params(sites)
     detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
-                  extra_bytes=zero_slots * weights[0].element_size())
+                  extra_bytes=0, bias_layout="one buffer" if fuse_biases else ("per call" if biases else "none"))
 
     if ctx.config.dry_run:
         ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why} [dry run]", params, **detail)
@@ -231,14 +237,14 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     register_group(grp)
     bgrp = None
     if biases:
-        bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets), spec=layout)
+        bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets) if fuse_biases else None, spec=layout)
         register_group(bgrp)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
 
     def move() -> None:
         if grp.storage is None:
             grp.storage = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features)
-        if biases and bgrp.storage is None:
+        if fuse_biases and bgrp.storage is None:
             bgrp.storage = fuse("linear.bias", bnames, biases, b_offsets, layout.total)
 
     ctx.defer(move)
@@ -246,8 +252,13 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     record.stats.setdefault("fallback_calls", 0)
     if path == "split":
         # The graph keeps one linear per member; they read views of the block.
+        # One check per call brings a lost layout back (see linear_layout_check).
         record.stats.pop("fused_calls")
         record.stats.pop("fallback_calls")
+        first = min((s.node for s in sites), key=lambda n: order[n])
+        w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
+        with gm.graph.inserting_before(first):
+            gm.graph.call_function(linear_layout_check, (gid, *w_nodes))
         return True
 
     g = gm.graph
@@ -262,7 +273,7 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         b_args.append(next(it) if hb else None)
     with g.inserting_before(first):
         w_block = g.call_function(fused_linear_weight, (gid, *w_nodes))
-        b_block = g.call_function(fused_linear_bias, (gid, *b_args)) if any(has_bias) else None
+        b_block = g.call_function(fused_linear_bias, (gid + ".bias", *b_args)) if any(has_bias) else None
         y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
         parts = g.call_function(torch.split, (y, list(sizes), -1))
         outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sites))]

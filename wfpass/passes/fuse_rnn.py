@@ -264,8 +264,11 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
                 offsets.append(acc)
                 acc += w.numel()
                 if i == 1 and fake:
-                    fake_slots.append((acc, acc + g))
-                    acc += 2 * g
+                    # offsets in the group's separate zero buffer, not in the
+                    # block: torch.save writes a view's whole storage, so zeros
+                    # in the block would make every checkpoint larger.
+                    f = 2 * g * len(fake_slots)
+                    fake_slots.append((f, f + g))
     return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
 
 
@@ -392,7 +395,8 @@ def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail
     else:
         note = f"weights moved into one flat block of {spec.numel} elements"
         if spec.fake_bias_offsets:
-            note += f" incl. {detail['fake_bias_elements']} zero fake-bias elements"
+            note += (f"; {detail['fake_bias_elements']} zero fake-bias elements for the CPU kernel kept apart "
+                     f"(not in the parameters' storage, so checkpoints do not grow)")
     record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
     for k in ("fused_calls", "unfused_calls", "fallback_calls"):
         record.stats.setdefault(k, 0)
