@@ -356,3 +356,105 @@ def test_embedding_tied_to_output_projection_in_a_fused_group(how, tmp_path):
         assert torch.equal(v, values[k]), k
     assert param_ids(model) == ids_before
     _assert_same_training(model, fn, ref, opt, ropt)  # the rewritten graph still runs (and re-fuses)
+
+
+class _RnnBN(nn.Module):
+    """Q/K/V siblings, an LSTM and a BatchNorm: all three built-in formats."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.rnn = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):  # x: (B, T, 8)
+        h = self.q(x) * torch.sigmoid(self.k(x)) + self.v(x)
+        y, _ = self.rnn(h)
+        return self.bn(y.reshape(-1, 8))
+
+
+def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_strict_load(tmp_path):
+    """The RNN and BatchNorm formats through what the linear tests check:
+    AdamW (foreach) built before compiling, clip_grad_norm_, the optimizer's
+    state_dict, safetensors save_file/load_file both ways, a non-strict load,
+    save_model/load_model after restore. bf16 model, so the BatchNorm format
+    applies; the reference is eager with the BatchNorm in fp32, which is what
+    the format is. Tolerance 3e-2: bf16 kernels (oneDNN vs ATen's native
+    LSTM at T <= 2; fused vs separate GEMMs) round differently."""
+    st = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    model = _RnnBN().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ref.bn.float()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (model, ref)]
+    be, reports = wfpass.backend(inner="aot_eager", linear_path="fused"), []
+
+    def collect(gm, example_inputs):  # every graph's report: a new length may recompile
+        out = be(gm, example_inputs)
+        reports.append(wfpass.last_report())
+        return out
+
+    fn = torch.compile(model, backend=collect)
+    tol = dict(rtol=3e-2, atol=3e-2)
+    for step in range(3):
+        x = torch.randn(4, 2 + step, 8).to(torch.bfloat16)  # lengths 2, 3, 4: both RNN paths
+        norms = []
+        for f, m, opt in ((fn, model, opts[0]), (ref, ref, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            f(x).float().pow(2).mean().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+            opt.step()
+        torch.testing.assert_close(norms[0], norms[1], **tol)
+    rep = wfpass.last_report()
+    assert {r.pattern for r in rep.rewritten} == {"linear", "rnn", "batchnorm"}, rep
+    rnn = {id(r): r for p in reports for r in p.find("rnn", "rewritten")}.values()
+    assert sum(r.stats["unfused_calls"] for r in rnn) == 1 and sum(r.stats["fused_calls"] for r in rnn) == 2
+    assert fused_storage_of(model.rnn.weight_ih_l0) is not None and model.bn.running_var.dtype == torch.float32
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert a.dtype == b.dtype, k
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=k)
+
+    # the optimizer's state_dict round-trips into a fresh optimizer over the same params
+    again = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    again.load_state_dict(opts[0].state_dict())
+    for p in model.parameters():
+        for key, val in opts[0].state[p].items():
+            assert torch.equal(again.state[p][key], val), key
+
+    # safetensors save_file/load_file: fused model -> plain bf16 model (BatchNorm cast down) and back
+    st.save_file(model.state_dict(), tmp_path / "m.safetensors")
+    plain = _RnnBN().to(torch.bfloat16)
+    plain.load_state_dict(st.load_file(tmp_path / "m.safetensors"))
+    for (k, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a.to(b.dtype), b), k
+    with torch.no_grad():
+        for p in plain.rnn.parameters():
+            p.mul_(0.5)
+    st.save_file(plain.state_dict(), tmp_path / "p.safetensors")
+    model.load_state_dict(st.load_file(tmp_path / "p.safetensors"))
+    assert torch.equal(model.rnn.weight_hh_l1, plain.rnn.weight_hh_l1)
+    assert fused_storage_of(model.rnn.weight_ih_l0).is_member(model.rnn.weight_hh_l1)  # copied in place
+    assert model.bn.running_var.dtype == torch.float32  # cast up on load
+
+    # non-strict: only the LSTM's tensors; the rest keep their values
+    keep = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = {k: v * 2 for k, v in plain.state_dict().items() if k.startswith("rnn.")}
+    # (BatchNorm fills in a missing num_batches_tracked with 0, in eager too: give it)
+    sd["bn.num_batches_tracked"] = keep["bn.num_batches_tracked"]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) == {k for k in keep if k not in sd}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd[k] if k in sd else keep[k]), k
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 5, 8).to(torch.bfloat16)
+    torch.testing.assert_close(fn(x).float(), ref(x).float(), **tol)
+
+    # save_model / load_model need independent storage: after restore, both ways
+    with pytest.raises(RuntimeError):
+        st.save_model(model, str(tmp_path / "refused.safetensors"))
+    wfpass.restore(model)
+    st.save_model(model, str(tmp_path / "model.safetensors"))
+    back = _RnnBN().to(torch.bfloat16)
+    st.load_model(back, str(tmp_path / "model.safetensors"))
+    for (k, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b.to(a.dtype)), k
