@@ -706,11 +706,52 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuD
 @cuda
 @pytest.mark.parametrize("variant", ["lstm-2layer", "lstm-nobias", "lstm-proj", "gru-2layer-bi"])
 def test_cuda_cudnn_flat_buffer_no_compaction_warning(variant, recwarn):
+    import warnings
+
     cls, kw = VARIANTS[variant]
     model = Net(cls, **kw).cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make_inputs(cls, kw, 7)]
     inputs = [t.detach().requires_grad_() for t in inputs]
-    assert_same_fwd_bwd(model, wformat(inner="inductor"), inputs, rtol=1e-3, atol=1e-4)
+
+    def compiled_no_warning(m):
+        # Only the compiled model's calls are watched: the deep-copied eager
+        # reference has lost its own flat buffer (copying an RNN does) and warns.
+        fn = wformat(inner="inductor")(m)
+
+        def call(*args):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = fn(*args)
+            assert not [w for w in seen if "contiguous chunk of memory" in str(w.message)]
+            return out
+
+        return call
+
+    assert_same_fwd_bwd(model, compiled_no_warning, inputs, rtol=1e-3, atol=1e-4)
     fs = fused_storage_of(model.rnn.weight_ih_l0)
     assert fs is not None and fs.kind == "rnn.cudnn"
-    assert not [w for w in recwarn if "contiguous chunk of memory" in str(w.message)]
+    # and again after the first call (steady state), forward and backward
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled_no_warning(model)(*inputs)[0].sum().backward()
+    assert not [w for w in seen if "contiguous chunk of memory" in str(w.message)]
+
+
+@cuda
+def test_cuda_default_threshold_is_the_measured_zero():
+    """seq_threshold=None (the default) is per device: cuDNN beat the per-step
+    loop at every length measured (docs/rnn_cuda_results.md), so N = 0 on CUDA."""
+    model = Net(nn.LSTM).cuda()
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    fn(torch.randn(1, 3, 5, device="cuda"))
+    rec = rnn_record()
+    assert rec.detail["threshold"] == 0 and rec.stats["fused_calls"] == 1 and rec.stats["unfused_calls"] == 0
+
+
+def test_cpu_default_threshold_is_the_measured_two():
+    model = Net(nn.LSTM)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    for T in (2, 3):
+        fn(torch.randn(T, 3, 5))
+    recs = wfpass.last_report().find("rnn", "rewritten")
+    assert recs[0].detail["threshold"] == 2 == wfpass.config.DEFAULT_SEQ_THRESHOLD["cpu"]

@@ -32,7 +32,7 @@ import wfpass  # noqa: E402
 
 OPS = ("step", "cast_roundtrip", "save_load", "assign_load", "replace_data", "restore")
 RNNS = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN": nn.RNN}
-N = wfpass.Config().seq_threshold  # the default: T <= N unfused, T > N fused
+N = wfpass.config.default_seq_threshold("cpu")  # the default here: T <= N unfused, T > N fused
 B = 6  # batch; BatchNorm normalises over B * T >= 6 rows (3 rows make 1/std noisy in bf16)
 HIDDEN = 5
 

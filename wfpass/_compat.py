@@ -217,7 +217,7 @@ def weak_id_key_dict():
 # -- RNN capture and kernels (fuse_rnn, ops/rnn.py) ---------------------------
 
 
-class _AllowRnnUnderWformat:
+class _AllowRnnUnderWformat(int):
     """Stands in for ``torch._dynamo.config.allow_rnn = False``: falsy except
     while Dynamo traces a frame for a wformat backend that runs ``fuse_rnn``.
 
@@ -229,7 +229,9 @@ class _AllowRnnUnderWformat:
     the truthiness of this value is the narrowest hook. It finds the backend
     of the trace in progress through ``InstructionTranslator.current_tx()
     .output.compiler_fn`` (private). ``repr`` / ``to_jsonable`` keep Dynamo's
-    config hashing, logging and repro scripts working: they see ``False``."""
+    config hashing, logging and repro scripts working: they see ``False``.
+    It is an ``int`` (0) so that torch versions that ``json.dumps`` the config
+    for their compile metrics (2.11 does) can serialise it too."""
 
     def __bool__(self) -> bool:
         try:

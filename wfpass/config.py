@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Union
 
-__all__ = ["Config", "INNER_BACKENDS", "LINEAR_PATHS", "PASS_NAMES"]
+__all__ = ["Config", "INNER_BACKENDS", "LINEAR_PATHS", "PASS_NAMES", "DEFAULT_SEQ_THRESHOLD", "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
 #: ``(gm, example_inputs) -> callable`` is accepted too.
@@ -17,6 +17,18 @@ INNER_BACKENDS = ("inductor", "eager", "aot_eager")
 #: How a fused sibling-linear group computes: one GEMM over the block,
 #: one GEMM per member over its view of the block, or chosen from the shape.
 LINEAR_PATHS = ("auto", "fused", "split")
+
+#: ``seq_threshold=None``: N per device type, from the measured crossovers
+#: (docs/rnn.md). CPU: up to T = 2 ATen's native loop beat oneDNN's fused
+#: LSTM or was level for every shape measured. CUDA: cuDNN's fused kernel beat
+#: the per-step loop at every length from T = 1 (H100, docs/rnn_cuda_results.md).
+DEFAULT_SEQ_THRESHOLD = {"cpu": 2, "cuda": 0}
+
+
+def default_seq_threshold(device_type: str) -> int:
+    """``DEFAULT_SEQ_THRESHOLD`` for a device type; devices never measured get
+    the CPU's value."""
+    return DEFAULT_SEQ_THRESHOLD.get(device_type, DEFAULT_SEQ_THRESHOLD["cpu"])
 #: Every pass wfpass knows, in the order the pipeline runs them.
 PASS_NAMES = ("fuse_linears", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm")
 
@@ -41,7 +53,9 @@ class Config:
     fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
     min_group_size:   smallest sibling group worth fusing (>= 2).
     seq_threshold:    RNN calls with at most this many time steps take the
-                      unfused per-step path; ``"auto"`` measures once per shape.
+                      unfused per-step path; ``"auto"`` measures once per shape;
+                      ``None`` (default): the measured default of the RNN's
+                      device, ``DEFAULT_SEQ_THRESHOLD`` (docs/rnn.md).
     fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
                       (inference only).
     dry_run:          decide and report, change nothing (used by ``explain``).
@@ -52,7 +66,7 @@ class Config:
     linear_path: str = "auto"
     fused_max_rows: int = 16
     min_group_size: int = 2
-    seq_threshold: Union[int, str] = 2  # measured crossover, see docs/rnn.md
+    seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     fold_batchnorm: bool = False
     dry_run: bool = False
 
@@ -80,9 +94,9 @@ class Config:
             raise ValueError(f"wfpass option 'linear_path' must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
         _check_int("fused_max_rows", self.fused_max_rows, 0)
         _check_int("min_group_size", self.min_group_size, 2)
-        if self.seq_threshold != "auto":
+        if self.seq_threshold is not None and self.seq_threshold != "auto":
             if isinstance(self.seq_threshold, str):
-                raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0 or 'auto', got {self.seq_threshold!r}")
+                raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0, 'auto' or None, got {self.seq_threshold!r}")
             _check_int("seq_threshold", self.seq_threshold, 0)
         for flag in ("fold_batchnorm", "dry_run"):
             if not isinstance(getattr(self, flag), bool):

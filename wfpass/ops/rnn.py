@@ -463,16 +463,23 @@ def _rnn_backward_op(
             [o for o, _ in pairs], [leaves[i] for i in want], [g for _, g in pairs],
             retain_graph=True, allow_unused=True,
         )
+    # A custom op's outputs may not alias its inputs or each other. cuDNN's
+    # backward returns the weight gradients as views of one flat buffer
+    # (seen on an H100), so a gradient whose storage is already taken is copied.
+    taken = {t.untyped_storage().data_ptr() for t in (tape, grad_out, grad_hy, grad_cy, *inputs)
+             if t is not None and t.numel()}
     for i, gr in zip(want, grads):
         if gr is None:
             result[i] = torch.zeros_like(inputs[i])
-        elif gr.stride() != inputs[i].stride():
+        elif gr.stride() != inputs[i].stride() or gr.untyped_storage().data_ptr() in taken:
             # The fake promises empty_like(input) strides and Inductor asserts
             # them; the kernel's own backward may answer time-major (a
             # batch_first input's grad came back with strides (16, 64, 1)).
             result[i] = torch.empty_like(inputs[i]).copy_(gr)
         else:
             result[i] = gr
+        if result[i].numel():
+            taken.add(result[i].untyped_storage().data_ptr())
     return result
 
 

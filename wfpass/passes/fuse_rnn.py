@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import _compat
+from ..config import default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value
 from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_module_call, rnn_weight_block
 from ..ops.runtime import register_group
@@ -246,7 +247,8 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     spec = dict(
         name=s.name, mode=s.mode, input_size=ws[0].shape[1], hidden_size=hidden, proj_size=proj_size,
         num_layers=int(num_layers), bidirectional=bool(bidirectional), batch_first=bool(batch_first),
-        has_biases=bool(has_biases), dropout=float(dropout), threshold=threshold,
+        has_biases=bool(has_biases), dropout=float(dropout),
+        threshold=default_seq_threshold(ws[0].device.type) if threshold is None else threshold,
     )
     # Fake zero biases where the CPU kernels want bias tensors (oneDNN).
     fake = not has_biases and ws[0].device.type == "cpu"
