@@ -458,3 +458,29 @@ def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_st
     st.load_model(back, str(tmp_path / "model.safetensors"))
     for (k, a), b in zip(model.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b.to(a.dtype)), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.to(device) after compiling)")
+def test_to_cuda_and_back_after_compiling_all_three_formats():
+    """Compiled and run on the CPU, then moved with .cuda() and back with
+    .cpu(): each move loses the layout (new storage on the new device);
+    Dynamo's device guards recompile and the formats come back, and every
+    result equals eager's moved the same way. Tolerance 3e-2: bf16."""
+    torch.manual_seed(0)
+    model = _RnnBN().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ref.bn.float()
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
+    tol = dict(rtol=3e-2, atol=3e-2)
+    for device in ("cpu", "cuda", "cpu"):
+        model.to(device)
+        ref.to(device)
+        x = torch.randn(4, 5, 8, device=device).to(torch.bfloat16)
+        torch.testing.assert_close(fn(x).float(), ref(x).float(), **tol)
+        assert model.q.weight.device.type == device
+        assert model.q.weight.untyped_storage().data_ptr() == model.v.weight.untyped_storage().data_ptr()
+        assert fused_storage_of(model.rnn.weight_ih_l0) is not None
+        assert fused_storage_of(model.rnn.weight_ih_l0).is_member(model.rnn.weight_hh_l1)
+        assert model.bn.running_var.dtype == torch.float32
+        for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=k)
