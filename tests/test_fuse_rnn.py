@@ -273,7 +273,7 @@ def test_one_rnn_node_for_any_length():
         out, _ = fn(torch.randn(T, 2, 5, requires_grad=True))
         out.sum().backward()
         (gm,) = rec.graphs
-        assert count_targets(gm, torch.ops.wfpass.rnn.default) == 1
+        assert count_targets(gm, rnn_ops.rnn_call) == 1
         assert count_targets(gm, torch.lstm) == 0
         node_counts.append(len(gm.graph.nodes))
     assert len(set(node_counts)) == 1, node_counts
@@ -400,7 +400,7 @@ def test_packed_sequence_runs_eagerly_and_is_not_rewritten():
     torch.testing.assert_close(out.data, expected.data)
     torch.testing.assert_close(c, ec)
     # Dynamo graph-breaks on PackedSequence before any RNN node exists.
-    assert all(count_targets(g, torch.ops.wfpass.rnn.default) == 0 for g in rec.graphs)
+    assert all(count_targets(g, rnn_ops.rnn_call) == 0 for g in rec.graphs)
 
 
 def test_packed_form_in_a_graph_is_skipped_with_a_reason():

@@ -3,10 +3,13 @@
 Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM``)::
 
     blk = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)  # prologue
-    out, h_n, c_n, tape = wfpass.rnn(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", train, grad_mask)
+    out, h_n, c_n, tape = rnn_call(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", train, grad_mask)
 
-``wfpass::rnn`` is a ``torch.library`` custom op: AOTAutograd and Inductor see
-one node whatever the sequence length, and call it as a fallback kernel. At
+``rnn_call`` is ``wfpass::rnn`` (a ``torch.library`` op with a fake
+implementation) under its autograd formula (``_Rnn``, an
+``autograd.Function``): AOTAutograd traces it into one ``wfpass.rnn`` node in
+the forward graph and one ``wfpass.rnn_backward`` in the backward graph,
+whatever the sequence length, and Inductor calls them as fallback kernels. At
 run time it reads the length ``T`` of *this* call (static or symbolic alike)
 and takes
 
@@ -60,7 +63,7 @@ from .runtime import Group, group, prologue
 
 __all__ = [
     "RnnSpec", "RnnGroup", "GATES", "rnn_weight_block", "rnn_module_call", "paths_differ",
-    "fused_path", "unfused_path", "auto_threshold_cache",
+    "fused_path", "unfused_path", "auto_threshold_cache", "rnn_call",
 ]
 
 #: Gates per mode: rows of ``weight_ih`` = GATES[mode] * hidden_size.
@@ -394,11 +397,33 @@ def _outputs(spec: RnnSpec, outs) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
     return out.detach().contiguous(), hy.detach().contiguous(), cy.detach().contiguous()
 
 
-@torch.library.custom_op("wfpass::rnn", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+# The ops are declared with ``torch.library.Library`` (schema + kernel + fake)
+# and their autograd formula lives in ``_Rnn`` (an ``autograd.Function`` that
+# the graph calls, as ``fused_linear`` does), not in ``custom_op``'s
+# ``register_autograd``: in the compiled forward the op is then reached by the
+# dispatcher's C++ autograd fallthrough instead of three Python layers and two
+# more Python <-> C++ argument conversions. Measured on this CPU (LSTM(64, 64),
+# batch 1, T = 1, no grad): the op call costs about 35 us less (microbenchmark
+# in docs/rnn.md, "Per-call cost"). AOTAutograd traces through ``_Rnn`` like
+# any Function, so its graphs still hold one ``wfpass.rnn`` forward and one
+# ``wfpass.rnn_backward``.
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_LIB.define(
+    "rnn(Tensor input, Tensor[] hx, Tensor[] weights, Tensor block, str gid, bool train, bool[] grad_mask, "
+    "Tensor? dropout) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+_LIB.define(
+    "rnn_backward(Tensor tape, Tensor? grad_out, Tensor? grad_hy, Tensor? grad_cy, Tensor[] inputs, "
+    "bool[] needs, str gid) -> Tensor[]"
+)
+
+
 def _rnn_op(
     input: torch.Tensor, hx: List[torch.Tensor], weights: List[torch.Tensor], block: torch.Tensor,
     gid: str, train: bool, grad_mask: List[bool], dropout: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``wfpass::rnn``: outputs, final states, and the tape (see module docstring)."""
     g: RnnGroup = group(gid)
     spec = g.spec
     p = spec.dropout if dropout is None else float(dropout)
@@ -425,7 +450,6 @@ def _rnn_op(
     return (*_outputs(spec, outs), _new_tape(leaves, tuple(outs)))
 
 
-@_rnn_op.register_fake
 def _rnn_fake(input, hx, weights, block, gid, train, grad_mask, dropout):
     spec: RnnSpec = group(gid).spec
     if spec.batch_first:
@@ -441,7 +465,6 @@ def _rnn_fake(input, hx, weights, block, gid, train, grad_mask, dropout):
     return out, hy, cy, tape
 
 
-@torch.library.custom_op("wfpass::rnn_backward", mutates_args=())
 def _rnn_backward_op(
     tape: torch.Tensor, grad_out: Optional[torch.Tensor], grad_hy: Optional[torch.Tensor],
     grad_cy: Optional[torch.Tensor], inputs: List[torch.Tensor], needs: List[bool], gid: str,
@@ -463,7 +486,7 @@ def _rnn_backward_op(
             [o for o, _ in pairs], [leaves[i] for i in want], [g for _, g in pairs],
             retain_graph=True, allow_unused=True,
         )
-    # A custom op's outputs may not alias its inputs or each other. cuDNN's
+    # An op whose schema declares no aliasing may not return views of its inputs or of each other. cuDNN's
     # backward returns the weight gradients as views of one flat buffer
     # (seen on an H100), so a gradient whose storage is already taken is copied.
     taken = {t.untyped_storage().data_ptr() for t in (tape, grad_out, grad_hy, grad_cy, *inputs)
@@ -483,26 +506,48 @@ def _rnn_backward_op(
     return result
 
 
-@_rnn_backward_op.register_fake
 def _rnn_backward_fake(tape, grad_out, grad_hy, grad_cy, inputs, needs, gid):
     return [torch.empty_like(x) if m else x.new_empty(0) for x, m in zip(inputs, needs)]
 
 
-def _setup_context(ctx, inputs, output):
-    x, hx, weights, _block, gid, _train, grad_mask, _dropout = inputs
-    ctx.save_for_backward(output[3], x, *hx, *weights)
-    ctx.n_hx, ctx.gid, ctx.mask = len(hx), gid, list(grad_mask)
+_LIB.impl("rnn", _rnn_op, "CompositeExplicitAutograd")
+_LIB.impl("rnn_backward", _rnn_backward_op, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::rnn", _rnn_fake, lib=_LIB)
+torch.library.register_fake("wfpass::rnn_backward", _rnn_backward_fake, lib=_LIB)
 
 
-def _backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
-    tape, *ins = ctx.saved_tensors
-    grads = torch.ops.wfpass.rnn_backward(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
-    grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
-    n = ctx.n_hx
-    return grads[0], grads[1 : 1 + n], grads[1 + n :], None, None, None, None, None
+class _Rnn(torch.autograd.Function):
+    """The autograd formula of ``wfpass::rnn``: the backward replays the tape
+    through ``wfpass::rnn_backward``. ``hx`` and the weights come flattened
+    after ``n_hx`` because a Function only differentiates top-level tensors."""
+
+    @staticmethod
+    def forward(x, block, gid, train, grad_mask, dropout, n_hx, *tensors):
+        return torch.ops.wfpass.rnn.default(
+            x, list(tensors[:n_hx]), list(tensors[n_hx:]), block, gid, train, grad_mask, dropout
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, _block, gid, _train, grad_mask, _dropout, _n_hx, *tensors = inputs
+        ctx.save_for_backward(output[3], x, *tensors)
+        ctx.gid, ctx.mask = gid, list(grad_mask)
+        ctx.mark_non_differentiable(output[3])
+        ctx.set_materialize_grads(False)  # an unused h_n / c_n costs no backward work
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
+        tape, *ins = ctx.saved_tensors
+        grads = torch.ops.wfpass.rnn_backward.default(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
+        grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
+        return (grads[0], None, None, None, None, None, None, *grads[1:])
 
 
-_rnn_op.register_autograd(_backward, setup_context=_setup_context)
+def rnn_call(input, hx, weights, block, gid: str, train: bool, grad_mask, dropout=None):
+    """Graph-level entry point of the RNN format (FX cannot name
+    ``_Rnn.apply`` in code): ``wfpass::rnn`` with its autograd formula.
+    Returns ``(output, h_n, c_n, tape)``; ``c_n`` is empty unless LSTM."""
+    return _Rnn.apply(input, block, gid, train, list(grad_mask), dropout, len(hx), *hx, *weights)
 
 
 # -- symbolic_trace graphs: the module call -----------------------------------
@@ -547,7 +592,7 @@ def rnn_module_call(gid: str, input, hx, block: torch.Tensor, *weights: torch.Te
         mask = [t.requires_grad for t in tensors]
     else:
         mask = [False] * len(tensors)
-    out, hy, cy, _tape = torch.ops.wfpass.rnn(input, hx_list, list(weights), block, gid, train, mask, None)
+    out, hy, cy, _tape = rnn_call(input, hx_list, list(weights), block, gid, train, mask, None)
     if not batched:
         out, hy, cy = out.squeeze(batch_dim), hy.squeeze(1), cy.squeeze(1) if lstm else cy
     return (out, (hy, cy)) if lstm else (out, hy)

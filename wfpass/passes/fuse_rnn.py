@@ -10,8 +10,11 @@ Before (Dynamo flavour; ``torch.compile`` normally graph-breaks here, see
 After::
 
     blk  = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, ...)       # prologue, hoisted by the backend
-    lstm = wfpass.rnn(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", True, grad_mask)
+    lstm = rnn_call(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", True, grad_mask)   # wfpass::rnn + its autograd
     out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]                    # users unchanged
+
+(AOTAutograd traces ``rnn_call`` into one ``wfpass.rnn`` node in the forward
+graph and one ``wfpass.rnn_backward`` in the backward graph.)
 
 ``symbolic_trace`` graphs: ``call_module`` of an ``nn.LSTM/GRU/RNN`` becomes
 ``rnn_module_call("rnn0", x, hx, blk, *weights)`` over ``get_attr`` weights.
@@ -38,7 +41,7 @@ import torch.nn as nn
 from .. import _compat
 from ..config import default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value
-from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_module_call, rnn_weight_block
+from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_call, rnn_module_call, rnn_weight_block
 from ..ops.runtime import register_group
 from ..storage import fuse, fused_storage_of, sharing_problem, unmovable
 
@@ -361,7 +364,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
             mask = _grad_mask(s, [s.x, *s.hx, *w_nodes])
             train = bool(s.consts[3])
             args = (s.x, list(s.hx), w_nodes, blk, gid, train, mask, s.dropout_node)
-            new = g.call_function(torch.ops.wfpass.rnn.default, args)
+            new = g.call_function(rnn_call, args)
     else:
         with g.inserting_before(node):
             w_nodes = [g.get_attr(n) for n in names]
