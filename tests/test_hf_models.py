@@ -1,12 +1,17 @@
 """Real third-party models, built from a small config (no downloads), through
-``backend="wformat"`` with its default inner compiler (Inductor)."""
+``backend="wformat"`` with its default inner compiler (Inductor); the ResNet
+checkpoint test uses inner ``aot_eager`` (the same pass; Inductor's cold
+compile of its training graph takes about 35 s here)."""
 from __future__ import annotations
+
+import copy
+import os
 
 import pytest
 import torch
 
 import wfpass
-from wftest import assert_same_fwd_bwd
+from wftest import TOL, assert_same_fwd_bwd
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,3 +51,151 @@ def test_hf_model_equal_to_eager(build):
     assert len(rewritten) == groups, str(rep)
     assert all(r.stats["fused_calls"] == 1 and r.stats["fallback_calls"] == 0 for r in rewritten)
     assert any(".self_attn.q_proj.weight" in p or ".attention.self.query.weight" in p for r in rewritten for p in r.params)
+
+
+BN_TENSORS = ("weight", "bias", "running_mean", "running_var")
+
+
+def _resnet_bf16():
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                    layer_type="basic")
+    return transformers.ResNetModel(cfg).to(torch.bfloat16)
+
+
+def _is_bn_tensor(key, bns):
+    mod, leaf = key.rsplit(".", 1)
+    return mod in bns and leaf in BN_TENSORS
+
+
+def _safetensors_sizes(d):
+    """(file bytes, tensor-data bytes) of ``d/model.safetensors``: the data is
+    what follows the 8-byte header length and the JSON header."""
+    path = d / "model.safetensors"
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    total = os.path.getsize(path)
+    return total, total - 8 - header
+
+
+def test_hf_resnet_bf16_batchnorm_format_save_pretrained_both_ways(tmp_path):
+    """The batchnorm format through HuggingFace ``save_pretrained`` /
+    ``from_pretrained`` (safetensors). The checkpoint holds what
+    ``state_dict()`` holds: the BatchNorm weight, bias and running statistics in
+    fp32, everything else bf16; the file is larger than the plain bf16 model's
+    by exactly 2 bytes per BatchNorm element, and the same size after
+    ``wfpass.restore``."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _resnet_bf16().train()
+    bns = {n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert len(bns) == 6  # stem, 2 in stage 1, 2 + the shortcut's in stage 2
+    graphs = []
+    inner = wfpass.backend(inner="aot_eager")
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+
+    fn = torch.compile(model, backend=counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    batch = lambda: torch.randn(2, 3, 32, 32, generator=g).mul(2).add(0.5).to(torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        fn(pixel_values=batch()).pooler_output.float().pow(2).sum().backward()
+        opt.step()
+    rep = wfpass.last_report()
+    recs = rep.find("batchnorm", "rewritten")
+    assert {p.rsplit(".", 1)[0] for r in recs for p in r.params} == bns, str(rep)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k, v in sd.items():
+        if _is_bn_tensor(k, bns):
+            assert v.dtype == torch.float32, k
+        elif k.endswith("num_batches_tracked"):
+            assert v.dtype == torch.int64 and v.item() == 3, k
+        else:
+            assert v.dtype == torch.bfloat16, k
+    bn_elements = sum(v.numel() for k, v in sd.items() if _is_bn_tensor(k, bns))
+    assert bn_elements == 4 * (16 + 2 * 16 + 3 * 32)
+
+    # A plain bf16 model of the same config, never compiled, with its own
+    # values (running statistics moved by two eager training-mode batches).
+    torch.manual_seed(1)
+    plain = _resnet_bf16().train()
+    with torch.no_grad():
+        for _ in range(2):
+            plain(pixel_values=batch())
+    passed_dir, plain_dir, restored_dir = tmp_path / "passed", tmp_path / "plain", tmp_path / "restored"
+    model.save_pretrained(passed_dir, safe_serialization=True)
+    plain.save_pretrained(plain_dir, safe_serialization=True)
+
+    # The file holds exactly the passed model's state_dict, dtypes included.
+    saved = load_file(passed_dir / "model.safetensors")
+    assert set(saved) == set(sd)
+    for k, v in sd.items():
+        assert saved[k].dtype == v.dtype and torch.equal(saved[k], v), k
+
+    # Into a plain model: from_pretrained takes the config's dtype (bf16) and
+    # loads without complaint, the fp32 BatchNorm values rounded to bf16 ...
+    loaded, info = transformers.ResNetModel.from_pretrained(passed_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    lsd = loaded.state_dict()
+    assert list(lsd) == list(sd)
+    for k, v in sd.items():
+        assert lsd[k].dtype == (torch.int64 if k.endswith("num_batches_tracked") else torch.bfloat16), k
+        assert torch.equal(lsd[k], v.to(lsd[k].dtype)), k
+    # ... and with dtype=torch.float32 every entry comes back bit for bit
+    # (bf16 -> fp32 is exact).
+    exact = transformers.ResNetModel.from_pretrained(passed_dir, dtype=torch.float32).state_dict()
+    for k, v in sd.items():
+        if v.is_floating_point():
+            assert exact[k].dtype == torch.float32 and torch.equal(exact[k], v.float()), k
+            assert torch.equal(exact[k].to(v.dtype), v), k
+        else:
+            assert torch.equal(exact[k], v), k
+
+    # File size: the fp32 statistics make the passed model's file larger.
+    (passed_total, passed_data), (plain_total, plain_data) = _safetensors_sizes(passed_dir), _safetensors_sizes(plain_dir)
+    assert passed_data - plain_data == 2 * bn_elements, (passed_data, plain_data)
+    assert passed_total > plain_total, (passed_total, plain_total)
+
+    # Reverse: the plain bf16 checkpoint into the compiled model. The
+    # BatchNorm tensors stay fp32 (same objects, values cast up exactly), and
+    # the next compiled call runs the same graph and equals eager with the
+    # BatchNorms moved to fp32 by hand.
+    back = transformers.ResNetModel.from_pretrained(plain_dir)
+    objects = {k: t for k, t in list(model.named_parameters()) + list(model.named_buffers())}
+    model.load_state_dict(back.state_dict())
+    now = model.state_dict()
+    after = {k: t for k, t in list(model.named_parameters()) + list(model.named_buffers())}
+    for k, v in back.state_dict().items():
+        assert after[k] is objects[k], k
+        assert now[k].dtype == (torch.float32 if _is_bn_tensor(k, bns) else v.dtype), k
+        assert torch.equal(now[k], v.to(now[k].dtype)), k
+    ref = copy.deepcopy(back).train()
+    for name in bns:
+        ref.get_submodule(name).float()
+    x = batch()
+    n_graphs = len(graphs)
+    out, ref_out = fn(pixel_values=x), ref(pixel_values=x)
+    assert len(graphs) == n_graphs  # the load kept the format: no recompile
+    rtol, atol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.last_hidden_state, ref_out.last_hidden_state, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.pooler_output, ref_out.pooler_output, rtol=rtol, atol=atol)
+    rsd = ref.state_dict()
+    for k, v in model.state_dict().items():
+        if _is_bn_tensor(k, bns):
+            assert v.dtype == torch.float32 and rsd[k].dtype == torch.float32, k
+            torch.testing.assert_close(v, rsd[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+    # wfpass.restore casts the BatchNorm tensors back to bf16: the file is
+    # then exactly the plain model's size and holds the values cast down.
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    wfpass.restore(model)
+    model.save_pretrained(restored_dir, safe_serialization=True)
+    assert _safetensors_sizes(restored_dir) == (plain_total, plain_data)
+    restored = load_file(restored_dir / "model.safetensors")
+    for k, v in before.items():
+        want = v.to(torch.bfloat16) if v.is_floating_point() else v
+        assert restored[k].dtype == want.dtype and torch.equal(restored[k], want), k
