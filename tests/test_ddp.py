@@ -115,11 +115,11 @@ def _bf16_batchnorm_worker(rank, world, port, out_dir):
     torch.manual_seed(0)
     base = ConvBN().to(torch.bfloat16)
     results = {}
-    for name in ("by_hand", "wformat"):
+    for name in ("by_hand", "wformat", "plain", "wrapped_first"):
         model = copy.deepcopy(base)
         if name == "by_hand":
             model.bn.float()
-        else:
+        elif name == "wformat":
             # The format is taken before DDP wraps the model: one compiled
             # call in eval mode without grad (no statistics update, no
             # gradient). DDP's reducer hooks the parameters' gradient
@@ -131,7 +131,10 @@ def _bf16_batchnorm_worker(rank, world, port, out_dir):
             model.train()
             results["cast_before_ddp"] = {k: v.dtype for k, v in model.bn.state_dict().items()}
         ddp = nn.parallel.DistributedDataParallel(model)
-        fn = torch.compile(ddp, backend=be) if name == "wformat" else ddp
+        # "wrapped_first": compiled only after DDP was built around the bf16
+        # model, so the format must be refused (with a reason) and the model
+        # train exactly like plain bf16 DDP.
+        fn = torch.compile(ddp, backend=be) if name in ("wformat", "wrapped_first") else ddp
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         g = torch.Generator().manual_seed(100 + rank)
         for _ in range(STEPS):
@@ -140,8 +143,8 @@ def _bf16_batchnorm_worker(rank, world, port, out_dir):
             fn(x).backward()
             opt.step()
         results[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if name == "wformat":
-            results["report"] = [(r.pattern, r.action, tuple(r.params)) for r in wfpass.last_report().records]
+        if name in ("wformat", "wrapped_first"):
+            results[f"report_{name}"] = [(r.pattern, r.action, tuple(r.params), r.reason) for r in wfpass.last_report().records]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -155,7 +158,14 @@ def test_ddp_bf16_batchnorm_format_trains_like_fp32_batchnorm_by_hand(tmp_path):
     bn = {f"bn.{n}" for n in ("weight", "bias", "running_mean", "running_var")}
     for rank, r in enumerate(res):
         assert set(r["cast_before_ddp"].values()) == {torch.float32, torch.int64}, r["cast_before_ddp"]
-        assert any(p == "batchnorm" and a == "rewritten" and "bn.weight" in params for p, a, params in r["report"]), r["report"]
+        assert any(p == "batchnorm" and a == "rewritten" and "bn.weight" in params for p, a, params, _ in r["report_wformat"]), r["report_wformat"]
+        # Compiled after DDP was built: refused, with DDP named, and trained
+        # bit for bit like plain bf16 DDP (the BatchNorm stayed bf16).
+        skips = [why for p, a, params, why in r["report_wrapped_first"] if p == "batchnorm" and a == "skipped"]
+        assert skips and "DistributedDataParallel" in skips[0] and "before wrapping" in skips[0], r["report_wrapped_first"]
+        for k, v in r["plain"].items():
+            assert r["wrapped_first"][k].dtype == v.dtype, k
+            assert torch.equal(r["wrapped_first"][k], v), k
         for k, v in r["by_hand"].items():
             w = r["wformat"][k]
             assert w.dtype == v.dtype == (torch.float32 if k in bn else torch.int64 if k.endswith("num_batches_tracked") else torch.bfloat16), (k, w.dtype)

@@ -172,6 +172,31 @@ def fsdp2_modules() -> list:
         return []
 
 
+def ddp_tensors() -> set:
+    """``id``s of the Parameters and buffers of the DistributedDataParallel
+    whose forward is running now (Dynamo compiles a DDP model's graphs inside
+    it): ``DistributedDataParallel._get_active_ddp_module()``, private, the
+    same call Dynamo's DDPOptimizer makes (torch/_dynamo/convert_frame.py;
+    torch 2.13.0). Empty outside a DDP forward.
+
+    Why a format must not change their dtype: DDP's reducer hooked each
+    Parameter's gradient accumulator when it was built, and autograd replaces
+    a Parameter's accumulator when ``param.data`` changes type, so the hook
+    would never fire again (DDP then raises "Expected to have finished
+    reduction", or with ``find_unused_parameters=True`` silently stops
+    all-reducing that gradient); its buffers are broadcast from lists DDP
+    also built up front."""
+    import sys
+
+    ddp_cls = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
+    get = getattr(ddp_cls, "_get_active_ddp_module", None)
+    ddp = get() if get is not None else None
+    if ddp is None:
+        return set()
+    mod = ddp.module
+    return {id(t) for t in (*mod.parameters(), *mod.buffers())}
+
+
 def mark_lifted_input(placeholder: torch.fx.Node, like: Optional[torch.fx.Node] = None) -> None:
     """AOTAutograd asserts every placeholder of a Dynamo graph has a
     ``_dynamo_source`` attribute (torch/_functorch/_aot_autograd/frontend_utils.py,

@@ -30,7 +30,9 @@ Guards, each a skip record when it fails: the input is fp16/bf16 (fp32 input:
 nothing to do); the tensors are not already fp32 (autocast with fp32
 parameters runs the mixed kernel already); every tensor resolves to a
 Parameter/buffer of the model; none shares storage with another tensor;
-nothing but batch norms reads them in this graph (it would see fp32).
+none belongs to a DistributedDataParallel whose forward is being compiled
+(its reducer's hooks would be lost with the dtype: ``_ddp_problem``); nothing
+but batch norms reads them in this graph (it would see fp32).
 
 BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in
 training mode is not in any graph: Dynamo (torch 2.13.0) graph-breaks on
@@ -218,6 +220,18 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
     return None
 
 
+def _ddp_problem(tensors: List[torch.Tensor]) -> Optional[str]:
+    """Why these tensors' dtype must stay, if they belong to the
+    DistributedDataParallel being compiled (see ``_compat.ddp_tensors``)."""
+    held = _compat.ddp_tensors()
+    if not any(id(t) in held for t in tensors):
+        return None
+    return ("held by the DistributedDataParallel being compiled, which was built while they were half precision: "
+            "its reducer hooks each Parameter's gradient accumulator, and changing the dtype replaces it, so the "
+            "gradients would no longer be all-reduced. Take the format before wrapping (one compiled call of the "
+            "model, then DDP(model)), or move the BatchNorm to fp32 yourself")
+
+
 def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Keep every half-precision BatchNorm's tensors in fp32; returns how many
     batch norms were rewritten."""
@@ -268,6 +282,8 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             problem = sharing_problem(tensors[r], site.refs[r].name, others)
             if problem:
                 break
+        if not problem:
+            problem = _ddp_problem([tensors[r] for r in half])
         if problem:
             ctx.report.add("batchnorm", "skipped", problem, params, **detail)
             continue
@@ -366,6 +382,7 @@ def _eager_batchnorms(ctx: PassContext) -> int:
             if state is None:
                 state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
             problem = next((p for p in (sharing_problem(tensors[r], f"{label}.{r}", state) for r in half) if p), None)
+            problem = problem or _ddp_problem([tensors[r] for r in half])
             if problem:
                 ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)
                 continue
