@@ -95,7 +95,7 @@ class Case:
         return train
 
 
-def _interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_block_s: float = 2e-3) -> Dict[str, float]:
+def _interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_block_s: float = 8e-3) -> Dict[str, float]:
     """Median seconds per call of each step. Every round times one block of
     each step in turn (shuffled), so all variants see the same machine load."""
     n = {}
