@@ -279,6 +279,26 @@ def test_one_rnn_node_for_any_length():
     assert len(set(node_counts)) == 1, node_counts
 
 
+@pytest.mark.parametrize("variant", ["lstm-bi-batch_first", "lstm-proj", "gru-2layer-bi"])
+def test_zero_initial_state_is_built_inside_the_op(variant):
+    """Called without a state, nn.LSTM/GRU/RNN.forward builds zeros that only
+    the RNN reads: the rewritten graph drops them (the op builds them, one
+    fill instead of an Inductor kernel each) and still equals eager; a given
+    state is passed through."""
+    cls, kw = VARIANTS[variant]
+    for state in (False, True):
+        torch._dynamo.reset()
+        model = Net(cls, **kw)
+        rec = Recorder(inner="aot_eager", seq_threshold=N)
+        inputs = make_inputs(cls, kw, T=6, state=state)
+        assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=rec.backend), inputs)
+        (gm,) = rec.graphs
+        (call,) = [n for n in gm.graph.nodes if n.target is rnn_ops.rnn_call]
+        if not state:
+            assert count_targets(gm, torch.zeros) == 0
+        assert len(call.args[1]) == (0 if not state else 2 if cls is nn.LSTM else 1)
+
+
 def test_aot_graphs_hold_one_op_each_way():
     from torch._dynamo.backends.common import aot_autograd
 

@@ -277,6 +277,12 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
 
 
+def _is_zero_state(h: fx.Node, rnn: fx.Node) -> bool:
+    """Is ``h`` a ``torch.zeros`` node that only this RNN call reads (the
+    state ``nn.LSTM/GRU/RNN.forward`` makes when called without ``hx``)?"""
+    return h.op == "call_function" and h.target is torch.zeros and set(h.users) == {rnn}
+
+
 def _grad_mask(s: _Site, inputs: Sequence[fx.Node]) -> List[bool]:
     out = meta_value(s.node)
     first = out[0] if isinstance(out, (tuple, list)) and out else None
@@ -359,11 +365,14 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
     node = s.node
     if s.module is None:  # Dynamo flavour: weights are placeholders / get_attr nodes
         w_nodes = [r.node for r in s.weights]
+        # The zero initial state nn.LSTM.forward builds when no hx is given
+        # is built inside the op (``_zero_state``): the zeros nodes then die.
+        hx = [] if all(_is_zero_state(h, node) for h in s.hx) else list(s.hx)
         with g.inserting_before(node):
             blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
-            mask = _grad_mask(s, [s.x, *s.hx, *w_nodes])
+            mask = _grad_mask(s, [s.x, *hx, *w_nodes])
             train = bool(s.consts[3])
-            args = (s.x, list(s.hx), w_nodes, blk, gid, train, mask, s.dropout_node)
+            args = (s.x, hx, w_nodes, blk, gid, train, mask, s.dropout_node)
             new = g.call_function(rnn_call, args)
     else:
         with g.inserting_before(node):
