@@ -299,6 +299,26 @@ def test_zero_initial_state_is_built_inside_the_op(variant):
         assert len(call.args[1]) == (0 if not state else 2 if cls is nn.LSTM else 1)
 
 
+def test_user_zeros_of_another_dtype_still_raise_like_eager():
+    """Only zeros of the input's dtype are built inside the op: a user's
+    float64 zero state for a float32 GRU must still fail as in eager."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(5, 6)
+
+        def forward(self, x):
+            return self.rnn(x, torch.zeros(1, x.shape[1], 6, dtype=torch.float64))[0]
+
+    m, x = M(), torch.randn(3, 2, 5)
+    with pytest.raises(RuntimeError) as eager:
+        m(x)
+    with pytest.raises(RuntimeError) as compiled:
+        torch.compile(m, backend=wfpass.backend(inner="aot_eager"))(x)
+    assert str(compiled.value).splitlines()[-1].endswith(str(eager.value).splitlines()[-1]), (compiled.value, eager.value)
+
+
 def test_aot_graphs_hold_one_op_each_way():
     from torch._dynamo.backends.common import aot_autograd
 

@@ -277,10 +277,16 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
 
 
-def _is_zero_state(h: fx.Node, rnn: fx.Node) -> bool:
+def _is_zero_state(h: fx.Node, rnn: fx.Node, x: fx.Node) -> bool:
     """Is ``h`` a ``torch.zeros`` node that only this RNN call reads (the
-    state ``nn.LSTM/GRU/RNN.forward`` makes when called without ``hx``)?"""
-    return h.op == "call_function" and h.target is torch.zeros and set(h.users) == {rnn}
+    state ``nn.LSTM/GRU/RNN.forward`` makes when called without ``hx``), of
+    the input's dtype and device, so that the op's own zeros are the same
+    tensor? (A user's zeros of another dtype must still meet eager's error.)"""
+    if h.op != "call_function" or h.target is not torch.zeros or set(h.users) != {rnn}:
+        return False
+    hv, xv = meta_value(h), meta_value(x)
+    return (isinstance(hv, torch.Tensor) and isinstance(xv, torch.Tensor) and not hv.requires_grad
+            and hv.dtype == xv.dtype and hv.device == xv.device)
 
 
 def _grad_mask(s: _Site, inputs: Sequence[fx.Node]) -> List[bool]:
@@ -367,7 +373,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
         w_nodes = [r.node for r in s.weights]
         # The zero initial state nn.LSTM.forward builds when no hx is given
         # is built inside the op (``_zero_state``): the zeros nodes then die.
-        hx = [] if all(_is_zero_state(h, node) for h in s.hx) else list(s.hx)
+        hx = [] if all(_is_zero_state(h, node, s.x) for h in s.hx) else list(s.hx)
         with g.inserting_before(node):
             blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
             mask = _grad_mask(s, [s.x, *hx, *w_nodes])
