@@ -319,6 +319,24 @@ def test_user_zeros_of_another_dtype_still_raise_like_eager():
     assert str(compiled.value).splitlines()[-1].endswith(str(eager.value).splitlines()[-1]), (compiled.value, eager.value)
 
 
+def test_double_backward_raises_instead_of_silent_zeros():
+    """Eager nn.LSTM (CPU) supports create_graph=True; the rnn format's
+    backward replays a tape and cannot: it must raise, naming the RNN (the
+    dispatcher alone would only warn and return zero second derivatives).
+    Under torch.compile AOTAutograd refuses double backward itself."""
+    model = TNet(nn.LSTM, use_state=False)
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    wfpass.apply(gm)
+    x = torch.randn(3, 2, 5, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
+    assert torch.autograd.grad(g.pow(2).sum(), x)[0].abs().sum() > 0  # eager: a real second derivative
+    with pytest.raises(RuntimeError, match=r"double backward.*'rnn' \(nn.LSTM\)"):
+        torch.autograd.grad(gm(x).pow(2).sum(), x, create_graph=True)
+    # Without create_graph the same graph still gives eager's gradient.
+    (g1,) = torch.autograd.grad(gm(x).pow(2).sum(), x)
+    torch.testing.assert_close(g1, g.detach())
+
+
 def test_aot_graphs_hold_one_op_each_way():
     from torch._dynamo.backends.common import aot_autograd
 

@@ -550,6 +550,15 @@ class _Rnn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
+        if torch.is_grad_enabled():
+            # create_graph=True: the tape's graph hangs off detached leaves, so
+            # a second derivative through it would be silently zero (the
+            # dispatcher's fallback only warns). Say so instead.
+            raise RuntimeError(
+                f"wfpass: double backward (create_graph=True) through RNN {group(ctx.gid).spec.name} is not "
+                "supported by the rnn format; compile with wfpass.backend(passes=...) without 'fuse_rnn' "
+                "(or wfpass.restore the model) for higher-order gradients"
+            )
         tape, *ins = ctx.saved_tensors
         grads = torch.ops.wfpass.rnn_backward.default(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
         grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
