@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import wfpass
 from wfpass.ops import rnn as rnn_ops
+from wfpass.ops import runtime
 from wfpass.storage import fused_storage_of
 from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
 
@@ -335,6 +336,25 @@ def test_double_backward_raises_instead_of_silent_zeros():
     # Without create_graph the same graph still gives eager's gradient.
     (g1,) = torch.autograd.grad(gm(x).pow(2).sum(), x)
     torch.testing.assert_close(g1, g.detach())
+
+
+@pytest.mark.parametrize("need_grad", [False, True])
+def test_op_schema_and_fake_pass_torch_library_opcheck(need_grad):
+    """PyTorch's own checker on ``wfpass::rnn``: the schema matches what the
+    kernel does (no aliasing, no mutation) and the fake implementation gives
+    the real outputs' shapes, dtypes and strides. (Its aot_dispatch checks
+    differentiate the op alone, which has no autograd kernel by design: the
+    formula is ``_Rnn``'s, and the graphs call ``rnn_call``.)"""
+    model = nn.LSTM(5, 6, num_layers=2, bidirectional=True)
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(3, 2, 5))
+    (gid,) = {g for g, grp in runtime._GROUPS.items() if isinstance(grp, rnn_ops.RnnGroup)
+              and grp.storage is not None and grp.storage.is_member(model.weight_ih_l0)}
+    ws = list(model._flat_weights)
+    blk = rnn_ops.rnn_weight_block(gid, *ws)
+    x = torch.randn(4, 2, 5)
+    mask = [need_grad] * (1 + len(ws))
+    torch.library.opcheck(torch.ops.wfpass.rnn.default, (x, [], ws, blk, gid, True, mask, None),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_aot_graphs_hold_one_op_each_way():

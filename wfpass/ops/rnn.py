@@ -568,7 +568,10 @@ class _Rnn(torch.autograd.Function):
 def rnn_call(input, hx, weights, block, gid: str, train: bool, grad_mask, dropout=None):
     """Graph-level entry point of the RNN format (FX cannot name
     ``_Rnn.apply`` in code): ``wfpass::rnn`` with its autograd formula.
-    Returns ``(output, h_n, c_n, tape)``; ``c_n`` is empty unless LSTM."""
+    Returns ``(output, h_n, c_n, tape)``; ``c_n`` is empty unless LSTM; an
+    empty ``hx`` is a zero initial state. Call this, not the op: the op
+    alone has no autograd kernel (its schema and fake implementation pass
+    ``torch.library.opcheck``, tested)."""
     return _Rnn.apply(input, block, gid, train, list(grad_mask), dropout, len(hx), *hx, *weights)
 
 
