@@ -357,6 +357,31 @@ def test_op_schema_and_fake_pass_torch_library_opcheck(need_grad):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_assign_load_then_old_parameters_freed_mid_compile():
+    """After load_state_dict(assign=True) nn.GRU's ``_flat_weight_refs`` still
+    point at the old Parameters; if those die between Dynamo's trace and its
+    guard building (here: inside the inner compiler; in real life whenever
+    the collector gets to them), plain Dynamo with ``allow_rnn`` fails with
+    ``_dispatch_keys() ... Invoked with: None``. wformat refreshes the
+    references before the trace, so the recompile works and equals eager."""
+    holder = []
+
+    def inner(gm, example_inputs):
+        holder.clear()  # the old Parameters die now: traced, guards not built yet
+        return gm.forward
+
+    model = nn.GRU(5, 6)
+    fn = torch.compile(model, backend=wfpass.backend(inner=inner))
+    fn(torch.randn(3, 2, 5))
+    holder.append(list(model.parameters()))
+    model.load_state_dict({k: v.detach().clone() * 0.5 for k, v in model.state_dict().items()}, assign=True)
+    x = torch.randn(3, 2, 5)
+    out, h = fn(x)
+    ref, rh = copy.deepcopy(model)(x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(h, rh)
+
+
 def test_aot_graphs_hold_one_op_each_way():
     from torch._dynamo.backends.common import aot_autograd
 

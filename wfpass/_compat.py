@@ -288,7 +288,8 @@ class _AllowRnnUnderWformat(int):
 
 def _name_rnn_being_wrapped() -> None:
     """Give the RNN that Dynamo is wrapping right now errors that name it
-    (``fuse_rnn.name_errors``). The module and where it came from are the
+    (``fuse_rnn.name_errors``) and fresh flat-weight references
+    (``_refresh_flat_weight_refs``). The module and where it came from are the
     locals ``value`` and ``self.source`` of ``VariableBuilder.wrap_module``
     (torch/_dynamo/variables/builder.py, torch 2.13.0), the frame that asks
     ``not config.allow_rnn``. Anything unexpected: leave the module alone."""
@@ -311,8 +312,28 @@ def _name_rnn_being_wrapped() -> None:
         from .passes.fuse_rnn import name_errors
 
         name_errors(module, module_name_from_source(name) if isinstance(name, str) else "")
+        _refresh_flat_weight_refs(module)
     except Exception:  # never break a trace over this
         return
+
+
+def _refresh_flat_weight_refs(module: torch.nn.RNNBase) -> None:
+    """Run, before Dynamo inlines ``forward``, the first thing ``forward``
+    does: ``if self._weights_have_changed(): self._init_flat_weights()``
+    (torch/nn/modules/rnn.py, torch 2.13.0).
+
+    Why: after ``load_state_dict(assign=True)`` (or any new Parameter object)
+    ``_flat_weight_refs`` still holds weak references to the old Parameters.
+    Dynamo traces ``ref()`` and guards on its result; when the old Parameter
+    is freed between the trace and the building of the guards, Dynamo fails
+    with ``InternalTorchDynamoError: TypeError: _dispatch_keys(): incompatible
+    function arguments ... Invoked with: None`` (reproduced with plain
+    ``allow_rnn=True`` and the eager backend, without wfpass: a torch bug,
+    intermittent because it depends on when the old object dies; Dynamo
+    traces weakref calls since pytorch/pytorch#125720). Refreshed
+    here, the references point at the module's live Parameters."""
+    if module._weights_have_changed():
+        module._init_flat_weights()
 
 
 def module_name_from_source(source: str) -> str:
