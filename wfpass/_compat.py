@@ -402,11 +402,11 @@ def install_rnn_capture() -> None:
 
 
 class autograd_inside_op:
-    """Record autograd inside a custom op's implementation.
+    """Record autograd inside an op's implementation.
 
-    ``torch.library`` runs an implementation below the Autograd dispatch key
-    (``_AutoDispatchBelowAutograd``): ops inside record nothing even under
-    ``enable_grad``. The RNN op keeps eager's own autograd graph of the kernel
+    The dispatcher runs an op's implementation below the Autograd dispatch
+    key, and ``_Rnn.forward`` (an ``autograd.Function``) runs with grad mode
+    off: ops inside record nothing, even under ``enable_grad``. The RNN op keeps eager's own autograd graph of the kernel
     for its backward, so it puts the Autograd keys back for the kernel call
     (``torch._C._ForceDispatchKeyGuard`` and the dispatch TLS getters, private;
     torch 2.13.0)."""

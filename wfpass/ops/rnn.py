@@ -24,7 +24,7 @@ and takes
   not part of single contiguous chunk of memory" copy never happens.
 
 Autograd: the implementation runs the kernel with autograd recording (the
-custom op dispatcher had switched it off, ``_compat.autograd_inside_op``) and
+dispatcher and ``_Rnn.forward`` had switched it off, ``_compat.autograd_inside_op``) and
 keeps that graph on a *tape* owned by the op's fourth output, a small uint8
 tensor made with ``torch.frombuffer``. AOTAutograd saves the tape for the
 backward like any other tensor; ``wfpass::rnn_backward`` replays the recorded
