@@ -199,3 +199,75 @@ def test_hf_resnet_bf16_batchnorm_format_save_pretrained_both_ways(tmp_path):
     for k, v in before.items():
         want = v.to(torch.bfloat16) if v.is_floating_point() else v
         assert restored[k].dtype == want.dtype and torch.equal(restored[k], want), k
+
+
+def _encodec():
+    cfg = transformers.EncodecConfig(target_bandwidths=[1.5], sampling_rate=8000, audio_channels=1, hidden_size=16,
+                                     num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+                                     codebook_size=16, codebook_dim=16, num_lstm_layers=2)
+    return transformers.EncodecModel(cfg)
+
+
+def test_hf_encodec_rnn_format_save_pretrained_both_ways(tmp_path):
+    """The rnn format through HuggingFace ``save_pretrained`` /
+    ``from_pretrained`` (safetensors), on EnCodec (its encoder and decoder each
+    hold a 2-layer ``nn.LSTM``). The encoder's LSTM block is compiled with
+    ``backend=wformat`` and trained two steps: its Parameters are views of one
+    flat buffer, which HF's shared-storage handling must neither drop nor
+    refuse. The file equals the state_dict bit for bit and is exactly the size
+    of a plain model's; the reverse load keeps the format."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _encodec()
+    block = model.encoder.layers[[type(m).__name__ for m in model.encoder.layers].index("EncodecLSTM")]
+    lstm = block.lstm
+    fn = torch.compile(block, backend=wfpass.backend(inner="aot_eager"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        fn(torch.randn(2, 16, 5)).pow(2).sum().backward()
+        opt.step()
+    (rec,) = wfpass.last_report().find("rnn", "rewritten")
+    assert rec.stats["fused_calls"] + rec.stats["unfused_calls"] == 2 and rec.stats["fallback_calls"] == 0
+    assert len({p.untyped_storage().data_ptr() for p in lstm.parameters()}) == 1  # one flat buffer
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    passed_dir, plain_dir = tmp_path / "passed", tmp_path / "plain"
+    model.save_pretrained(passed_dir, safe_serialization=True)
+    torch.manual_seed(1)
+    plain = _encodec()
+    plain.save_pretrained(plain_dir, safe_serialization=True)
+    saved = load_file(passed_dir / "model.safetensors")
+    assert set(saved) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(saved[k], v), k
+    assert _safetensors_sizes(passed_dir) == _safetensors_sizes(plain_dir)
+
+    loaded, info = transformers.EncodecModel.from_pretrained(passed_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+    # Reverse: the plain model's checkpoint into the compiled one. Same
+    # Parameter objects, still one buffer, and the next compiled call equals
+    # eager on the plain model.
+    back = transformers.EncodecModel.from_pretrained(plain_dir)
+    objects = dict(lstm.named_parameters())
+    model.load_state_dict(back.state_dict())
+    assert all(p is objects[n] for n, p in lstm.named_parameters())
+    assert len({p.untyped_storage().data_ptr() for p in lstm.parameters()}) == 1
+    for k, v in back.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    ref_block = back.encoder.layers[[type(m).__name__ for m in back.encoder.layers].index("EncodecLSTM")]
+    x = torch.randn(2, 16, 7)
+    xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    opt.zero_grad(set_to_none=True)
+    out, ref = fn(xa), ref_block(xr)
+    rtol, atol = TOL[torch.float32]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=rtol, atol=atol)
+    for (n, p), (_, q) in zip(block.named_parameters(), ref_block.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of {n}: {m}")
