@@ -601,11 +601,9 @@ def rnn_module_call(gid: str, input, hx, block: torch.Tensor, *weights: torch.Te
                 raise RuntimeError(f"{spec.name}: for unbatched 2-D input, the hidden state should also be 2-D, got "
                                    f"{', '.join(f'{h.dim()}-D' for h in parts)}")
             hx = tuple(h.unsqueeze(1) for h in parts) if lstm else hx.unsqueeze(1)
-    batch = input.shape[batch_dim]
-    ld = spec.num_layers * spec.directions
     if hx is None:
-        h0 = torch.zeros(ld, batch, spec.out_hidden, dtype=input.dtype, device=input.device)
-        hx = (h0, torch.zeros(ld, batch, spec.hidden_size, dtype=input.dtype, device=input.device)) if lstm else h0
+        zeros = _zero_state(spec, input)
+        hx = tuple(zeros) if lstm else zeros[0]
     try:
         mod.check_forward_args(input, hx, None)
     except (RuntimeError, ValueError, TypeError) as e:
