@@ -220,10 +220,10 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
     return None
 
 
-def _ddp_problem(tensors: List[torch.Tensor]) -> Optional[str]:
+def _ddp_problem(tensors: List[torch.Tensor], held: set) -> Optional[str]:
     """Why these tensors' dtype must stay, if they belong to the
-    DistributedDataParallel being compiled (see ``_compat.ddp_tensors``)."""
-    held = _compat.ddp_tensors()
+    DistributedDataParallel being compiled (``held``: ``_compat.ddp_tensors()``,
+    read once per pass)."""
     if not any(id(t) in held for t in tensors):
         return None
     return ("held by the DistributedDataParallel being compiled, which was built while they were half precision: "
@@ -237,6 +237,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
     batch norms were rewritten."""
     rewritten = 0
     others = None
+    ddp_held = _compat.ddp_tensors()  # once per pass, not per BatchNorm
     sites = batchnorm_sites(ctx)
     bn_nodes = {site.node for site in sites}
     for site in sites:
@@ -282,8 +283,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             problem = sharing_problem(tensors[r], site.refs[r].name, others)
             if problem:
                 break
-        if not problem:
-            problem = _ddp_problem([tensors[r] for r in half])
+        problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
         if problem:
             ctx.report.add("batchnorm", "skipped", problem, params, **detail)
             continue
@@ -364,6 +364,7 @@ def _eager_batchnorms(ctx: PassContext) -> int:
     in_graph = {id(r.tensor) for r in ctx.state_tensors()}
     done = set()
     n = 0
+    ddp_held = _compat.ddp_tensors()
     for root in _compat.traced_frame_modules():
         state = None
         for name, mod in root.named_modules():
@@ -382,7 +383,7 @@ def _eager_batchnorms(ctx: PassContext) -> int:
             if state is None:
                 state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
             problem = next((p for p in (sharing_problem(tensors[r], f"{label}.{r}", state) for r in half) if p), None)
-            problem = problem or _ddp_problem([tensors[r] for r in half])
+            problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
             if problem:
                 ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)
                 continue
