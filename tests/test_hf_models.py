@@ -208,6 +208,11 @@ def _encodec():
     return transformers.EncodecModel(cfg)
 
 
+def _encodec_lstm_block(model):
+    """The encoder's ``EncodecLSTM`` block (it holds the ``nn.LSTM``)."""
+    return next(m for m in model.encoder.layers if type(m).__name__ == "EncodecLSTM")
+
+
 def test_hf_encodec_rnn_format_save_pretrained_both_ways(tmp_path):
     """The rnn format through HuggingFace ``save_pretrained`` /
     ``from_pretrained`` (safetensors), on EnCodec (its encoder and decoder each
@@ -220,7 +225,7 @@ def test_hf_encodec_rnn_format_save_pretrained_both_ways(tmp_path):
 
     torch.manual_seed(0)
     model = _encodec()
-    block = model.encoder.layers[[type(m).__name__ for m in model.encoder.layers].index("EncodecLSTM")]
+    block = _encodec_lstm_block(model)
     lstm = block.lstm
     fn = torch.compile(block, backend=wfpass.backend(inner="aot_eager"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -259,7 +264,7 @@ def test_hf_encodec_rnn_format_save_pretrained_both_ways(tmp_path):
     assert len({p.untyped_storage().data_ptr() for p in lstm.parameters()}) == 1
     for k, v in back.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
-    ref_block = back.encoder.layers[[type(m).__name__ for m in back.encoder.layers].index("EncodecLSTM")]
+    ref_block = _encodec_lstm_block(back)
     x = torch.randn(2, 16, 7)
     xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     opt.zero_grad(set_to_none=True)
