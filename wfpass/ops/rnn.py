@@ -471,9 +471,8 @@ def _rnn_fake(input, hx, weights, block, gid, train, grad_mask, dropout):
     else:
         steps, batch = input.shape[0], input.shape[1]
         out = input.new_empty((steps, batch, spec.directions * spec.out_hidden))
-    ld = spec.num_layers * spec.directions
-    hy = input.new_empty((ld, batch, spec.out_hidden))
-    cy = input.new_empty((ld, batch, spec.hidden_size)) if spec.mode == "LSTM" else input.new_empty(0)
+    hy, *cy = _zero_state(spec, input)  # the final states have the initial states' shapes
+    cy = cy[0] if cy else input.new_empty(0)
     tape = torch.empty(8 if any(grad_mask) else 0, dtype=torch.uint8)
     return out, hy, cy, tape
 
