@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["storage_use_count", "dynamo_source_name", "qualified_name_from_source", "current_fake_mode"]
+__all__ = ["storage_use_count", "dynamo_source_name", "qualified_name_from_source"]
 
 
 def storage_use_count(t: torch.Tensor) -> Optional[int]:
@@ -55,14 +55,6 @@ def qualified_name_from_source(source: str) -> Optional[str]:
     parts = [a or b or c for a, b, c in _PART.findall(source[head + 1 :])]
     parts = [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
     return ".".join(parts) if parts else None
-
-
-def current_fake_mode():
-    """The fake mode of the Dynamo trace being compiled, if any (torch._guards, torch 2.13.0)."""
-    from torch._guards import TracingContext
-
-    ctx = TracingContext.try_get()
-    return None if ctx is None else ctx.fake_mode
 
 
 def traced_frame_modules() -> list:
@@ -195,14 +187,6 @@ def ddp_tensors() -> set:
         return set()
     mod = ddp.module
     return {id(t) for t in (*mod.parameters(), *mod.buffers())}
-
-
-def mark_lifted_input(placeholder: torch.fx.Node, like: Optional[torch.fx.Node] = None) -> None:
-    """AOTAutograd asserts every placeholder of a Dynamo graph has a
-    ``_dynamo_source`` attribute (torch/_functorch/_aot_autograd/frontend_utils.py,
-    torch 2.13.0). ``None`` is the value DDPOptimizer uses for inputs that did
-    not come from user code, which is what a hoisted prologue value is."""
-    placeholder._dynamo_source = None  # type: ignore[attr-defined]
 
 
 def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -399,33 +383,6 @@ def install_rnn_capture() -> None:
 
     if dynamo_config.allow_rnn is False:
         dynamo_config.allow_rnn = _AllowRnnUnderWformat()
-
-
-class autograd_inside_op:
-    """Record autograd inside an op's implementation.
-
-    The dispatcher runs an op's implementation below the Autograd dispatch
-    key, and ``_Rnn.forward`` (an ``autograd.Function``) runs with grad mode
-    off: ops inside record nothing, even under ``enable_grad``. The RNN op keeps eager's own autograd graph of the kernel
-    for its backward, so it puts the Autograd keys back for the kernel call
-    (``torch._C._ForceDispatchKeyGuard`` and the dispatch TLS getters, private;
-    torch 2.13.0)."""
-
-    def __enter__(self):
-        K = torch._C.DispatchKey
-        exclude = torch._C._dispatch_tls_local_exclude_set()
-        for k in (K.AutogradFunctionality, K.AutogradOther, K.AutogradNestedTensor):
-            exclude = exclude.remove(k)
-        self._guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
-        self._guard.__enter__()
-        self._grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(True)
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_grad_enabled(self._grad)
-        self._guard.__exit__(*exc)
-        return False
 
 
 class mkldnn_disabled:

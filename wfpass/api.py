@@ -14,7 +14,7 @@ from .passes import run_passes
 from .report import Report
 from .storage import overlaps, restore_tensor
 
-__all__ = ["apply", "explain", "restore"]
+__all__ = ["apply", "explain", "report", "restore"]
 
 
 def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> Report:
@@ -58,6 +58,19 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
     with torch.no_grad():
         torch.compile(probe, backend=collect)(*args, **kwargs)
     return reports
+
+
+def report(model: torch.nn.Module) -> Report:
+    """Everything wfpass did to ``model``: one row per decision about its
+    parameters and buffers, over every compiled graph, recompile and graph
+    break (``last_report()`` is only the most recent compile), named as in
+    ``model.named_parameters()``, with live counters summed over all graphs.
+    Works on the model you compiled and on the ``torch.compile`` wrapper."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wfpass.report expects an nn.Module, got {type(model).__name__}")
+    from .runtime import model_report
+
+    return model_report(model)
 
 
 def restore(model: torch.nn.Module) -> int:

@@ -4,14 +4,11 @@ Registered through the ``torch_dynamo_backends`` entry point, so
 ``torch.compile(model, backend="wformat")`` works without importing wfpass.
 ``wfpass.backend(**options)`` builds one with options.
 
-Prologue hoisting: a fused format finds its block at run time by checking that
-the parameters are still views of one buffer; the block is an alias of their
-storage, which AOTAutograd cannot trace. So every prologue node is lifted out
-of the graph: it becomes a new trailing placeholder, and the callable we return
-computes it from the real arguments before calling the compiled graph::
-
-    compiled = inner(gm_without_prologues, example_inputs + [blocks...])
-    call(*args) = compiled(*args, *[prologue(args...) for each])
+Per call, before the compiled graph runs, each fused group checks that this
+call's parameters are views of their block (``runtime.guarded_call``): a
+graph may serve many parameter sets, and each is fused once, the first time
+it is seen. The graph itself reads the block as a view of a parameter, an
+alias AOTAutograd and Inductor see.
 """
 from __future__ import annotations
 
@@ -27,9 +24,9 @@ import torch.fx as fx
 from . import _compat
 from .config import Config
 from .graph import PassContext
-from .ops.runtime import is_prologue
 from .passes import run_passes
 from .report import Report
+from .runtime import guarded_call
 
 __all__ = ["backend", "wformat", "last_report"]
 
@@ -92,56 +89,18 @@ def _resolve_inner(inner: Any) -> Callable:
     return lookup_backend(inner)
 
 
-_ArgSpec = Tuple[str, Any]  # ("arg", index) or ("const", value)
-
-
-def _hoist_prologues(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """Lift prologue nodes into trailing placeholders. Returns the list of
-    (fn, argspec) to compute per call, and the extended example inputs."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(placeholders)}
-    hoisted: List[Tuple[Callable, List[_ArgSpec]]] = []
-    extra_examples: List[Any] = []
-    last = placeholders[-1] if placeholders else None
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not is_prologue(node.target):
-            continue
-        spec: List[_ArgSpec] = []
-        for a in node.args:
-            if isinstance(a, fx.Node):
-                if a not in index:
-                    raise RuntimeError(f"wfpass: prologue {node.name} reads {a.name}, which is not a graph input")
-                spec.append(("arg", index[a]))
-            else:
-                spec.append(("const", a))
-        # The example value only needs the right shape and dtype: use the
-        # prologue's copying fallback so compiling bumps no runtime counter.
-        make = getattr(node.target, "example", node.target)
-        value = make(*[example_inputs[v] if k == "arg" else v for k, v in spec])
-        with gm.graph.inserting_after(last) if last is not None else gm.graph.inserting_before(None):
-            ph = gm.graph.placeholder(f"wfpass_{node.name}")
-        ph.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value")})
-        _compat.mark_lifted_input(ph)
-        last = ph
-        node.replace_all_uses_with(ph)
-        gm.graph.erase_node(node)
-        hoisted.append((node.target, spec))
-        extra_examples.append(value)
-    if hoisted:
-        gm.graph.lint()
-        gm.recompile()
-    return hoisted, list(example_inputs) + extra_examples
-
-
 def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    # The graph as Dynamo traced it: the fallback for a call whose parameters
+    # cannot be laid out for a group the rewritten graph reads as one block.
+    original = _compat.clone_dynamo_graph(gm)
     gm = _compat.clone_dynamo_graph(gm)
-    report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)")
+    report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)", dry_run=config.dry_run)
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
-    _set_last(report, *_compat.compile_origin())
-    hoisted, inputs = _hoist_prologues(gm, ctx.compile_inputs())
+    if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` alone
+        _set_last(report, *_compat.compile_origin())
     inner = _resolve_inner(config.inner)
-    compiled = inner(gm, inputs)
+    compiled = inner(gm, ctx.compile_inputs())
     ctx.run_deferred()
     at_call = ctx.take_first_call_moves()
     if at_call:
@@ -152,14 +111,10 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
         # finds the tensors already in format.
         log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
         compiled = _first_call_then(at_call, gm.forward)
-    if not hoisted:
+    if not ctx.sites:
         return compiled
-
-    def call(*args):
-        extra = [fn(*[args[v] if k == "arg" else v for k, v in spec]) for fn, spec in hoisted]
-        return compiled(*args, *extra)
-
-    call._wfpass_report = report
+    call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs())
+    call._wfpass_report = report  # type: ignore[attr-defined]
     return call
 
 

@@ -62,6 +62,7 @@ class PassContext:
         self._deferred: List[Callable[[], None]] = []
         self._at_call: List[Callable[[], None]] = []
         self._compile_examples: Dict[int, Any] = {}
+        self.sites: List[Any] = []  # runtime.GroupSite of every fused group (Dynamo graphs)
 
     def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
@@ -98,6 +99,36 @@ class PassContext:
         out = list(self.example_inputs or ())
         for i, v in self._compile_examples.items():
             out[i] = v
+        return out
+
+    def placeholder_index(self, node: fx.Node) -> int:
+        return self._placeholders.index(node)
+
+    def add_site(self, site: Any) -> None:
+        """A fused group the backend checks on every call (``runtime.guarded_call``)."""
+        self.sites.append(site)
+
+    def refakify(self, placeholder: fx.Node) -> None:
+        """After a compile-time move of ``placeholder``'s tensor into a block,
+        hand the inner compiler a new alias of it as the example. Dynamo
+        fakified the tensor before the move; AOTAutograd would reuse that
+        fake (its storage the old one) and not know the members share the
+        block. A new object is fakified afresh, with the block's storage,
+        shared by all members: the aliasing is then the compiler's to see."""
+        t = self.example_inputs[self._placeholders.index(placeholder)]
+        if isinstance(t, torch.nn.Parameter):
+            alias = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+        else:
+            alias = t.detach().requires_grad_(t.requires_grad)
+        self.compile_example(placeholder, alias)
+
+    def tensor_inputs(self) -> List[tuple]:
+        """(name, position) of every tensor input: what a per-call sharing check compares against."""
+        out = []
+        for i, n in enumerate(self._placeholders):
+            r = self.resolve(n)
+            if r is not None:
+                out.append((r.name, i))
         return out
 
     @property
@@ -233,3 +264,75 @@ def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
                 w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
                 b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
                 yield LinearSite(node, node.args[0], w, b, mod.bias is not None, module_name=node.target)
+
+
+# -- in-graph mutation of parameters ----------------------------------------------
+
+#: Methods and functions that return a view of their first argument: a write
+#: through the result writes the parameter. Longer than needed on purpose: an
+#: op wrongly counted as a view only costs a skipped group.
+_VIEW_NAMES = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "t", "T", "mT", "H", "mH", "transpose", "swapaxes", "swapdims",
+    "permute", "movedim", "moveaxis", "expand", "expand_as", "narrow", "select", "squeeze", "unsqueeze", "flatten",
+    "unflatten", "detach", "data", "getitem", "__getitem__", "unbind", "split", "split_with_sizes", "tensor_split",
+    "hsplit", "vsplit", "dsplit", "chunk", "as_strided", "diagonal", "contiguous", "real", "imag", "unfold",
+    "view_as_real", "view_as_complex", "alias", "_get_data_attr", "getattr", "type_as", "to", "float", "half",
+    "bfloat16", "double", "requires_grad_", "set_grad_enabled",
+})
+_INPLACE_BINOPS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                             "ilshift", "irshift", "imatmul", "setitem"})
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _written_args(node: fx.Node) -> List[Any]:
+    """The arguments ``node`` writes to (in place), by the usual conventions:
+    a trailing underscore (``mul_``, ``clamp_``, ``copy_``), ``operator.i*`` /
+    ``setitem``, ``out=``, ``inplace=True``, or an ATen schema that marks an
+    argument written."""
+    if node.op not in ("call_method", "call_function"):
+        return []
+    out: List[Any] = []
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
+        return out
+    name = _target_name(node)
+    first = node.args[0] if node.args else None
+    if (name.endswith("_") and not name.endswith("__") and name not in ("requires_grad_",)) or name in _INPLACE_BINOPS:
+        out.append(first)
+    if node.kwargs.get("inplace") is True:
+        out.append(first)
+    if "out" in node.kwargs:
+        o = node.kwargs["out"]
+        out.extend(o if isinstance(o, (tuple, list)) else [o])
+    return out
+
+
+def mutated_state(gm: fx.GraphModule) -> Dict[fx.Node, str]:
+    """Graph inputs and attributes (parameters, buffers) that the graph writes
+    in place, directly or through a view, mapped to the node that writes them.
+    A fused group whose member is written here is skipped: the rewrite would
+    read the block while the write goes to the member."""
+    base: Dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            base[n] = n
+        elif n.op in ("call_method", "call_function") and n.args and isinstance(n.args[0], fx.Node) and n.args[0] in base:
+            if _target_name(n) in _VIEW_NAMES:
+                base[n] = base[n.args[0]]
+    written: Dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        for a in _written_args(n):
+            if isinstance(a, fx.Node) and a in base:
+                written.setdefault(base[a], f"{_target_name(n)} ({n.name})")
+    return written

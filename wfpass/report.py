@@ -18,9 +18,13 @@ __all__ = ["Record", "Report"]
 log = logging.getLogger("wfpass")
 
 
+#: ``"would rewrite"`` is a dry run's (``wfpass.explain``) word for ``"rewritten"``.
+ACTIONS = ("rewritten", "skipped", "would rewrite")
+
+
 @dataclasses.dataclass
 class Record:
-    """One decision. ``action`` is ``"rewritten"`` or ``"skipped"``."""
+    """One decision. ``action`` is one of ``ACTIONS``."""
 
     pattern: str
     action: str
@@ -30,13 +34,20 @@ class Record:
     detail: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.action not in ("rewritten", "skipped"):
-            raise ValueError(f"Record.action must be 'rewritten' or 'skipped', got {self.action!r}")
+        if self.action not in ACTIONS:
+            raise ValueError(f"Record.action must be one of {ACTIONS}, got {self.action!r}")
 
     def bump(self, counter: str, n: int = 1) -> None:
         # Kernels call this on the hot path; a dict update under the GIL is
         # atomic enough for counters and far cheaper than a lock.
         self.stats[counter] = self.stats.get(counter, 0) + n
+
+    def __getstate__(self):
+        # Private detail (weak references to the tensors a record concerns)
+        # does not pickle and means nothing in another process.
+        state = dict(self.__dict__)
+        state["detail"] = {k: v for k, v in self.detail.items() if not k.startswith("_")}
+        return state
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -45,7 +56,7 @@ class Record:
             "reason": self.reason,
             "params": list(self.params),
             "stats": dict(self.stats),
-            "detail": _jsonable(self.detail),
+            "detail": _jsonable({k: v for k, v in self.detail.items() if not k.startswith("_")}),
         }
 
 
@@ -62,12 +73,15 @@ def _jsonable(obj: Any) -> Any:
 class Report:
     """All records of one compiled graph (or one :func:`wfpass.apply` call)."""
 
-    def __init__(self, title: str = "wfpass report") -> None:
+    def __init__(self, title: str = "wfpass report", dry_run: bool = False) -> None:
         self.title = title
+        self.dry_run = dry_run  # a dry run's rows say "would rewrite"
         self.records: List[Record] = []
         self._lock = threading.Lock()
 
     def add(self, pattern: str, action: str, reason: str, params=(), **detail: Any) -> Record:
+        if self.dry_run and action == "rewritten":
+            action = "would rewrite"
         rec = Record(pattern, action, reason, list(params), detail=detail)
         with self._lock:
             self.records.append(rec)
@@ -83,7 +97,8 @@ class Report:
 
     @property
     def rewritten(self) -> List[Record]:
-        return self.find(action="rewritten")
+        """Rewritten records (in a dry run: those that would be)."""
+        return [r for r in self.records if r.action in ("rewritten", "would rewrite")]
 
     @property
     def skipped(self) -> List[Record]:

@@ -7,32 +7,23 @@ the same; only where their bytes live changes, exactly as PyTorch's own
 ``flatten_parameters`` does for cuDNN RNNs. Slots no member covers stay zero:
 they are the "fake biases" a fused kernel needs where a member has none.
 
-Nothing here keeps a member alive: the registry holds weak references, so a
-deleted model frees its buffer.
+Nothing here keeps a member alive: the registry holds weak references and
+drops an entry when its member dies, so a deleted model frees its buffer.
 """
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _compat
 
 __all__ = [
-    "FusedStorage", "fuse", "refuse", "fused_storage_of", "restore_tensor", "register_undo", "undo_registered",
+    "FusedStorage", "fuse", "refuse", "fused_storage_of", "layout_of", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent", "unmovable",
 ]
-
-# storage data_ptr -> FusedStorage. A stale entry (its members gone or moved)
-# fails ``intact()`` and is replaced on the next fuse of that address.
-_REGISTRY: Dict[Tuple[str, int], "FusedStorage"] = {}
-
-
-def _key(t: torch.Tensor) -> Tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
 
 # -- tensors wfpass must not move ---------------------------------------------
 # Exactly these types own plain storage that wfpass may re-point. A subclass
@@ -145,88 +136,128 @@ def _overlaps_plain(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class FusedStorage:
-    """One buffer and the members that are views into it."""
+    """One block and the tensors that are views of it: a *layout*.
 
-    def __init__(self, kind: str, block: torch.Tensor, names: Sequence[str], members: Sequence[torch.Tensor], offsets: Sequence[int]):
+    It belongs to its members: the registry maps each member (by identity,
+    removed by a weak-reference callback when the member dies) to its layout,
+    and nothing else holds it. The layout holds the block, so while it lives
+    no other allocation can start inside the block's bytes: a member whose
+    ``data_ptr()`` is the address recorded here *is* a view at its offset.
+    That makes the per-call check complete and cheap (``ptrs`` compared to
+    the members' ``data_ptr()``, no storage objects created).
+
+    ``key`` says which layout this is (format, sizes, offsets); a compiled
+    graph reads a block only through a layout with its own key. ``record``
+    is the report record of this set of parameters: its counters add up over
+    every graph that runs with them.
+    """
+
+    def __init__(self, kind: str, block: torch.Tensor, names: Sequence[str], members: Sequence[torch.Tensor],
+                 offsets: Sequence[int], key: Any = None, record: Any = None):
         self.kind = kind
+        self.key = key if key is not None else (kind, tuple(offsets), tuple(tuple(m.shape) for m in members))
+        self.record = record
         self.names = list(names)
         self.offsets = list(offsets)
         self.shapes = [tuple(m.shape) for m in members]
         self.numel = block.numel()
+        self._set(block, members)
+
+    def _set(self, block: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
+        self.block = block
+        es = block.element_size()
+        base = block.data_ptr()
+        self.ptrs = tuple(base + off * es for off in self.offsets)
         self._members = [weakref.ref(m) for m in members]
-        self._key = _key(block)
-        self.refusions = 0
+        for m in members:
+            _own(m, self)
 
     @property
     def members(self) -> List[Optional[torch.Tensor]]:
         return [r() for r in self._members]
 
-    def intact(self) -> bool:
-        """Are all members still views at their offsets of one live buffer?"""
-        ms = self.members
-        if any(m is None for m in ms):
-            return False
-        ptr = ms[0].untyped_storage().data_ptr()
-        base = ms[0].storage_offset() - self.offsets[0]
-        for m, off, shape in zip(ms, self.offsets, self.shapes):
-            if (
-                m.untyped_storage().data_ptr() != ptr
-                or m.storage_offset() != base + off
-                or tuple(m.shape) != shape
-                or not m.is_contiguous()
-            ):
-                return False
-        return True
+    def holds(self, ts: Sequence[torch.Tensor]) -> bool:
+        """Are ``ts`` views of this block at the layout's offsets? Address
+        arithmetic only (shapes, strides and dtypes are the compiled graph's
+        guards; :meth:`intact` checks them too)."""
+        return self.block is not None and tuple([t.data_ptr() for t in ts]) == self.ptrs
 
-    def block_offset(self, ts: Sequence[Optional[torch.Tensor]], offsets: Sequence[int]) -> Optional[int]:
-        """Storage offset of this buffer if every present ``ts[i]`` is a
-        contiguous view at element ``offsets[i]`` of it, else None. The
-        per-call "are these views of one parent?" check of every format:
-        address arithmetic only. The buffer must be the one wfpass built
-        (its gaps are the zero fake biases), and must fit inside the first
-        member's storage: that storage is alive, so no other allocation can
-        start inside it and a matching address means the same storage."""
-        first = None
-        for t, off in zip(ts, offsets):
-            if t is None:
-                continue
-            if first is None:
-                first, es = t, t.element_size()
-                storage = t.untyped_storage()
-                sptr = storage.data_ptr()
-                if sptr != self._key[1]:  # not (or no longer) our buffer
-                    return None
-                start = t.data_ptr() - off * es
-            if t.data_ptr() - off * es != start or not t.is_contiguous() or t.dtype != first.dtype:
-                return None
-        if first is None:
-            return None
-        base_bytes = start - sptr
-        if base_bytes < 0 or base_bytes + self.numel * es > storage.nbytes():
-            return None
-        return base_bytes // es
+    def intact(self) -> bool:
+        """Are all members still alive, contiguous views at their offsets of the block?"""
+        ms = self.members
+        if self.block is None or any(m is None for m in ms):
+            return False
+        return self.holds(ms) and all(
+            tuple(m.shape) == s and m.is_contiguous() and m.dtype == self.block.dtype for m, s in zip(ms, self.shapes))
 
     def is_member(self, t: torch.Tensor) -> bool:
         return any(m is t for m in self.members)
 
+    def release(self, t: torch.Tensor) -> None:
+        """``t`` leaves the layout (``wfpass.restore``); the block goes with the last member."""
+        _OWNER.pop(id(t), None)
+        self._members = [r for r in self._members if r() is not None and r() is not t]
+        if not self._members:
+            self.block = None
+
+
+# id(member) -> (weak reference to the member, its layout). An entry goes
+# when its member dies (weak-reference callback), so the table holds only
+# live members and a deleted model frees its blocks.
+_OWNER: Dict[int, Tuple["weakref.ref", FusedStorage]] = {}
+
+
+def _own(t: torch.Tensor, fs: FusedStorage) -> None:
+    key = id(t)
+    old = _OWNER.get(key)
+    if old is not None and old[0]() is t:
+        _OWNER[key] = (old[0], fs)
+        return
+
+    def gone(ref, key=key):
+        entry = _OWNER.get(key)
+        if entry is not None and entry[0] is ref:
+            del _OWNER[key]
+
+    _OWNER[key] = (weakref.ref(t, gone), fs)
+
+
+def layout_of(t: torch.Tensor) -> Optional[FusedStorage]:
+    """The layout ``t`` was fused into, intact or not (None if never, or released)."""
+    entry = _OWNER.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return None
+    return entry[1]
+
+
+def live_layouts() -> int:
+    """How many layouts have a live member (tests check that deleted models leave none)."""
+    return len({id(fs) for _, fs in _OWNER.values() if fs.block is not None})
+
 
 def fused_storage_of(t: torch.Tensor) -> Optional[FusedStorage]:
-    """The live FusedStorage ``t`` belongs to, if any."""
+    """The intact layout ``t`` belongs to, if any."""
     if type(t) not in _PLAIN:
         return None  # wfpass never fuses a subclass (``unmovable``)
-    fs = _REGISTRY.get(_key(t))
-    if fs is not None and fs.is_member(t) and fs.intact():
+    fs = layout_of(t)
+    if fs is not None and fs.intact():
         return fs
     return None
 
 
-def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> FusedStorage:
+def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offsets: Sequence[int], numel: int,
+         key: Any = None, record: Any = None) -> FusedStorage:
     """Move ``members`` into one new zero-filled buffer of ``numel`` elements.
 
     Members must share dtype and device; ``offsets`` are element offsets and
     must not overlap. Values are copied exactly; the old storages are freed
     when nothing else holds them (the caller has checked nothing does).
     """
+    block = _copy_into_block(members, offsets, numel)
+    return FusedStorage(kind, block, names, members, offsets, key=key, record=record)
+
+
+def _copy_into_block(members: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> torch.Tensor:
     first = members[0]
     block = torch.zeros(numel, dtype=first.dtype, device=first.device)
     with torch.no_grad():
@@ -234,23 +265,20 @@ def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offse
             view = block[off : off + m.numel()].view(m.shape)
             view.copy_(m.detach())
             m.data = view
-    fs = FusedStorage(kind, block, names, members, offsets)
-    _REGISTRY[fs._key] = fs
-    return fs
+    return block
 
 
 def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
-    """Bring a group whose layout was lost back into one buffer. ``members``
-    are the tensors in use now (they may be new objects after
+    """Bring a layout that was lost back into one buffer. ``members`` are the
+    tensors in use now (they may be new objects after
     ``load_state_dict(assign=True)``); they must agree on dtype and device and
-    keep the group's shapes. Returns True if it re-fused."""
+    keep the layout's shapes. Returns True if it re-fused."""
     if len({(m.dtype, m.device) for m in members}) != 1 or [tuple(m.shape) for m in members] != fs.shapes:
         return False
-    _REGISTRY.pop(fs._key, None)
-    new = fuse(fs.kind, fs.names, members, fs.offsets, fs.numel)
-    fs._key, fs._members = new._key, new._members
-    fs.refusions += 1
-    _REGISTRY[fs._key] = fs
+    for m in fs.members:
+        if m is not None and not any(m is n for n in members):
+            _OWNER.pop(id(m), None)
+    fs._set(_copy_into_block(members, fs.offsets, fs.numel), members)
     return True
 
 
@@ -278,13 +306,13 @@ def restore_tensor(t: torch.Tensor) -> bool:
         undo(t)
     if type(t) not in _PLAIN:
         return undo is not None  # never fused (``unmovable``); a DTensor has no storage of its own
-    fs = _REGISTRY.get(_key(t))
-    if fs is None or not fs.is_member(t):
+    fs = layout_of(t)
+    if fs is None:
         return undo is not None
-    with torch.no_grad():
-        t.data = t.data.clone(memory_format=torch.contiguous_format)
-    if not any(m is not None and m.untyped_storage().data_ptr() == fs._key[1] for m in fs.members):
-        _REGISTRY.pop(fs._key, None)
+    if fs.block is not None and t.untyped_storage().data_ptr() == fs.block.untyped_storage().data_ptr():
+        with torch.no_grad():
+            t.data = t.data.clone(memory_format=torch.contiguous_format)
+    fs.release(t)
     return True
 
 
@@ -309,6 +337,9 @@ def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torc
     uses = _compat.storage_use_count(t)
     ptr = t.untyped_storage().data_ptr()
     expected = 1 + sum(1 for a in allowed if a is not t and type(a) in _PLAIN and a.untyped_storage().data_ptr() == ptr)
+    own = layout_of(t)
+    if own is not None and own.block is not None and own.block.untyped_storage().data_ptr() == ptr:
+        expected += 1  # the layout's own reference to its block
     if uses is not None and uses > expected:
         return f"{name}'s storage is also held by {uses - expected} other tensor(s) outside this graph; moving it would untie them"
     return None

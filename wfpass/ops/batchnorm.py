@@ -18,9 +18,11 @@ tensor that lost it (``model.to(bf16)``, ``load_state_dict(assign=True)``,
 
 **Folding.** In eval mode without grad, ``bn(conv(x))`` is
 ``conv(x, W * s, (b - mean) * s + beta)`` with ``s = gamma / sqrt(var + eps)``.
-``fold_weight`` / ``fold_bias`` compute that in fp32 and cast to the conv's
-dtype; the result is cached and recomputed only when a source tensor changes
-(data pointer, dtype or in-place version counter).
+``folded_params`` computes that in fp32 and casts to the conv's dtype; under
+``torch.compile`` it is part of the compiled graph. In ``wfpass.apply``
+graphs ``fold_weight`` / ``fold_bias`` cache the result on their call target,
+recomputed only when a source tensor changes (data pointer, dtype or
+in-place version counter).
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ import torch.nn.functional as F
 
 from .. import _compat
 from ..storage import register_undo, sharing_problem
-from .runtime import group, prologue
 
 __all__ = [
     "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32", "bn_eager_pre_hook",
@@ -114,22 +115,13 @@ def _watch_optimizer_state(p: torch.nn.Parameter) -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_align_optimizer_state))
 
 
-# -- fp32 state: the prologue ------------------------------------------------
+# -- fp32 state: the per-call check of wfpass.apply graphs ----------------------
 
-def _fp32_example(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
-    """What the compiled graph will receive: an fp32 tensor of ``t``'s shape
-    (a leaf with ``t``'s requires_grad, so AOTAutograd builds its backward)."""
-    if t is None:
-        return None
-    return t.detach().float().requires_grad_(t.requires_grad)
-
-
-def _drifted(gid: str, role: int, t: torch.Tensor) -> torch.Tensor:
+def _drifted(g, role: int, t: torch.Tensor) -> torch.Tensor:
     """``t`` is no longer fp32 (``model.half()``, ``load_state_dict(assign=True)``
     with half tensors, ``wfpass.restore``): cast it again, counted, unless its
     storage is shared, in which case this call computes on an fp32 copy
     (counted; a training step's statistics update then goes to the copy)."""
-    g = group(gid)
     name = g.spec[role] if isinstance(g.spec, tuple) else ROLES[role]
     if t.dtype in HALF and sharing_problem(t, name, ()) is None:
         to_fp32(t)
@@ -139,8 +131,7 @@ def _drifted(gid: str, role: int, t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
-@prologue(example=_fp32_example)  # hoisted if it ever reaches a Dynamo graph
-def bn_fp32(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
+def bn_fp32(g, role: int, t: Optional[torch.Tensor], count: bool = False) -> Optional[torch.Tensor]:
     """The BatchNorm tensor ``t`` (``ROLES[role]``) in fp32: ``t`` itself, no
     copy, when it is fp32, which it is from the first call after the pass on.
     ``count``: this call bumps the record's ``fp32_calls`` (one per batch norm)."""
@@ -148,35 +139,35 @@ def bn_fp32(gid: str, role: int, t: Optional[torch.Tensor], count: bool = False)
         return None
     if t.dtype is torch.float32:
         if count:
-            group(gid).record.bump("fp32_calls")
+            g.record.bump("fp32_calls")
         return t
-    return _drifted(gid, role, t)
+    return _drifted(g, role, t)
 
 
-def _check_module(gid: str, mod: Optional[torch.nn.Module]) -> None:
+def _check_module(g, mod: Optional[torch.nn.Module]) -> None:
     if mod is not None:
         for role, name in enumerate(ROLES):
             t = getattr(mod, name, None)
             if t is not None and t.dtype is not torch.float32:
-                _drifted(gid, role, t)
-    group(gid).record.bump("fp32_calls")
+                _drifted(g, role, t)
+    g.record.bump("fp32_calls")
 
 
-def bn_module_fp32(gid: str, x: torch.Tensor) -> torch.Tensor:
+def bn_module_fp32(g, x: torch.Tensor) -> torch.Tensor:
     """``call_module`` flavour: runs before an ``nn.BatchNorm*`` call and returns
     ``x`` unchanged. The module's own forward then reads its (fp32) tensors and
     keeps train/eval, ``num_batches_tracked`` and ``momentum=None`` exactly as
     eager; this only checks, and restores, the fp32 format."""
-    _check_module(gid, group(gid).spec())
+    _check_module(g, g.spec())
     return x
 
 
-def bn_eager_pre_hook(gid: str, module: torch.nn.Module, args: Any) -> None:
+def bn_eager_pre_hook(g, module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook of a BatchNorm that Dynamo runs eagerly (a graph
     break): the same check as ``bn_module_fp32``, on the module the hook is
     called for (a deep copy's hook then checks the copy). Bound with
     ``functools.partial`` so the module still pickles."""
-    _check_module(gid, module)
+    _check_module(g, module)
 
 
 # -- folding -------------------------------------------------------------------
@@ -222,8 +213,7 @@ def folded_params(eps: float, w: torch.Tensor, b: Optional[torch.Tensor], rm: to
     return wf, bf.to(b.dtype if b is not None else w.dtype)
 
 
-def _folded(gid: str, w, b, rm, rv, gamma, beta) -> Tuple[torch.Tensor, torch.Tensor]:
-    g = group(gid)
+def _folded(g, w, b, rm, rv, gamma, beta) -> Tuple[torch.Tensor, torch.Tensor]:
     spec: FoldSpec = g.spec
     srcs = (w, b, rm, rv, gamma, beta)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in srcs):
@@ -240,55 +230,42 @@ def _folded(gid: str, w, b, rm, rv, gamma, beta) -> Tuple[torch.Tensor, torch.Te
     return spec._value
 
 
-def _fold_weight_example(gid, w, b, rm, rv, gamma, beta):
-    with torch.no_grad():
-        return folded_params(group(gid).spec.eps, w, b, rm, rv, gamma, beta)[0]
-
-
-def _fold_bias_example(gid, w, b, rm, rv, gamma, beta):
-    with torch.no_grad():
-        return folded_params(group(gid).spec.eps, w, b, rm, rv, gamma, beta)[1]
-
-
-@prologue(example=_fold_weight_example)
-def fold_weight(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
-    """The conv/linear weight with the BatchNorm folded in (cached)."""
-    g = group(gid)
+def fold_weight(g, w, b, rm, rv, gamma, beta) -> torch.Tensor:
+    """``wfpass.apply`` graphs: the conv/linear weight with the BatchNorm
+    folded in (cached on the group, which the graph's call target owns)."""
     g.record.bump("folded_calls")
-    pair = _folded(gid, w, b, rm, rv, gamma, beta)
+    pair = _folded(g, w, b, rm, rv, gamma, beta)
     g.spec._last = pair
     return pair[0]
 
 
-@prologue(example=_fold_bias_example)
-def fold_bias(gid: str, w, b, rm, rv, gamma, beta) -> torch.Tensor:
+def fold_bias(g, w, b, rm, rv, gamma, beta) -> torch.Tensor:
     """The conv/linear bias with the BatchNorm folded in (a conv without bias
     gets one). ``fold_weight`` runs just before it in every graph (it comes
     first in graph order) and has checked the sources: take its result."""
-    spec: FoldSpec = group(gid).spec
+    spec: FoldSpec = g.spec
     pair, spec._last = spec._last, None
     if pair is None:
-        pair = _folded(gid, w, b, rm, rv, gamma, beta)
+        pair = _folded(g, w, b, rm, rv, gamma, beta)
     return pair[1]
 
 
-def fold_module_call(gid: str, x: torch.Tensor) -> torch.Tensor:
+def fold_module_call(g, x: torch.Tensor) -> torch.Tensor:
     """``call_module`` flavour of ``bn(conv(x))``. Train/eval and grad mode
     can change after ``wfpass.apply``, so they are checked on every call: the
     folded path runs only in eval mode; with grad enabled the fold is computed
     differentiably; in training mode (or for a linear output that is not 2-D)
     the two modules run as they are (counted)."""
-    g = group(gid)
     spec: FoldSpec = g.spec
     conv, bn = (r() for r in spec.modules)
     if conv is None or bn is None:
-        raise RuntimeError(f"wfpass: the modules folded by {gid} were deleted")
+        raise RuntimeError("wfpass: the modules a folded BatchNorm belongs to were deleted")
     rank = 2 if spec.kind == "linear" else conv.weight.dim()
     if bn.training or not bn.track_running_stats or bn.running_mean is None or x.dim() != rank:
         g.record.bump("unfolded_calls")
         return bn(conv(x))
     g.record.bump("folded_calls")
-    wf, bf = _folded(gid, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    wf, bf = _folded(g, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if spec.kind == "linear":
         return F.linear(x, wf, bf)
     return conv._conv_forward(x, wf, bf)

@@ -1,14 +1,28 @@
 """The fused sibling-linear format: one weight block, one GEMM, a split.
 
-Graph after ``fuse_linears`` (Dynamo flavour; q: 16 rows, k: 8, v: 8)::
+Graph after ``fuse_linears`` (Dynamo flavour; q: 16 rows, k: 8, v: 8, in: 32)::
 
-    w   = fused_linear_weight("g0", q_w, k_w, v_w)      # prologue: alias of the block
-    b   = fused_linear_bias("g0.bias", q_b, None, v_b)  # prologue: k's slot is zero
-    y   = fused_linear(x, w, b, spec, q_w, k_w, v_w, q_b, v_b)
+    w = torch.as_strided(q_w, (32, 32), (32, 1), 0)   # the block, a view of q_w's storage
+    b = torch.as_strided(q_b, (32,), (1,), 0)         # every member has a bias: the bias block
+    y = fused_linear(x, w, b, spec, q_w, k_w, v_w, q_b, k_b, v_b)
     q, k, v = y.split([16, 8, 8], -1)
 
-``q_w, k_w, v_w`` are passed to ``FusedLinear`` only so autograd can route each
+The members are views of one block with ``q_w`` at offset 0, so the block is
+a view of ``q_w``'s storage: an alias AOTAutograd tracks like any other (a
+write to a member before the GEMM would be seen; the pass skips such groups
+anyway) and Inductor reads as a reinterpretation of its input, no copy. The
+backend checks before every call that this call's parameters are laid out
+that way (``runtime.guarded_call``).
+
+A group in which only some members have a bias keeps its biases apart
+(zero slots in a shared buffer would be written into every checkpoint); the
+bias vector is built in the graph (``bias_vector``), one small fused kernel.
+
+``q_w ... v_b`` are passed to ``FusedLinear`` only so autograd can route each
 its own gradient; the forward reads the block.
+
+``wfpass.apply`` graphs run eagerly, with no backend around them: there the
+block comes from ``EagerBlock``, which makes the same check in place.
 """
 from __future__ import annotations
 
@@ -17,9 +31,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .runtime import group, prologue
-
-__all__ = ["FusedLinear", "LinearLayout", "fused_linear", "fused_linear_weight", "fused_linear_bias", "linear_layout_check"]
+__all__ = ["FusedLinear", "LinearLayout", "fused_linear", "bias_vector", "EagerBlock", "EagerLayoutCheck"]
 
 
 def _offsets(sizes: Sequence[int], scale: int) -> Tuple[int, ...]:
@@ -41,84 +53,24 @@ class LinearLayout:
         self.w_offsets = _offsets(sizes, in_features)
         self.b_slots = _offsets(sizes, 1)
 
+    @property
+    def weight_key(self) -> tuple:
+        return ("linear.weight", self.sizes, self.in_features)
 
-def _base(g, ts: Sequence[Optional[torch.Tensor]], offsets: Sequence[int]) -> Optional[int]:
-    return None if g.storage is None else g.storage.block_offset(ts, offsets)
-
-
-def _cat_weights(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    return torch.cat([w.detach() for w in ws], 0)
-
-
-def _cat_biases(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    lay: LinearLayout = group(gid).spec
-    present = [(b, off) for b, off in zip(bs, lay.b_slots) if b is not None]
-    if not present:
-        return None
-    ref = present[0][0]
-    out = torch.zeros(lay.total, dtype=ref.dtype, device=ref.device)
-    for b, off in present:
-        out[off : off + b.numel()] = b.detach()
-    return out
+    @property
+    def bias_key(self) -> tuple:
+        return ("linear.bias", self.sizes)
 
 
-@prologue(example=_cat_weights)
-def fused_linear_weight(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    """The group's weight block ``[sum(out_i), in]`` without copying, if the
-    members are still laid out in one buffer; otherwise re-fuse (counted) or,
-    when that is unsafe, concatenate for this call (counted)."""
-    g = group(gid)
-    lay: LinearLayout = g.spec
-    base = _base(g, ws, lay.w_offsets)
-    if base is None and g.try_refuse(ws):
-        base = _base(g, ws, lay.w_offsets)
-    if base is None:
-        g.record.bump("fallback_calls")
-        return _cat_weights(gid, *ws)
-    g.record.bump("fused_calls")
-    return torch.as_strided(ws[0].detach(), (lay.total, lay.in_features), (lay.in_features, 1), base)
-
-
-def _no_value(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    return ws[0].new_empty(0)
-
-
-@prologue(example=_no_value)
-def linear_layout_check(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    """The split path's per-call check: its GEMMs read each member's own
-    tensor, so nothing needs the block, but a lost layout (``.to()``,
-    ``param.data = ...``) is re-fused here (counted ``refused``) so the
-    format comes back as on the fused path; when that is unsafe (a member's
-    storage is shared) the call just goes on, counted ``unfused_layout_calls``.
-    Returns an empty tensor nothing reads."""
-    g = group(gid)
-    lay: LinearLayout = g.spec
-    if _base(g, ws, lay.w_offsets) is None and not g.try_refuse(ws):
-        g.record.bump("unfused_layout_calls")
-    return _no_value(gid, *ws)
-
-
-@prologue(example=_cat_biases)
-def fused_linear_bias(gid: str, *bs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The group's bias vector (``gid`` is the bias group's). When every
-    member has a bias: an alias of their one buffer, with layout checks,
-    re-fusing and fallback as in :func:`fused_linear_weight`. Otherwise the
-    biases stay independent (zero slots in a shared buffer would be saved in
-    checkpoints) and the vector, with zeros for the members without a bias,
-    is assembled per call (``bias_cat_calls``)."""
-    g = group(gid)
-    lay: LinearLayout = g.spec
-    if not all(lay.has_bias):
-        g.record.bump("bias_cat_calls")
-        return _cat_biases(gid, *bs)
-    base = _base(g, bs, lay.b_slots)
-    if base is None and g.try_refuse([b for b in bs if b is not None]):
-        base = _base(g, bs, lay.b_slots)
-    if base is None:
-        g.record.bump("bias_fallback_calls")
-        return _cat_biases(gid, *bs)
-    first = next(b for b in bs if b is not None)
-    return torch.as_strided(first.detach(), (lay.total,), (1,), base)
+def bias_vector(sizes: Sequence[int], has_bias: Sequence[bool], *biases: torch.Tensor) -> torch.Tensor:
+    """The group's bias vector when only some members have a bias: theirs,
+    and zeros for the others. Built in the graph from the biases (the
+    compiler fuses it into one small kernel); ``FusedLinear`` routes the
+    gradients, so none flows through it."""
+    it = iter(biases)
+    ref = biases[0]
+    parts = [next(it).detach() if hb else ref.new_zeros(n) for n, hb in zip(sizes, has_bias)]
+    return torch.cat(parts, 0)
 
 
 class FusedLinear(torch.autograd.Function):
@@ -127,7 +79,7 @@ class FusedLinear(torch.autograd.Function):
 
     Inputs: ``x, w_block, b_block, spec, *weights, *present_biases`` where
     ``spec = (sizes, has_bias)``. Written in aten ops only, so AOTAutograd
-    traces it and Inductor compiles the GEMM and the bias add like any other.
+    traces forward and backward and Inductor compiles the GEMMs like any other.
     """
 
     @staticmethod
@@ -162,3 +114,60 @@ class FusedLinear(torch.autograd.Function):
 def fused_linear(x, w_block, b_block, spec, *params):
     """Graph-level entry point (FX cannot name ``FusedLinear.apply`` in code)."""
     return FusedLinear.apply(x, w_block, b_block, spec, *params)
+
+
+# -- wfpass.apply graphs: the same check, in place ------------------------------
+
+
+class _EagerSite:
+    """Base of the callables ``wfpass.apply`` graphs call (FX takes a callable
+    object as a call target; it carries its site, no global table)."""
+
+    __module__ = __name__
+
+    def __init__(self, site, name: str):
+        self.site = site
+        self.__name__ = self.__qualname__ = name
+
+    def _layout(self, members):
+        from ..storage import layout_of
+
+        fs = layout_of(members[0])
+        if fs is not None and fs.key == self.site.key and fs.holds(members):
+            return fs
+        return self.site.prepare(list(members), [])
+
+
+class EagerBlock(_EagerSite):
+    """``wfpass.apply`` graphs: the block as a view when the members are in it
+    (re-fused first if the layout was lost), otherwise their concatenation for
+    this call (counted ``fallback_calls``)."""
+
+    def __init__(self, site, rows: int, cols: Optional[int], name: str):
+        super().__init__(site, name)
+        self.rows, self.cols = rows, cols
+
+    def __call__(self, *members: torch.Tensor) -> torch.Tensor:
+        fs = self._layout(members)
+        if fs is None:
+            self.site.record.bump("fallback_calls")
+            return torch.cat([m.detach().reshape(m.shape[0], -1) if self.cols else m.detach() for m in members], 0)
+        [fs.record.bump(c) for c in self.site.counter]
+        shape, stride = ((self.rows, self.cols), (self.cols, 1)) if self.cols else ((self.rows,), (1,))
+        return torch.as_strided(members[0].detach(), shape, stride, 0)
+
+
+class EagerLayoutCheck(_EagerSite):
+    """``wfpass.apply`` graphs on the split path: the GEMMs read each member,
+    so nothing needs the block; a lost layout is re-fused here (counted
+    ``refused``), or the call goes on as it is (``unfused_layout_calls``)."""
+
+    _wfpass_keep = True  # run for its effect: dead-code elimination keeps it
+
+    def __call__(self, *members: torch.Tensor) -> None:
+        fs = self._layout(members)
+        if fs is None:
+            self.site.record.bump("unfused_layout_calls")
+        else:
+            [fs.record.bump(c) for c in self.site.counter]
+        return None

@@ -1,53 +1,45 @@
-"""The RNN format: flat weights, one opaque op, a run-time choice of kernel.
+"""The RNN format: flat weights, and an RNN call the compiler sees whole.
 
-Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM``)::
+Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM`` on the CPU,
+T > ``seq_threshold``)::
 
-    blk = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)  # prologue
-    out, h_n, c_n, tape = rnn_call(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", train, grad_mask)
+    out, h_n, c_n = rnn_forward[mkldnn](x, [h0, c0], w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)
 
-``rnn_call`` is ``wfpass::rnn`` (a ``torch.library`` op with a fake
-implementation) under its autograd formula (``_Rnn``, an
-``autograd.Function``): AOTAutograd traces it into one ``wfpass.rnn`` node in
-the forward graph and one ``wfpass.rnn_backward`` in the backward graph,
-whatever the sequence length, and Inductor calls them as fallback kernels. At
-run time it reads the length ``T`` of *this* call (static or symbolic alike)
-and takes
+``rnn_forward`` is a callable object holding the RNN's spec and the path the
+pass chose; AOTAutograd traces it like any Python function, into ATen ops
+that carry their own derivative formulas:
 
-* the unfused path when ``T <= N`` (``seq_threshold``): the input projection
-  of all steps as one GEMM, then one recurrent GEMM per step. On the CPU that
-  is exactly ATen's native kernel (``torch._VF.lstm`` with oneDNN switched
-  off); elsewhere a Python loop over the same weights (``_loop``);
-* the fused kernel when ``T > N``: ``torch._VF.<mode>`` as PyTorch dispatches
-  it, i.e. oneDNN's LSTM on the CPU (GRU and RNN have no oneDNN kernel in
-  PyTorch: both paths are ATen's native loop there) and cuDNN on CUDA, where
-  the parameters already sit in cuDNN's flat buffer, so ATen's "weights are
-  not part of single contiguous chunk of memory" copy never happens.
+* ``mkldnn``: ``aten.mkldnn_rnn_layer`` per layer and direction, the kernel
+  eager PyTorch runs for a CPU LSTM (oneDNN), whose backward is
+  ``mkldnn_rnn_layer_backward``. The graph holds one op per layer whatever
+  the length T, so compile time does not grow with T.
+* ``loop``: the unfused path, for T <= ``seq_threshold``: the input
+  projection of all steps as one GEMM, then one recurrent GEMM and the gate
+  math per step (T is small here, so the unrolled graph is too).
+* ``aten``: the same ``torch.lstm`` / ``gru`` / ``rnn_tanh`` call as eager
+  (GRU and plain RNNs have no fused CPU kernel in PyTorch; LSTMs with
+  ``proj_size`` or a dtype oneDNN does not take), which AOTAutograd
+  decomposes into ATen ops as it would without wfpass.
 
-Autograd: the implementation runs the kernel with autograd recording (the
-dispatcher and ``_Rnn.forward`` had switched it off, ``_compat.autograd_inside_op``) and
-keeps that graph on a *tape* owned by the op's fourth output, a small uint8
-tensor made with ``torch.frombuffer``. AOTAutograd saves the tape for the
-backward like any other tensor; ``wfpass::rnn_backward`` replays the recorded
-graph with ``torch.autograd.grad``. So gradients come from the very kernels
-eager runs, dropout masks included, and the tape (with the activations) is
-freed when AOTAutograd frees its saved tensors.
+No state is kept between the forward and the backward that AOTAutograd
+does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
+included, are outputs of traced ops, saved and freed by AOTAutograd.
+
+The path is chosen when the graph is compiled, from the static length T
+(``T <= seq_threshold``: ``loop``); a symbolic T (``dynamic=True``) takes the
+fused kernel at every length. ``seq_threshold="auto"`` measures the two paths
+once per shape at compile time (with the model's weights).
 
 The flat block: every Parameter of the RNN is a view into one buffer (same
-objects). On the CPU the kernels read each weight separately, so the order is
-PyTorch's own (``_flat_weights``); the zero fake biases a ``bias=False`` RNN
-passes to the CPU kernel (oneDNN takes bias tensors and would otherwise
-allocate zeros on every call) live in a separate cached buffer, so saving a
-parameter (``torch.save`` writes a view's whole storage) writes no zeros. On
-CUDA the block is cuDNN's layout. ``rnn_weight_block`` (a
-prologue, run before the compiled graph) checks the views are still in place,
-re-fuses them if the layout was lost, and otherwise counts a fallback: the
-kernels then read the separate tensors (and cuDNN copies them), with the same
-results.
+objects), in PyTorch's ``_flat_weights`` order. The CPU kernels read each
+weight by itself, so the graph passes the parameters, not the block, and a
+lost layout never changes a result (the backend re-fuses it, counted).
+``wfpass.apply`` graphs call ``RnnModuleCall``, which runs the module's own
+argument checks and picks the path per call from the real T.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 import time
 import weakref
@@ -57,21 +49,19 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from ..report import Record
-from ..storage import FusedStorage
-from .runtime import Group, group, prologue
 
 __all__ = [
-    "RnnSpec", "RnnGroup", "GATES", "rnn_weight_block", "rnn_module_call", "paths_differ",
-    "fused_path", "unfused_path", "auto_threshold_cache", "rnn_call",
+    "RnnSpec", "GATES", "RnnForward", "RnnModuleCall", "paths_differ", "choose_path",
+    "fused_path", "unfused_path", "auto_threshold_cache", "measure_threshold", "mkldnn_path",
 ]
 
 #: Gates per mode: rows of ``weight_ih`` = GATES[mode] * hidden_size.
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
 
-#: Implementation of the unfused path: "auto" = ATen native on the CPU, the
-#: Python loop elsewhere. Tests set "loop" to check the loop on the CPU.
+#: Implementation of the unfused path in eager (``wfpass.apply``) calls:
+#: "auto" = ATen native on the CPU, the Python loop elsewhere. Tests set
+#: "loop" to check the loop on the CPU.
 UNFUSED_IMPL = "auto"
 
 
@@ -92,7 +82,7 @@ class RnnSpec:
     threshold: Union[int, str]
     offsets: Tuple[int, ...]  # element offset of each weight in the block
     numel: int  # elements in the block
-    fake_bias_offsets: Tuple[Tuple[int, int], ...]  # per (layer, direction): (b_ih, b_hh) offsets in the zero buffer
+    fake_bias_offsets: Tuple[Tuple[int, int], ...] = ()  # unused since the kernels take zero biases built in the graph
 
     @property
     def directions(self) -> int:
@@ -109,87 +99,6 @@ class RnnSpec:
     @property
     def weights_per_layer(self) -> int:
         return (4 if self.has_biases else 2) + (1 if self.proj_size > 0 else 0)
-
-
-class RnnGroup(Group):
-    """A rewritten RNN at run time: spec, report record, fused storage."""
-
-    def __init__(self, gid: str, record: Record, storage: Optional[FusedStorage], spec: RnnSpec, module=None):
-        super().__init__(gid, record, storage, spec)
-        self._module = weakref.ref(module) if module is not None else None
-        self._zeros: Optional[torch.Tensor] = None
-        self._fake: Optional[Tuple[int, List[torch.Tensor]]] = None
-
-    @property
-    def module(self):
-        return self._module() if self._module is not None else None
-
-    def zeros(self, like: torch.Tensor) -> torch.Tensor:
-        """A zero block (fake biases) for calls whose weights are not in the block."""
-        z = self._zeros
-        if z is None or z.dtype != like.dtype or z.device != like.device:
-            z = self._zeros = torch.zeros(self.spec.numel, dtype=like.dtype, device=like.device)
-        return z
-
-    def fake_biases(self, like: torch.Tensor) -> List[torch.Tensor]:
-        """Zero (b_ih, b_hh) tensors per layer and direction, views of one
-        cached zero buffer of ``like``'s dtype and device (kept apart from the
-        parameters' block: see the module docstring)."""
-        key = (like.dtype, like.device)
-        cached = self._fake
-        if cached is None or cached[0] != key:
-            g = self.spec.gate_size
-            zeros = torch.zeros(2 * g * len(self.spec.fake_bias_offsets), dtype=like.dtype, device=like.device)
-            views = []
-            for o_ih, o_hh in self.spec.fake_bias_offsets:
-                views += [zeros[o_ih : o_ih + g], zeros[o_hh : o_hh + g]]
-            cached = self._fake = (key, views)
-        return cached[1]
-
-
-# -- the prologue: find the block -------------------------------------------
-
-
-def _block_base(g: RnnGroup, ws: Sequence[torch.Tensor]) -> Optional[int]:
-    return None if g.storage is None else g.storage.block_offset(ws, g.spec.offsets)
-
-
-def _block_example(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(group(gid).spec.numel, dtype=ws[0].dtype, device=ws[0].device)
-
-
-@prologue(example=_block_example)
-def rnn_weight_block(gid: str, *ws: torch.Tensor) -> torch.Tensor:
-    """The RNN's flat weight block (an alias of the parameters' storage), after
-    re-fusing the parameters if their layout was lost; when that is unsafe (a
-    parameter's storage is shared), a zero block of the same size, counted as
-    ``fallback_calls``: the kernels then read the separate tensors."""
-    g: RnnGroup = group(gid)
-    base = _block_base(g, ws)
-    if base is None and g.storage is not None and g.try_refuse(ws):
-        base = _block_base(g, ws)
-    if base is None:
-        g.record.bump("fallback_calls")
-        return g.zeros(ws[0])
-    return torch.as_strided(ws[0].detach(), (g.spec.numel,), (1,), base)
-
-
-# -- the two paths ----------------------------------------------------------
-
-
-def _kernel_weights(g: RnnGroup, ws: Sequence[torch.Tensor], block: torch.Tensor) -> Tuple[Sequence[torch.Tensor], bool]:
-    """The weight list the kernel takes, with zero biases from the block where
-    the spec asks for fake biases."""
-    spec = g.spec
-    if spec.has_biases or not spec.fake_bias_offsets or block.dtype != ws[0].dtype:
-        return ws, spec.has_biases
-    fakes = g.fake_biases(ws[0])
-    per = spec.weights_per_layer
-    out: List[torch.Tensor] = []
-    for k in range(len(spec.fake_bias_offsets)):
-        chunk = ws[k * per : (k + 1) * per]
-        out += [chunk[0], chunk[1], fakes[2 * k], fakes[2 * k + 1], *chunk[2:]]
-    return out, True
 
 
 def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
@@ -279,6 +188,94 @@ def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     return out, torch.stack(hs, 0)
 
 
+def _kernel_weights(spec: RnnSpec, ws: Sequence[torch.Tensor]) -> Tuple[Sequence[torch.Tensor], bool]:
+    """The weights as PyTorch's RNN kernels take them (the module's own list)."""
+    return ws, spec.has_biases
+
+
+def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
+    """A CPU LSTM as oneDNN LSTM layer calls (``wfpass::lstm_layer``, i.e.
+    ``aten.mkldnn_rnn_layer``), one per layer and direction, as ATen's own
+    oneDNN LSTM runs it, with dropout between layers like ``nn.LSTM``.
+    ``need_grad``: ask the kernel for the workspace its backward formula reads."""
+    if spec.batch_first:
+        x = x.transpose(0, 1)
+    x = x.contiguous()
+    D = spec.directions
+    per = spec.weights_per_layer
+    h0, c0 = hx[0], hx[1]
+    hs, cs = [], []
+    layer_in = x
+    for layer in range(spec.num_layers):
+        outs = []
+        for d in range(D):
+            k = layer * D + d
+            w = ws[k * per : (k + 1) * per]
+            if has_b:
+                w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+            else:
+                w0, w1 = w[0], w[1]
+                w2 = w3 = w0.new_zeros(w0.shape[0])
+            y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
+                layer_in, w0, w1, w2, w3, h0[k : k + 1].contiguous(), c0[k : k + 1].contiguous(), d == 1,
+                spec.hidden_size, has_b, need_grad,
+            )
+            outs.append(y)
+            hs.append(hy)
+            cs.append(cy)
+        layer_out = outs[0] if D == 1 else torch.cat(outs, 2)
+        if p > 0 and train and layer < spec.num_layers - 1:
+            layer_out = torch.dropout(layer_out, p, True)
+        layer_in = layer_out
+    out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
+    return out, torch.cat(hs, 0), torch.cat(cs, 0)
+
+
+def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, need_grad: bool,
+                static_batch: bool = True) -> str:
+    """The path for a call of ``steps`` time steps (None: symbolic, unknown
+    until run time): ``loop`` at or below the threshold, else the fused
+    kernel where PyTorch has one for this RNN (``mkldnn``), else ``aten``.
+    Training through oneDNN needs static shapes (its workspace size is
+    measured per shape), so a symbolic shape with grad takes ``aten``."""
+    if steps is not None and steps <= threshold and paths_differ(spec, x):
+        return "loop"
+    if (x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0
+            and _compat.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
+        return "mkldnn"
+    return "aten"
+
+
+class RnnForward:
+    """The graph's call of one RNN (Dynamo flavour): ``(x, hx, *weights) ->
+    (out, h_n, c_n)`` on the path chosen at compile time. A callable object,
+    so the graph carries its spec without any global table."""
+
+    def __init__(self, spec: RnnSpec, path: str, train: bool):
+        self.spec, self.path, self.train = spec, path, train
+        self.__name__ = self.__qualname__ = f"rnn_{path}"
+
+    __module__ = __name__
+
+    def __call__(self, x, hx, *weights):
+        spec = self.spec
+        p = spec.dropout
+        ws, has_b = _kernel_weights(spec, weights)
+        if self.path == "mkldnn":
+            need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *hx, *weights))
+            out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif self.path == "loop":
+            outs = _loop(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
+        else:
+            outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
+        return (out, hy, cy) if spec.mode == "LSTM" else (out, hy)
+
+    def __repr__(self) -> str:
+        return f"RnnForward({self.spec.name}, path={self.path!r})"
+
+
 def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
     """Do the two paths run different kernels for this input? On the CPU only
     an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
@@ -351,8 +348,8 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: fl
     return n
 
 
-def _threshold(g: RnnGroup, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool) -> int:
-    spec = g.spec
+def measure_threshold(spec: RnnSpec, record, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool) -> int:
+    """``seq_threshold="auto"``: the measured N for this shape, cached by shape."""
     if spec.threshold != "auto":
         return spec.threshold
     if not paths_differ(spec, x):
@@ -360,96 +357,12 @@ def _threshold(g: RnnGroup, x, hx, ws, has_b: bool, train: bool, p: float, need_
     key = _auto_key(spec, x, need_grad, train, p)
     n = _AUTO.get(key)
     if n is None:
-        with _compat.autograd_inside_op() if need_grad else torch.no_grad():
+        with torch.enable_grad() if need_grad else torch.no_grad():
             n = _AUTO[key] = _measure_threshold(spec, x, hx, ws, has_b, train, p, need_grad)
-        g.record.detail.setdefault("auto_thresholds", {})[f"batch={key[2]} {key[1]} grad={need_grad}"] = n
-        g.record.bump("auto_measurements")
+        if record is not None:
+            record.detail.setdefault("auto_thresholds", {})[f"batch={key[2]} {key[1]} grad={need_grad}"] = n
+            record.bump("auto_measurements")
     return n
-
-
-# -- the custom ops -----------------------------------------------------------
-
-
-class _Tape(bytearray):
-    """Owns the autograd graph one forward recorded; lives as long as the
-    uint8 tensor ``torch.frombuffer`` made from it (the op's 4th output)."""
-
-
-_TAPES: "weakref.WeakValueDictionary[int, _Tape]" = weakref.WeakValueDictionary()
-_tape_ids = itertools.count(1)
-
-
-def _new_tape(leaves, outs) -> torch.Tensor:
-    tid = next(_tape_ids)
-    tape = _Tape(tid.to_bytes(8, "little"))
-    tape.graph = (leaves, outs)
-    _TAPES[tid] = tape
-    return torch.frombuffer(tape, dtype=torch.uint8)
-
-
-def _no_tape() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8)
-
-
-def _outputs(spec: RnnSpec, outs) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, hy = outs[0], outs[1]
-    cy = outs[2] if spec.mode == "LSTM" else out.new_empty(0)
-    return out.detach().contiguous(), hy.detach().contiguous(), cy.detach().contiguous()
-
-
-# The ops are declared with ``torch.library.Library`` (schema + kernel + fake)
-# and their autograd formula lives in ``_Rnn`` (an ``autograd.Function`` that
-# the graph calls, as ``fused_linear`` does), not in ``custom_op``'s
-# ``register_autograd``: in the compiled forward the op is then reached by the
-# dispatcher's C++ autograd fallthrough instead of three Python layers and two
-# more Python <-> C++ argument conversions. Measured on this CPU (LSTM(64, 64),
-# batch 1, T = 1, no grad): the op call costs about 35 us less (microbenchmark
-# in docs/rnn.md, "Per-call cost"). AOTAutograd traces through ``_Rnn`` like
-# any Function, so its graphs still hold one ``wfpass.rnn`` forward and one
-# ``wfpass.rnn_backward``.
-_LIB = torch.library.Library("wfpass", "FRAGMENT")
-_LIB.define(
-    "rnn(Tensor input, Tensor[] hx, Tensor[] weights, Tensor block, str gid, bool train, bool[] grad_mask, "
-    "Tensor? dropout) -> (Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.nondeterministic_seeded,),
-)
-_LIB.define(
-    "rnn_backward(Tensor tape, Tensor? grad_out, Tensor? grad_hy, Tensor? grad_cy, Tensor[] inputs, "
-    "bool[] needs, str gid) -> Tensor[]"
-)
-
-
-def _rnn_op(
-    input: torch.Tensor, hx: List[torch.Tensor], weights: List[torch.Tensor], block: torch.Tensor,
-    gid: str, train: bool, grad_mask: List[bool], dropout: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``wfpass::rnn``: outputs, final states, and the tape (see module
-    docstring). An empty ``hx`` means a zero initial state, built here."""
-    g: RnnGroup = group(gid)
-    spec = g.spec
-    p = spec.dropout if dropout is None else float(dropout)
-    need_grad = any(grad_mask)
-    state = hx if hx else _zero_state(spec, input)
-    kw, has_b = _kernel_weights(g, weights, block)
-    n = spec.threshold
-    if n.__class__ is not int:
-        n = _threshold(g, input, state, kw, has_b, train, p, need_grad)
-    if input.shape[1 if spec.batch_first else 0] <= n:
-        path = unfused_path
-        g.record.bump("unfused_calls")
-    else:
-        path = fused_path
-        g.record.bump("fused_calls")
-    if not need_grad:
-        outs = path(spec, input, state, kw, has_b, train, p)
-        cy = outs[2].contiguous() if spec.mode == "LSTM" else input.new_empty(0)
-        return outs[0].contiguous(), outs[1].contiguous(), cy, torch.empty(0, dtype=torch.uint8)
-    with _compat.autograd_inside_op():
-        leaves = [t.detach().requires_grad_(bool(m)) for t, m in zip([input, *hx, *weights], grad_mask)]
-        x_, hx_ = leaves[0], (leaves[1 : 1 + len(hx)] if hx else state)
-        kw, has_b = _kernel_weights(g, leaves[1 + len(hx) :], block)
-        outs = path(spec, x_, hx_, kw, has_b, train, p)
-    return (*_outputs(spec, outs), _new_tape(leaves, tuple(outs)))
 
 
 def _zero_state(spec: RnnSpec, x: torch.Tensor) -> List[torch.Tensor]:
@@ -463,158 +376,177 @@ def _zero_state(spec: RnnSpec, x: torch.Tensor) -> List[torch.Tensor]:
     return [h0, x.new_zeros((ld, batch, spec.hidden_size))] if spec.mode == "LSTM" else [h0]
 
 
-def _rnn_fake(input, hx, weights, block, gid, train, grad_mask, dropout):
-    spec: RnnSpec = group(gid).spec
-    if spec.batch_first:
-        batch, steps = input.shape[0], input.shape[1]
-        out = input.new_empty((batch, steps, spec.directions * spec.out_hidden))
-    else:
-        steps, batch = input.shape[0], input.shape[1]
-        out = input.new_empty((steps, batch, spec.directions * spec.out_hidden))
-    hy, *cy = _zero_state(spec, input)  # the final states have the initial states' shapes
-    cy = cy[0] if cy else input.new_empty(0)
-    tape = torch.empty(8 if any(grad_mask) else 0, dtype=torch.uint8)
-    return out, hy, cy, tape
+class RnnModuleCall:
+    """``nn.LSTM/GRU/RNN.forward`` for ``wfpass.apply`` graphs, which run
+    eagerly: the module's own argument checks (their errors name the RNN),
+    unbatched input, zero initial state, the layout check, then the path for
+    this call's T, under eager autograd."""
 
+    __module__ = __name__
 
-def _rnn_backward_op(
-    tape: torch.Tensor, grad_out: Optional[torch.Tensor], grad_hy: Optional[torch.Tensor],
-    grad_cy: Optional[torch.Tensor], inputs: List[torch.Tensor], needs: List[bool], gid: str,
-) -> List[torch.Tensor]:
-    t = _TAPES.get(int(tape.view(torch.int64).item())) if tape.numel() == 8 else None
-    if t is None:
-        raise RuntimeError(
-            f"wfpass: the backward of RNN {group(gid).spec.name} found no recorded forward "
-            "(was it already run and freed, or did the forward run without grad?)"
-        )
-    leaves, outs = t.graph
-    pairs = [(o, g) for o, g in zip(outs, (grad_out, grad_hy, grad_cy)) if g is not None and o.requires_grad and g.numel()]
-    want = [i for i, m in enumerate(needs) if m]
-    result = [x.new_empty(0) for x in inputs]
-    if not want:
-        return result
-    with _compat.autograd_inside_op():
-        grads = torch.autograd.grad(
-            [o for o, _ in pairs], [leaves[i] for i in want], [g for _, g in pairs],
-            retain_graph=True, allow_unused=True,
-        )
-    # An op whose schema declares no aliasing may not return views of its inputs or of each other. cuDNN's
-    # backward returns the weight gradients as views of one flat buffer
-    # (seen on an H100), so a gradient whose storage is already taken is copied.
-    taken = {t.untyped_storage().data_ptr() for t in (tape, grad_out, grad_hy, grad_cy, *inputs)
-             if t is not None and t.numel()}
-    for i, gr in zip(want, grads):
-        if gr is None:
-            result[i] = torch.zeros_like(inputs[i])
-        elif gr.stride() != inputs[i].stride() or gr.untyped_storage().data_ptr() in taken:
-            # The fake promises empty_like(input) strides and Inductor asserts
-            # them; the kernel's own backward may answer time-major (a
-            # batch_first input's grad came back with strides (16, 64, 1)).
-            result[i] = torch.empty_like(inputs[i]).copy_(gr)
+    def __init__(self, spec: RnnSpec, site, module):
+        self.spec, self.site = spec, site
+        self._module = weakref.ref(module)
+        self.__name__ = self.__qualname__ = "rnn_module_call"
+
+    def __call__(self, input, hx, *weights):
+        spec, site = self.spec, self.site
+        mod = self._module()
+        if mod is None:
+            raise RuntimeError(f"wfpass: {spec.name} was deleted")
+        rec = site.record
+        if isinstance(input, torch.nn.utils.rnn.PackedSequence):
+            rec.bump("packed_fallback_calls")
+            return type(mod).forward(mod, input, hx)
+        lstm = spec.mode == "LSTM"
+        if input.dim() not in (2, 3):
+            raise ValueError(f"{spec.name}: {_CLASS[spec.mode]}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        batched = input.dim() == 3
+        batch_dim = 0 if spec.batch_first else 1
+        if not batched:
+            input = input.unsqueeze(batch_dim)
+            if hx is not None:
+                parts = hx if lstm else (hx,)
+                if any(h.dim() != 2 for h in parts):
+                    raise RuntimeError(f"{spec.name}: for unbatched 2-D input, the hidden state should also be 2-D, got "
+                                       f"{', '.join(f'{h.dim()}-D' for h in parts)}")
+                hx = tuple(h.unsqueeze(1) for h in parts) if lstm else hx.unsqueeze(1)
+        if hx is None:
+            zeros = _zero_state(spec, input)
+            hx = tuple(zeros) if lstm else zeros[0]
+        try:
+            mod.check_forward_args(input, hx, None)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise type(e)(f"{spec.name}: {e}") from None
+        from ..storage import layout_of
+
+        fs = layout_of(weights[0])
+        if fs is None or fs.key != site.key or not fs.holds(weights):
+            fs = site.prepare(list(weights), [])
+        if fs is None:
+            rec.bump("unfused_layout_calls")
         else:
-            result[i] = gr
-        if result[i].numel():
-            taken.add(result[i].untyped_storage().data_ptr())
-    return result
+            rec = fs.record
+        hx_list = list(hx) if lstm else [hx]
+        train = mod.training
+        ws, has_b = _kernel_weights(spec, weights)
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (input, *hx_list, *weights))
+        n = measure_threshold(spec, rec, input, hx_list, ws, has_b, train, spec.dropout, need_grad)
+        if input.shape[1 if spec.batch_first else 0] <= n:
+            rec.bump("unfused_calls")
+            outs = unfused_path(spec, input, hx_list, ws, has_b, train, spec.dropout)
+        else:
+            rec.bump("fused_calls")
+            outs = fused_path(spec, input, hx_list, ws, has_b, train, spec.dropout)
+        out, hy = outs[0], outs[1]
+        cy = outs[2] if lstm else None
+        if not batched:
+            out, hy = out.squeeze(batch_dim), hy.squeeze(1)
+            cy = cy.squeeze(1) if lstm else None
+        return (out, (hy, cy)) if lstm else (out, hy)
 
 
-def _rnn_backward_fake(tape, grad_out, grad_hy, grad_cy, inputs, needs, gid):
-    return [torch.empty_like(x) if m else x.new_empty(0) for x, m in zip(inputs, needs)]
+# -- the oneDNN LSTM layer as an op AOTAutograd can train through -----------------
+#
+# ``aten.mkldnn_rnn_layer`` returns the workspace its backward formula needs
+# only while grad mode is on (checked on torch 2.13.0); AOTAutograd runs the
+# compiled forward with grad mode off, so the traced op would hand its
+# backward an undefined workspace. ``wfpass::lstm_layer`` is the same kernel
+# with the workspace always produced when ``train`` asks for it: a functional
+# op (fresh outputs, nothing hidden), whose autograd formula is ATen's own
+# ``mkldnn_rnn_layer_backward`` over the op's saved inputs and outputs.
+# The workspace's size is oneDNN's business, so the fake implementation
+# declares it data-dependent.
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_LIB.define(
+    "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor hx, Tensor cx, "
+    "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor hx, Tensor cx, "
+    "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
+    "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
 
 
-_LIB.impl("rnn", _rnn_op, "CompositeExplicitAutograd")
-_LIB.impl("rnn_backward", _rnn_backward_op, "CompositeExplicitAutograd")
-torch.library.register_fake("wfpass::rnn", _rnn_fake, lib=_LIB)
-torch.library.register_fake("wfpass::rnn_backward", _rnn_backward_fake, lib=_LIB)
+def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
+    with torch.enable_grad() if train else torch.no_grad():
+        y, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer.default(
+            input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1, has_biases, False, False, train)
+    if ws is None or not train:
+        ws = input.new_empty(0, dtype=torch.uint8)
+    return y, hy, cy, ws
 
 
-class _Rnn(torch.autograd.Function):
-    """The autograd formula of ``wfpass::rnn``: the backward replays the tape
-    through ``wfpass::rnn_backward``. ``hx`` and the weights come flattened
-    after ``n_hx`` because a Function only differentiates top-level tensors."""
-
-    @staticmethod
-    def forward(x, block, gid, train, grad_mask, dropout, n_hx, *tensors):
-        return torch.ops.wfpass.rnn.default(
-            x, list(tensors[:n_hx]), list(tensors[n_hx:]), block, gid, train, grad_mask, dropout
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, _block, gid, _train, grad_mask, _dropout, _n_hx, *tensors = inputs
-        ctx.save_for_backward(output[3], x, *tensors)
-        ctx.gid, ctx.mask = gid, list(grad_mask)
-        ctx.mark_non_differentiable(output[3])
-        ctx.set_materialize_grads(False)  # an unused h_n / c_n costs no backward work
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_hy, grad_cy, _grad_tape):
-        if torch.is_grad_enabled():
-            # create_graph=True: the tape's graph hangs off detached leaves, so
-            # a second derivative through it would be silently zero (the
-            # dispatcher's fallback only warns). Say so instead.
-            raise RuntimeError(
-                f"wfpass: double backward (create_graph=True) through RNN {group(ctx.gid).spec.name} is not "
-                "supported by the rnn format; compile with wfpass.backend(passes=...) without 'fuse_rnn' "
-                "(or wfpass.restore the model) for higher-order gradients"
-            )
-        tape, *ins = ctx.saved_tensors
-        grads = torch.ops.wfpass.rnn_backward.default(tape, grad_out, grad_hy, grad_cy, ins, ctx.mask, ctx.gid)
-        grads = [gr if m else None for gr, m in zip(grads, ctx.mask)]
-        return (grads[0], None, None, None, None, None, None, *grads[1:])
+_WORKSPACE: Dict[tuple, int] = {}
 
 
-def rnn_call(input, hx, weights, block, gid: str, train: bool, grad_mask, dropout=None):
-    """Graph-level entry point of the RNN format (FX cannot name
-    ``_Rnn.apply`` in code): ``wfpass::rnn`` with its autograd formula.
-    Returns ``(output, h_n, c_n, tape)``; ``c_n`` is empty unless LSTM; an
-    empty ``hx`` is a zero initial state. Call this, not the op: the op
-    alone has no autograd kernel (its schema and fake implementation pass
-    ``torch.library.opcheck``, tested)."""
-    return _Rnn.apply(input, block, gid, train, list(grad_mask), dropout, len(hx), *hx, *weights)
+def workspace_numel(T: int, B: int, I: int, H: int, dtype: torch.dtype, has_biases: bool) -> int:
+    """Bytes of oneDNN's training workspace for one LSTM layer of this shape.
+    oneDNN rounds its parts to pages, so the size is no formula of T the
+    compiler could carry: it is measured once per shape, on zeros, and cached
+    (a few shapes per model)."""
+    key = (T, B, I, H, dtype, has_biases)
+    n = _WORKSPACE.get(key)
+    if n is None:
+        with torch.enable_grad():
+            x = torch.zeros(T, B, I, dtype=dtype)
+            w_ih, w_hh = torch.zeros(4 * H, I, dtype=dtype), torch.zeros(4 * H, H, dtype=dtype)
+            b, h = torch.zeros(4 * H, dtype=dtype), torch.zeros(1, B, H, dtype=dtype)
+            ws = torch.ops.aten.mkldnn_rnn_layer.default(x, w_ih, w_hh, b, b, h, h, False, [], 2, H, 1, has_biases,
+                                                         False, False, True)[3]
+        n = _WORKSPACE[key] = int(ws.numel()) if ws is not None else 0
+    return n
 
 
-# -- symbolic_trace graphs: the module call -----------------------------------
+def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
+    T, B = input.shape[0], input.shape[1]
+    n = 0
+    if train:
+        # Static shapes only: the pass takes this op for a symbolic T only without grad.
+        n = workspace_numel(int(T), int(B), int(input.shape[2]), hidden_size, input.dtype, has_biases)
+    return (input.new_empty((T, B, hidden_size)), hx.new_empty(hx.shape), cx.new_empty(cx.shape),
+            input.new_empty((n,), dtype=torch.uint8))
 
 
-def rnn_module_call(gid: str, input, hx, block: torch.Tensor, *weights: torch.Tensor):
-    """``nn.LSTM/GRU/RNN.forward`` for ``wfpass.apply`` graphs: the module's
-    own argument checks (their errors name the RNN), unbatched input, zero
-    initial state, then ``wfpass::rnn``."""
-    g: RnnGroup = group(gid)
-    spec = g.spec
-    mod = g.module
-    if isinstance(input, torch.nn.utils.rnn.PackedSequence):
-        g.record.bump("packed_fallback_calls")
-        return type(mod).forward(mod, input, hx)
-    lstm = spec.mode == "LSTM"
-    if input.dim() not in (2, 3):
-        raise ValueError(f"{spec.name}: {_CLASS[spec.mode]}: Expected input to be 2D or 3D, got {input.dim()}D instead")
-    batched = input.dim() == 3
-    batch_dim = 0 if spec.batch_first else 1
-    if not batched:
-        input = input.unsqueeze(batch_dim)
-        if hx is not None:
-            parts = hx if lstm else (hx,)
-            if any(h.dim() != 2 for h in parts):
-                raise RuntimeError(f"{spec.name}: for unbatched 2-D input, the hidden state should also be 2-D, got "
-                                   f"{', '.join(f'{h.dim()}-D' for h in parts)}")
-            hx = tuple(h.unsqueeze(1) for h in parts) if lstm else hx.unsqueeze(1)
-    if hx is None:
-        zeros = _zero_state(spec, input)
-        hx = tuple(zeros) if lstm else zeros[0]
-    try:
-        mod.check_forward_args(input, hx, None)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise type(e)(f"{spec.name}: {e}") from None
-    hx_list = list(hx) if lstm else [hx]
-    train = mod.training
-    tensors = [input, *hx_list, *weights]
-    if torch.is_grad_enabled():
-        mask = [t.requires_grad for t in tensors]
-    else:
-        mask = [False] * len(tensors)
-    out, hy, cy, _tape = rnn_call(input, hx_list, list(weights), block, gid, train, mask, None)
-    if not batched:
-        out, hy, cy = out.squeeze(batch_dim), hy.squeeze(1), cy.squeeze(1) if lstm else cy
-    return (out, (hy, cy)) if lstm else (out, hy)
+def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
+                         reverse, hidden_size, has_biases, workspace):
+    grads = torch.ops.aten.mkldnn_rnn_layer_backward.default(
+        input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
+        hidden_size, 1, has_biases, True, False, [], False, workspace)
+    # Fresh, contiguous outputs with the inputs' strides (an op may not return aliases).
+    return tuple(torch.empty_like(ref).copy_(g) if g is not None else torch.zeros_like(ref)
+                 for g, ref in zip(grads, (input, w_ih, w_hh, b_ih, b_hh, hx, cx)))
+
+
+def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
+                              reverse, hidden_size, has_biases, workspace):
+    return tuple(torch.empty_like(t) for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx))
+
+
+_LIB.impl("lstm_layer", _lstm_layer, "CompositeExplicitAutograd")
+_LIB.impl("lstm_layer_backward", _lstm_layer_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::lstm_layer", _lstm_layer_fake, lib=_LIB)
+torch.library.register_fake("wfpass::lstm_layer_backward", _lstm_layer_backward_fake, lib=_LIB)
+
+
+def _lstm_layer_setup(ctx, inputs, output):
+    input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train = inputs
+    y, hy, cy, ws = output
+    ctx.save_for_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, ws)
+    ctx.static = (reverse, hidden_size, has_biases, train)
+    ctx.set_materialize_grads(False)
+
+
+def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
+    input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, ws = ctx.saved_tensors
+    reverse, hidden_size, has_biases, train = ctx.static
+    if not train:
+        raise RuntimeError("wfpass: an LSTM layer run without grad was differentiated")
+    grads = torch.ops.wfpass.lstm_layer_backward.default(
+        input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gy, ghy, gcy, reverse, hidden_size, has_biases, ws)
+    return (*grads, None, None, None, None)
+
+
+torch.library.register_autograd("wfpass::lstm_layer", _lstm_layer_grad, setup_context=_lstm_layer_setup, lib=_LIB)

@@ -13,7 +13,6 @@ import torch.fx as fx
 
 from ..formats import PassFormat, register_format, registered_formats
 from ..graph import PassContext
-from ..ops.runtime import is_prologue
 from .fold_batchnorm import fold_batchnorm
 from .fp32_batchnorm import fp32_batchnorm
 from .fuse_linears import fuse_linears
@@ -40,10 +39,9 @@ for _name, _pattern, _fn in PIPELINE:
 def _keep(node: fx.Node) -> bool:
     # FX counts every call_method as pure, so DCE would drop Dynamo's
     # ``num_batches_tracked.add_(1)`` (no users): keep in-place methods.
-    # A prologue whose value nothing reads (the split path's layout check)
-    # runs for its effect: keep it; the backend hoists it like the others.
-    return node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_")) or (
-        node.op == "call_function" and is_prologue(node.target))
+    # A layout check in a ``wfpass.apply`` graph returns nothing and runs for its effect.
+    return node.is_impure() or (node.op == "call_method" and str(node.target).endswith("_")) or getattr(
+        node.target, "_wfpass_keep", False)
 
 
 def _cleanup(gm: fx.GraphModule) -> None:

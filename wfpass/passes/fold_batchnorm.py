@@ -8,21 +8,22 @@ Before (Dynamo flavour, eval mode, no grad)::
 
 After::
 
-    wf = fold_weight("fold0", conv_w, conv_b, rm, rv, gamma, beta)   # prologue, cached
-    bf = fold_bias("fold0", conv_w, conv_b, rm, rv, gamma, beta)
+    wf, bf = folded_params(eps, conv_w, conv_b, rm, rv, gamma, beta)   # in the graph
     y = conv2d(x, wf, bf, stride, padding, dilation, groups)
 
 (a conv without bias gets one).
 
 ``wf = conv_w * s`` and ``bf = (conv_b - rm) * s + beta`` with
 ``s = gamma / sqrt(rv + eps)``, computed in fp32 and cast to the conv's dtype.
-The folded tensors are new (the report gives their bytes); the model's own
-Parameters are untouched. They are recomputed only when a source tensor
-changes (``load_state_dict``, an optimizer step, a dtype cast).
+The model's own Parameters are untouched. Under ``torch.compile`` the fold is
+part of the compiled graph: a few elementwise ops the compiler fuses, on the
+live statistics of every call, nothing cached outside it. ``wfpass.apply``
+graphs run eagerly and cache the folded tensors on their call target
+(``fold_weight`` / ``fold_bias``), recomputed when a source tensor changes.
 
 ``call_module`` flavour (``wfpass.apply``)::
 
-    y = bn(conv(x))   ->   y = fold_module_call("fold0", x)
+    y = bn(conv(x))   ->   y = fold_module_call(x)
 
 which checks train/eval on every call (the module can be switched after the
 pass) and runs ``bn(conv(x))`` unchanged in training mode.
@@ -37,21 +38,21 @@ normalizes its features).
 """
 from __future__ import annotations
 
-import itertools
+import operator
+
 from typing import Any, List, Optional
 
 import torch
 import torch.fx as fx
 
 from ..graph import LINEAR_TARGETS, PassContext, meta_value
-from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight
-from ..ops.runtime import Group, register_group
+from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight, folded_params
+from ..runtime import Bound, Group, note
 from ..storage import sharing_problem, unmovable
 from .fp32_batchnorm import BNSite, batchnorm_sites, unwrap
 
 __all__ = ["fold_batchnorm"]
 
-_gid_counter = itertools.count()
 
 CONV_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d)
 CONV_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
@@ -77,7 +78,7 @@ def _only_user_is(producer: fx.Node, site: BNSite) -> bool:
     u = users[0]
     if u is site.node:
         return True
-    return u.op == "call_function" and u.target is bn_module_fp32 and list(u.users) == [site.node]
+    return u.op == "call_function" and getattr(u.target, "fn", None) is bn_module_fp32 and list(u.users) == [site.node]
 
 
 def _grad_enabled(ctx: PassContext, producer: fx.Node) -> bool:
@@ -227,14 +228,13 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         record = ctx.report.add("batchnorm", "rewritten", reason, _params(site, layer_names), **detail)
         record.stats.setdefault("folded_calls", 0)
-        gid = f"fold{next(_gid_counter)}"
         g = gm.graph
 
         if site.flavour == "module":
-            register_group(Group(gid, record, None, spec=FoldSpec(site.eps, kind, (layer, site.module))))
+            grp = Group(record, spec=FoldSpec(site.eps, kind, (layer, site.module)))
             x_in = prod.args[0]
             with g.inserting_before(site.node):
-                y = g.call_function(fold_module_call, (gid, x_in))
+                y = g.call_function(Bound(fold_module_call, grp), (x_in,))
             y.meta.update({k: v for k, v in site.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
             site.node.replace_all_uses_with(y)
             wrapper = site.x_wrapper
@@ -246,7 +246,7 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             folded += 1
             continue
 
-        register_group(Group(gid, record, None, spec=FoldSpec(site.eps, kind)))
+        grp = Group(record, spec=FoldSpec(site.eps, kind))
 
         def src(n: Any) -> Any:
             # A get_attr may sit after the conv (symbolic_trace puts them just
@@ -256,11 +256,21 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                 return ctx.get_attr_node(n.target, prod)
             return n
 
-        fargs = (gid, src(w_node), src(b_node), src(site.args["running_mean"]), src(site.args["running_var"]),
+        fargs = (src(w_node), src(b_node), src(site.args["running_mean"]), src(site.args["running_var"]),
                  src(site.args["weight"]), src(site.args["bias"]))
         with g.inserting_before(prod):
-            wf = g.call_function(fold_weight, fargs)
-            bf = g.call_function(fold_bias, fargs)
+            if ctx.is_dynamo:
+                # In the graph: a few elementwise ops on the weight that the
+                # compiler sees and fuses, recomputed per call from the live
+                # statistics; nothing cached outside the graph.
+                pair = g.call_function(folded_params, (site.eps, *fargs))
+                wf = g.call_function(operator.getitem, (pair, 0))
+                bf = g.call_function(operator.getitem, (pair, 1))
+                record.stats.pop("folded_calls", None)
+                record.detail["computed"] = "in the graph, per call"
+            else:
+                wf = g.call_function(Bound(fold_weight, grp), fargs)
+                bf = g.call_function(Bound(fold_bias, grp), fargs)
         _set_arg(prod, 1, "weight", wf)
         # The folded bias goes into the conv/linear even where it had none:
         # the kernel adds it to the fp32 accumulator before rounding once (an

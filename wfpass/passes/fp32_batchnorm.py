@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -61,12 +60,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..graph import PassContext, TensorRef, meta_value
 from .. import _compat
 from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
-from ..ops.runtime import Group, register_group
+from ..runtime import Bound, Group, note
 from ..storage import sharing_problem
 
 __all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook"]
 
-_gid_counter = itertools.count()
 
 # Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
 _F_POS = {"input": 0, "running_mean": 1, "running_var": 2, "weight": 3, "bias": 4, "training": 5, "momentum": 6, "eps": 7}
@@ -117,10 +115,11 @@ class BNSite:
 def unwrap(arg: Any) -> Any:
     """The node a ``bn_fp32`` / ``bn_module_fp32`` wrapper wraps, else ``arg``."""
     if isinstance(arg, fx.Node) and arg.op == "call_function":
-        if arg.target is bn_fp32:
-            return arg.args[2]
-        if arg.target is bn_module_fp32:
+        fn = getattr(arg.target, "fn", None)  # a runtime.Bound target
+        if fn is bn_fp32:
             return arg.args[1]
+        if fn is bn_module_fp32:
+            return arg.args[0]
     return arg
 
 
@@ -213,7 +212,7 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
         if not is_ours:
             continue
         for u in node.users:
-            if u in bn_nodes or (u.op == "call_function" and u.target is bn_fp32):
+            if u in bn_nodes or (u.op == "call_function" and getattr(u.target, "fn", None) is bn_fp32):
                 continue
             label = names.get(node.target) if node.op == "get_attr" else next(r for r in roles if site.args.get(r) is node)
             return f"{label} is also read by {u.name} ({u.op} {getattr(u.target, '__name__', u.target)}), which would see float32 instead of the model's dtype"
@@ -310,16 +309,16 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         record = ctx.report.add("batchnorm", "rewritten", f"{what} held in float32 for {ins} input: mixed-precision kernel, output stays {ins}{stats_note}", params, **detail)
         record.stats.setdefault("fp32_calls", 0)
-        gid = f"bn{next(_gid_counter)}"
         moved = [tensors[r] for r in half]
+        note(record, [site.refs[r].name for r in ROLES if site.refs.get(r)], [site.refs[r].tensor for r in ROLES if site.refs.get(r)])
         ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
 
         g = gm.graph
         if site.flavour == "module":
-            register_group(Group(gid, record, None, spec=weakref.ref(site.module)))
+            grp = Group(record, spec=weakref.ref(site.module))
             if site.x_wrapper is None:
                 with g.inserting_before(site.node):
-                    x2 = g.call_function(bn_module_fp32, (gid, site.x))
+                    x2 = g.call_function(Bound(bn_module_fp32, grp), (site.x,))
                 site.node.replace_input_with(site.x, x2)
         elif ctx.is_dynamo:
             # Dynamo: compile for fp32 inputs from the start (see the module
@@ -329,7 +328,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             record.detail["compiled_for"] = "float32 inputs (no per-call work)"
             record.stats.pop("fp32_calls", None)
         else:
-            register_group(Group(gid, record, None, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES)))
+            grp = Group(record, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES))
             pos = BN_FUNCTIONS[site.node.target]
             first = True
             for r in half:
@@ -337,7 +336,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                     continue
                 with g.inserting_before(site.node):
                     # the first wrapper of a batch norm bumps its call counter
-                    w = g.call_function(bn_fp32, (gid, ROLES.index(r), site.args[r], first))
+                    w = g.call_function(Bound(bn_fp32, grp), (ROLES.index(r), site.args[r], first))
                 first = False
                 _set(site.node, pos, r, w)
         rewritten += 1
@@ -403,11 +402,10 @@ def _eager_batchnorms(ctx: PassContext) -> int:
                 f"{why}; {what} held in float32 so that call runs the mixed-precision kernel with fp32 statistics; "
                 f"a forward pre-hook keeps the format{late}", params, **detail)
             record.stats.setdefault("fp32_calls", 0)
-            gid = f"bn{next(_gid_counter)}"
-            register_group(Group(gid, record, None, spec=weakref.ref(mod)))
             moved = [tensors[r] for r in half]
             ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
-            _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, gid))
+            # The hook owns its group: it goes with the module.
+            _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
             n += 1
     return n
 

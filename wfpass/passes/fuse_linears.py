@@ -6,10 +6,14 @@ Before (three linears reading the same ``x``)::
 
 After, when the group computes on the fused path (see ``fused_linear.py``)::
 
-    w = fused_linear_weight("g0", q_w, k_w, v_w)
-    b = fused_linear_bias("g0", q_b, None, v_b)
+    w = as_strided(q_w, (dq + dk + dv, d_in), (d_in, 1), 0)    # the block: a view of q_w's storage
+    b = bias_vector([dq, dk, dv], [True, False, True], q_b, v_b)   # k has no bias
     y = fused_linear(x, w, b, spec, q_w, k_w, v_w, q_b, v_b)
     q, k, v = split(y, [dq, dk, dv], -1)
+
+The parameters are moved into the block when the graph is compiled; another
+parameter set meeting the same graph is moved on its first call
+(``runtime.guarded_call``).
 
 On the split path (large M, where one GEMM gains nothing here) the graph is
 left as it was; the storage is fused either way, which costs nothing and lets
@@ -18,12 +22,13 @@ each shape take the faster path.
 Guards, each a skip record when it fails: the weight resolves to a model
 Parameter/buffer; same dtype, device and in_features as the group; bias dtype
 equal to the weight's; no member's weight or bias shared with another tensor
-(ties stay tied); no member depends on another member's output (networkx
-proves the fused node creates no cycle); at least ``min_group_size`` left.
+(ties stay tied); no member written in place inside the graph (a hook or
+``clamp_`` in forward: ``graph.mutated_state``); no member depends on another
+member's output (networkx proves the fused node creates no cycle); at least
+``min_group_size`` left.
 """
 from __future__ import annotations
 
-import itertools
 import operator
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
@@ -32,15 +37,12 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph import LinearSite, PassContext, linear_sites, rows_of
-from ..ops.fused_linear import LinearLayout, fused_linear, fused_linear_bias, fused_linear_weight, linear_layout_check
-from ..ops.runtime import Group, register_group
-from ..storage import FusedStorage, fuse, fused_storage_of, sharing_problem
+from ..graph import LinearSite, PassContext, linear_sites, mutated_state, rows_of
+from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
+from ..runtime import GroupSite
+from ..storage import FusedStorage, fuse, fused_storage_of, layout_of, refuse, sharing_problem
 
 __all__ = ["fuse_linears"]
-
-_gid_counter = itertools.count()
-
 
 def _dependency_graph(gm: fx.GraphModule) -> nx.DiGraph:
     g = nx.DiGraph()
@@ -78,6 +80,14 @@ def _member_problem(ctx: PassContext, site: LinearSite) -> Optional[str]:
     return None
 
 
+def _written(site: LinearSite, written) -> Optional[str]:
+    for r in (site.weight, site.bias):
+        if r is not None and r.node is not None and r.node in written:
+            return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
+                    f"in forward): the fused GEMM would read the block while the write goes to the parameter; left unfused")
+    return None
+
+
 def _params(sites: Sequence[LinearSite]) -> List[str]:
     out = []
     for s in sites:
@@ -110,12 +120,13 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
 
     dep = None
     rewritten = 0
+    written = mutated_state(gm)
     for x, sites in by_input.items():
         if len(sites) < 2:
             continue  # a lone linear is not a pattern: nothing to report
         ok: List[LinearSite] = []
         for s in sites:
-            why = _member_problem(ctx, s)
+            why = _member_problem(ctx, s) or _written(s, written)
             if why:
                 ctx.report.add("linear", "skipped", why, _params([s]))
             else:
@@ -193,6 +204,20 @@ def _existing_storage(tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -
     return None
 
 
+def _refused(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
+    """A layout of these very tensors that was lost (``param.data = ...``, a
+    cast and back) and that Dynamo recompiles for: fuse it again, counted on
+    its record, which stays the group's record. The sharing checks have run."""
+    fs = layout_of(tensors[0])
+    if fs is None or fs.key != key or not all(a is b for a, b in zip(fs.members, tensors)) or fs.holds(tensors):
+        return None
+    if not refuse(fs, tensors):
+        return None
+    if fs.record is not None:
+        fs.record.bump("refused")
+    return fs
+
+
 def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List[LinearSite], dep) -> bool:
     problems = _storage_problems(ctx, sites)
     for i, why in problems.items():
@@ -219,7 +244,7 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     # the others inside that buffer would be written by torch.save (it writes
     # a view's whole storage) and make every checkpoint larger than the plain
     # model's; so a mixed group keeps its biases where they are and its
-    # prologue assembles the bias vector per call (counted as bias_cat_calls).
+    # graph builds the bias vector per call (counted as bias_cat_calls).
     fuse_biases = bool(biases) and all(has_bias)
     params = _params(sites)
     detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
@@ -229,51 +254,87 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why} [dry run]", params, **detail)
         return True
 
-    fs = _existing_storage(weights, w_offsets)
-    note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-    record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}", params, **detail)
-    gid = f"linear{next(_gid_counter)}"
-    grp = Group(gid, record, fs, spec=layout)
-    register_group(grp)
-    bgrp = None
-    if biases:
-        bgrp = Group(gid + ".bias", record, _existing_storage(biases, b_offsets) if fuse_biases else None, spec=layout)
-        register_group(bgrp)
+    dynamo = ctx.is_dynamo
+    w_nodes = [s.weight.node for s in sites]
+    b_nodes = [s.bias.node for s in sites if s.has_bias]
+    if dynamo and any(n is None or n.op != "placeholder" for n in w_nodes + b_nodes):
+        # The per-call layout check reads the parameters from the call's
+        # arguments; a parameter baked into the graph as an attribute
+        # (torch._dynamo.config.inline_inbuilt_nn_modules=False) has none.
+        ctx.report.add("linear", "skipped", "parameters are attributes of the Dynamo graph, not inputs "
+                       "(inline_inbuilt_nn_modules=False): the per-call layout check cannot see them", params)
+        return False
+
+    fs = _existing_storage(weights, w_offsets) or _refused(weights, layout.weight_key)
+    bfs = (_existing_storage(biases, b_offsets) or _refused(biases, layout.bias_key)) if fuse_biases else None
+    bias_note = "" if fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
+    if fs is not None and fs.record is not None and fs.record.pattern == "linear":
+        # The same parameters in another graph (a recompile, a graph break):
+        # one record, whose counters add up over every graph.
+        record = fs.record
+        ctx.report.records.append(record)
+    else:
+        note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}{bias_note}", params, **detail)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
-
-    def move() -> None:
-        if grp.storage is None:
-            grp.storage = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features)
-        if fuse_biases and bgrp.storage is None:
-            bgrp.storage = fuse("linear.bias", bnames, biases, b_offsets, layout.total)
-
-    ctx.defer(move)
-    record.stats.setdefault("fused_calls", 0)
-    record.stats.setdefault("fallback_calls", 0)
-    if path == "split":
-        # The graph keeps one linear per member; they read views of the block.
-        # One check per call brings a lost layout back (see linear_layout_check).
-        record.stats.pop("fused_calls")
-        record.stats.pop("fallback_calls")
-        first = min((s.node for s in sites), key=lambda n: order[n])
-        w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
-        with gm.graph.inserting_before(first):
-            gm.graph.call_function(linear_layout_check, (gid, *w_nodes))
-        return True
+    if fs is None:
+        fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
+                  key=layout.weight_key, record=record)
+    if fuse_biases and bfs is None:
+        bfs = fuse("linear.bias", bnames, biases, b_offsets, layout.total, key=layout.bias_key, record=record)
+    fs.record = record
+    if bfs is not None:
+        bfs.record = record
+    counters = {"fused": ("fused_calls",), "split": ("split_calls",)}[path]
+    if biases and not fuse_biases and path == "fused":
+        counters += ("bias_cat_calls",)
+    for c in counters + ("fallback_calls", "refused"):
+        record.stats.setdefault(c, 0)
+    wsite = GroupSite("linear.weight", layout.weight_key, [ctx.placeholder_index(n) for n in w_nodes] if dynamo else (),
+                      wnames, w_offsets, layout.total * layout.in_features, record, counters, reads_block=path == "fused")
+    extra = []
+    if biases and not fuse_biases:
+        extra = [(s.bias.name, ctx.placeholder_index(s.bias.node) if dynamo else -1, s.bias.tensor) for s in sites if s.has_bias]
+    wsite.adopt(fs, weights, extra)
+    bsite = None
+    if fuse_biases:
+        bsite = GroupSite("linear.bias", layout.bias_key, [ctx.placeholder_index(n) for n in b_nodes] if dynamo else (),
+                          bnames, b_offsets, layout.total, record, (), reads_block=path == "fused", partner=wsite)
+        bsite.adopt(bfs, biases)
+    if dynamo:
+        for n in w_nodes + (b_nodes if fuse_biases else []):
+            ctx.refakify(n)
+        ctx.add_site(wsite)
+        if bsite is not None:
+            ctx.add_site(bsite)
 
     g = gm.graph
     first = min((s.node for s in sites), key=lambda n: order[n])
-    w_nodes, b_nodes = [], []
-    for s in sites:
-        w_nodes.append(s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first))
-        if s.has_bias:
-            b_nodes.append(s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first))
-    b_args, it = [], iter(b_nodes)
-    for hb in has_bias:
-        b_args.append(next(it) if hb else None)
+    if not dynamo:
+        w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
+        b_nodes = [s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first) for s in sites if s.has_bias]
+    if path == "split":
+        # The graph keeps one linear per member; they read views of the block.
+        if not dynamo:
+            with g.inserting_before(first):
+                g.call_function(EagerLayoutCheck(wsite, "linear_layout_check"), tuple(w_nodes))
+                if bsite is not None:
+                    g.call_function(EagerLayoutCheck(bsite, "linear_bias_layout_check"), tuple(b_nodes))
+        return True
+
     with g.inserting_before(first):
-        w_block = g.call_function(fused_linear_weight, (gid, *w_nodes))
-        b_block = g.call_function(fused_linear_bias, (gid + ".bias", *b_args)) if any(has_bias) else None
+        if dynamo:
+            w_block = g.call_function(torch.as_strided, (w_nodes[0], (layout.total, layout.in_features), (layout.in_features, 1), 0))
+        else:
+            w_block = g.call_function(EagerBlock(wsite, layout.total, layout.in_features, "linear_weight_block"), tuple(w_nodes))
+        b_block = None
+        if fuse_biases:
+            if dynamo:
+                b_block = g.call_function(torch.as_strided, (b_nodes[0], (layout.total,), (1,), 0))
+            else:
+                b_block = g.call_function(EagerBlock(bsite, layout.total, None, "linear_bias_block"), tuple(b_nodes))
+        elif biases:
+            b_block = g.call_function(bias_vector, (list(sizes), list(has_bias), *b_nodes))
         y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
         parts = g.call_function(torch.split, (y, list(sizes), -1))
         outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sites))]

@@ -1,4 +1,4 @@
-"""RNN weight format: one flat buffer, one opaque op per RNN call.
+"""RNN weight format: one flat buffer, and the RNN call lowered to ATen.
 
 Before (Dynamo flavour; ``torch.compile`` normally graph-breaks here, see
 ``_compat.install_rnn_capture``)::
@@ -7,31 +7,29 @@ Before (Dynamo flavour; ``torch.compile`` normally graph-breaks here, see
     lstm = torch.lstm(x, (h0, c0), [w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, ...], True, 2, 0.0, True, False, False)
     out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]
 
-After::
+After (the parameters now views of one flat block)::
 
-    blk  = rnn_weight_block("rnn0", w_ih_l0, w_hh_l0, ...)       # prologue, hoisted by the backend
-    lstm = rnn_call(x, [h0, c0], [w_ih_l0, ...], blk, "rnn0", True, grad_mask)   # wfpass::rnn + its autograd
-    out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]                    # users unchanged
+    lstm = rnn_mkldnn(x, [h0, c0], w_ih_l0, w_hh_l0, ...)   # ops/rnn.RnnForward, path chosen from T
+    out = lstm[0]; h_n = lstm[1]; c_n = lstm[2]               # users unchanged
 
-(AOTAutograd traces ``rnn_call`` into one ``wfpass.rnn`` node in the forward
-graph and one ``wfpass.rnn_backward`` in the backward graph.)
+AOTAutograd traces ``rnn_mkldnn`` into ``aten.mkldnn_rnn_layer`` per layer
+(forward) and ``mkldnn_rnn_layer_backward`` (backward): one op per layer,
+whatever the length T; at T <= ``seq_threshold`` into the unfused per-step
+ops (``rnn_loop``). Everything the backward needs is a traced value.
 
 ``symbolic_trace`` graphs: ``call_module`` of an ``nn.LSTM/GRU/RNN`` becomes
-``rnn_module_call("rnn0", x, hx, blk, *weights)`` over ``get_attr`` weights.
-
-Whatever the length T, the graph holds one op; the op picks the unfused path
-(T <= ``seq_threshold``) or the fused kernel at run time (``ops/rnn.py``).
+``rnn_module_call(x, hx, *weights)`` over ``get_attr`` weights, which picks the
+path per call.
 
 Guards, each a skip record when it fails (the node is left as it was): not a
 PackedSequence call; every weight a Parameter/buffer of the model; one dtype
-and device; the layer layout adds up; no autocast. Weights that share storage
-with other tensors are not moved (the op still runs; every call counts as a
-fallback), so ties stay tied.
+and device; the layer layout adds up; no autocast; no weight written in
+place inside the graph. Weights that share storage with other tensors are
+not moved (the kernels read them where they are), so ties stay tied.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,9 +39,10 @@ import torch.nn as nn
 from .. import _compat
 from ..config import default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value
-from ..ops.rnn import GATES, RnnGroup, RnnSpec, rnn_call, rnn_module_call, rnn_weight_block
-from ..ops.runtime import register_group
-from ..storage import fuse, fused_storage_of, sharing_problem, unmovable
+from ..graph import mutated_state
+from ..ops.rnn import GATES, RnnForward, RnnModuleCall, RnnSpec, choose_path, measure_threshold
+from ..runtime import GroupSite
+from ..storage import fuse, fused_storage_of, layout_of, refuse, sharing_problem, unmovable
 
 __all__ = ["fuse_rnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
@@ -61,7 +60,6 @@ _PACKED = {_aten.lstm.data, _aten.gru.data, _aten.rnn_tanh.data, _aten.rnn_relu.
 _MODULES = {nn.LSTM: "LSTM", nn.GRU: "GRU"}
 _CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
 
-_gid_counter = itertools.count()
 
 
 class _Site:
@@ -277,40 +275,11 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
 
 
-def _is_zero_state(h: fx.Node, rnn: fx.Node, x: fx.Node) -> bool:
-    """Is ``h`` a ``torch.zeros`` node that only this RNN call reads (the
-    state ``nn.LSTM/GRU/RNN.forward`` makes when called without ``hx``), of
-    the input's dtype and device, so that the op's own zeros are the same
-    tensor? (A user's zeros of another dtype must still meet eager's error.)"""
-    if h.op != "call_function" or h.target is not torch.zeros or set(h.users) != {rnn}:
-        return False
-    hv, xv = meta_value(h), meta_value(x)
-    return (isinstance(hv, torch.Tensor) and isinstance(xv, torch.Tensor) and not hv.requires_grad
-            and hv.dtype == xv.dtype and hv.device == xv.device)
-
-
-def _grad_mask(s: _Site, inputs: Sequence[fx.Node]) -> List[bool]:
-    out = meta_value(s.node)
-    first = out[0] if isinstance(out, (tuple, list)) and out else None
-    if isinstance(first, torch.Tensor):
-        if not first.requires_grad:
-            return [False] * len(inputs)
-    elif not torch.is_grad_enabled():
-        return [False] * len(inputs)
-    mask = []
-    for n in inputs:
-        v = meta_value(n)
-        if not isinstance(v, torch.Tensor):
-            mask.append(True)  # unknown: a gradient too many is harmless, one too few is wrong
-        else:
-            mask.append(bool(v.requires_grad) and v.is_floating_point())
-    return mask
-
-
 def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Rewrite every RNN call in ``gm``; returns how many were rewritten."""
     rewritten = 0
-    claimed: Dict[int, Tuple[Tuple[int, ...], RnnGroup]] = {}  # id(weight) -> (ids of its set, group)
+    claimed: Dict[int, Tuple[Tuple[int, ...], GroupSite]] = {}  # id(weight) -> (ids of its set, site)
+    written = mutated_state(gm)
     for node in list(gm.graph.nodes):
         s = _site_of(ctx, node)
         if s is None:
@@ -319,6 +288,11 @@ def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
         if s.problem is None:
             # A DTensor/FSDP2 weight: not even the fallback op may run on it.
             s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
+        if s.problem is None:
+            w = next((r for r in s.weights if r.node is not None and r.node in written), None)
+            if w is not None:
+                s.problem = (f"{w.name} is written in place inside the graph by {written[w.node]} (a hook or an "
+                             f"in-place op in forward): left to the inner compiler, which sees the write")
         if s.problem is None:
             s.problem = _spec_problem(s)
         spec = None
@@ -345,14 +319,43 @@ def _describe(spec: RnnSpec) -> str:
     return ", ".join(bits)
 
 
+def _steps(s: _Site) -> Optional[int]:
+    """The static length T of this call, or None when it is symbolic."""
+    v = meta_value(s.x)
+    if not isinstance(v, torch.Tensor):
+        return None
+    batch_first = bool(s.consts[5])
+    t = v.shape[1 if batch_first else 0] if v.dim() == 3 else v.shape[0]
+    try:
+        return int(t)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _threshold(ctx: PassContext, s: _Site, spec: RnnSpec, record) -> int:
+    """N for this graph: the configured one, or ``"auto"`` measured now with
+    the model's weights on a random input of this call's shape."""
+    if spec.threshold != "auto":
+        return spec.threshold
+    v = meta_value(s.x)
+    if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape) or v.dim() != 3:
+        return default_seq_threshold(v.device.type if isinstance(v, torch.Tensor) else "cpu")
+    x = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+    ws = [r.tensor.detach() for r in s.weights]
+    from ..ops.rnn import _zero_state
+
+    hx = _zero_state(spec, x)
+    need_grad = torch.is_grad_enabled() and any(r.tensor.requires_grad for r in s.weights)
+    return measure_threshold(spec, record, x, hx, ws, spec.has_biases, bool(s.consts[3]), spec.dropout, need_grad)
+
+
 def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, claimed) -> None:
     ws = [r.tensor for r in s.weights]
     names = [r.name for r in s.weights]
     ids = tuple(id(w) for w in ws)
     detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
-                  bidirectional=spec.bidirectional, block_elements=spec.numel,
-                  fake_bias_elements=2 * spec.gate_size * len(spec.fake_bias_offsets))
-    how = f"{spec.name}: {_describe(spec)} -> one wfpass::rnn op; seq_threshold={spec.threshold!r}"
+                  bidirectional=spec.bidirectional, block_elements=spec.numel)
+    how = f"{spec.name}: {_describe(spec)}"
     if ctx.config.dry_run:
         ctx.report.add("rnn", "rewritten", how + " [dry run]", names, **detail)
         return
@@ -360,47 +363,58 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
     # The same RNN called twice in this graph: one group, one block.
     prior = claimed.get(ids[0])
     if prior is not None and prior[0] == ids:
-        grp = prior[1]
+        site = prior[1]
     else:
-        grp = _new_group(ctx, s, spec, ws, names, how, detail, overlap=any(i in claimed for i in ids))
+        site = _new_group(ctx, s, spec, ws, names, how, detail, overlap=any(i in claimed for i in ids))
         for i in ids:
-            claimed[i] = (ids, grp)
-    gid = grp.gid
+            claimed[i] = (ids, site)
+    record = site.record
 
     g = gm.graph
     node = s.node
-    if s.module is None:  # Dynamo flavour: weights are placeholders / get_attr nodes
+    if s.module is None:  # Dynamo flavour: weights are graph inputs
         w_nodes = [r.node for r in s.weights]
-        # The zero initial state nn.LSTM.forward builds when no hx is given
-        # is built inside the op (``_zero_state``): the zeros nodes then die.
-        hx = [] if all(_is_zero_state(h, node, s.x) for h in s.hx) else list(s.hx)
+        steps = _steps(s)
+        v = meta_value(s.x)
+        n = _threshold(ctx, s, spec, record)
+        need_grad = torch.is_grad_enabled() and (
+            any(w.requires_grad for w in ws) or (isinstance(v, torch.Tensor) and v.requires_grad))
+        static_batch = isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
+        path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n, need_grad, static_batch)
+        counter = "unfused_calls" if path == "loop" else "fused_calls"
+        record.stats.setdefault(counter, 0)
+        record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
+        if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
+            sited = GroupSite(site.kind, site.key, [ctx.placeholder_index(w) for w in w_nodes], site.names,
+                              site.offsets, site.numel, record, (counter,), reads_block=False)
+            sited._last = site._last
+            ctx.add_site(sited)
         with g.inserting_before(node):
-            blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
-            mask = _grad_mask(s, [s.x, *hx, *w_nodes])
-            train = bool(s.consts[3])
-            args = (s.x, hx, w_nodes, blk, gid, train, mask, s.dropout_node)
-            new = g.call_function(rnn_call, args)
+            new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, list(s.hx), *w_nodes))
     else:
         with g.inserting_before(node):
             w_nodes = [g.get_attr(n) for n in names]
-            blk = g.call_function(rnn_weight_block, (gid, *w_nodes))
             hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
-            new = g.call_function(rnn_module_call, (gid, s.x, hx, blk, *w_nodes))
+            new = g.call_function(RnnModuleCall(spec, site, s.module), (s.x, hx, *w_nodes))
     new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     node.replace_all_uses_with(new)
     g.erase_node(node)
 
 
-def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> RnnGroup:
+def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
+    key = ("rnn", spec.offsets, tuple(tuple(w.shape) for w in ws))
     existing = fused_storage_of(ws[0])
     if existing is not None and not (
         len(existing.shapes) == len(ws) and all(existing.is_member(w) for w in ws) and tuple(existing.offsets) == spec.offsets
     ):
         existing = None
+    lost = layout_of(ws[0])
+    if existing is None and lost is not None and lost.key == key and all(a is b for a, b in zip(lost.members, ws)):
+        existing = lost  # a recompile after the layout was lost: re-fused below, on its record
     why = None
     if overlap:
         why = "a weight also belongs to another RNN of this graph"
-    elif existing is None:
+    else:
         others = [(r.name, r.tensor) for r in ctx.state_tensors()]
         for n, w in zip(names, ws):
             # The RNN's own weights may already share one buffer (CUDA:
@@ -408,25 +422,35 @@ def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail
             why = sharing_problem(w, n, others, allowed=ws)
             if why:
                 break
-    if why:
-        note = f"weights left where they are ({why}); every call counts as a fallback"
-    elif existing is not None:
-        note = "weights already in one flat block (idempotent re-run)"
+    if existing is not None and existing.record is not None and why is None:
+        record = existing.record  # the same parameters in another graph: one record
+        ctx.report.records.append(record)
+        if not existing.holds(ws) and refuse(existing, ws):
+            record.bump("refused")
     else:
-        note = f"weights moved into one flat block of {spec.numel} elements"
-        if spec.fake_bias_offsets:
-            note += (f"; {detail['fake_bias_elements']} zero fake-bias elements for the CPU kernel kept apart "
-                     f"(not in the parameters' storage, so checkpoints do not grow)")
-    record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
-    for k in ("fused_calls", "unfused_calls", "fallback_calls"):
+        if why:
+            note = f"weights left where they are ({why}); the kernels read them as they are"
+        elif existing is not None:
+            note = "weights already in one flat block (idempotent re-run)"
+        else:
+            note = f"weights moved into one flat block of {spec.numel} elements"
+        record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
+    for k in ("fallback_calls", "refused"):
         record.stats.setdefault(k, 0)
-    grp = RnnGroup(f"rnn{next(_gid_counter)}", record, existing, spec, module=s.module)
-    register_group(grp)
-    if existing is None and why is None:
-        kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
+    kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
+    site = GroupSite(kind, key, (), names, spec.offsets, spec.numel, record, (), reads_block=False)
+    if why is None:
+        if existing is None:
+            existing = fuse(kind, names, ws, spec.offsets, spec.numel, key=key, record=record)
+        existing.record = record
+        site.adopt(existing, ws)
+        if ctx.is_dynamo:
+            for r in s.weights:
+                if r.node is not None and r.node.op == "placeholder":
+                    ctx.refakify(r.node)
+    else:
+        from ..runtime import note as file_note
 
-        def move() -> None:
-            grp.storage = fuse(kind, names, ws, spec.offsets, spec.numel)
-
-        ctx.defer(move)
-    return grp
+        file_note(record, names, ws)
+        site._unfusable[id(ws[0])] = ws[0]
+    return site

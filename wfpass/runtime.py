@@ -1,0 +1,282 @@
+"""What runs between Dynamo and a compiled graph: one layout check per group.
+
+A rewritten graph reads a fused block as an ordinary view of its first
+member, computed in the graph (``as_strided`` of a parameter whose storage is
+the block), so AOTAutograd and Inductor see the alias and every mutation of
+it. What the graph cannot check is whether *this call's* parameters are laid
+out that way: one compiled graph may run with many parameter sets (regional
+compilation, Dynamo reusing a frame for every layer, a model whose
+parameters were re-assigned). So the backend returns::
+
+    def call(*args):
+        for site in sites:                       # one per fused group
+            fs = layout of args[site.idx[0]]     # O(1), a dict lookup by identity
+            if fs.key != site.key or fs.ptrs != (args[i].data_ptr() for i in site.idx):
+                fs = site.prepare(args)          # first sight: fuse this set; lost: re-fuse
+            if fs is None and site.reads_block:  # cannot be fused (a tie, a shared storage)
+                return fallback(*args)           # the graph before the rewrite, run eagerly
+        return compiled(*args)
+
+The check is address arithmetic against a block the layout keeps alive (see
+``storage.FusedStorage``), so it is complete, and it allocates nothing.
+Layouts and their records belong to the parameters (``storage._OWNER``):
+nothing here outlives the model, and a graph that serves N layers finds N
+layouts and moves none of them again.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _compat
+from .report import Record, Report
+from .storage import FusedStorage, _OWNER, fuse, layout_of, refuse, sharing_problem
+
+__all__ = ["GroupSite", "guarded_call", "note", "records_of", "model_report"]
+
+
+class GroupSite:
+    """One fused group of one compiled graph (or one ``wfpass.apply`` graph).
+
+    kind:        layout kind, e.g. ``"linear.weight"``, ``"rnn"``.
+    key:         the layout key; a block is read only through a layout with this key.
+    idx:         positions of the members among the graph's inputs (Dynamo graphs).
+    names:       the members' names in the graph, for records and messages.
+    offsets:     element offset of each member in the block; ``numel`` its size.
+    record:      the record of the parameter set the pass saw; later sets get their own.
+    counter:     the stats this site bumps on every call (its path is static per graph).
+    reads_block: the compiled graph reads the block, so a call whose
+                 parameters cannot be laid out must take the fallback.
+    """
+
+    def __init__(self, kind: str, key: Any, idx: Sequence[int], names: Sequence[str], offsets: Sequence[int],
+                 numel: int, record: Record, counter: Sequence[str], reads_block: bool, partner: Optional["GroupSite"] = None):
+        self.kind, self.key = kind, key
+        self.idx = tuple(idx)
+        self.names = list(names)
+        self.offsets, self.numel = list(offsets), numel
+        self.record, self.counter, self.reads_block = record, tuple(counter), reads_block
+        # A bias block's site: its layouts share the record of the weight
+        # block's layout for the same call (one row per group in the report).
+        self.partner = partner
+        # Parameter sets seen that cannot be fused (weak): not checked again every call.
+        self._unfusable: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._last: Optional["weakref.ref"] = None  # the layout this site served last
+        # Tensors of the group that stay outside the block (a mixed group's
+        # biases): filed under the same record, so the report names them.
+        self.extra_idx: Tuple[int, ...] = ()
+        self.extra_names: List[str] = []
+
+    # -- the slow path: a set seen for the first time, or a lost layout -------
+    def prepare(self, members: Sequence[torch.Tensor], others: Sequence[Tuple[str, torch.Tensor]] = (),
+                args: Sequence[Any] = ()) -> Optional[FusedStorage]:
+        """Make ``members`` a layout with this site's key, or say it cannot be (None)."""
+        m0 = members[0]
+        if self._unfusable.get(id(m0)) is m0:
+            return None
+        fs = layout_of(m0)
+        if fs is not None and fs.key == self.key and all(a is b for a, b in zip(fs.members, members)):
+            if fs.holds(members):
+                return fs
+            # Our own layout, lost: ``param.data = ...``, ``.to()`` and back.
+            if self._movable(members, others) is None and refuse(fs, members):
+                fs.record.bump("refused")
+                return fs
+            return self._give_up(m0)
+        for m in members:
+            other = layout_of(m)
+            if other is not None and other.intact():
+                # In another group's block (a different grouping in another
+                # graph): moving it would make the two graphs fight over it.
+                return self._give_up(m0)
+        why = self._movable(members, others)
+        if why is not None:
+            self.record.detail.setdefault("unfusable", why)
+            return self._give_up(m0)
+        last = self._last() if self._last is not None else None
+        replaced = last is not None and all(m is None for m in last.members)
+        record = self._record_for(members, args)
+        fs = fuse(self.kind, self.names, members, self.offsets, self.numel, key=self.key, record=record)
+        if replaced:
+            # The set this site ran with before is gone (``load_state_dict(
+            # assign=True)`` brings new Parameter objects): that is a re-fuse.
+            record.bump("refused")
+        self._last = weakref.ref(fs)
+        note(record, self.names, members)
+        if self.extra_idx and args:
+            note(record, self.extra_names, [args[i] for i in self.extra_idx])
+        return fs
+
+    def _movable(self, members, others) -> Optional[str]:
+        for name, m in zip(self.names, members):
+            why = sharing_problem(m, name, others, allowed=members)
+            if why is not None:
+                return why
+        return None
+
+    def _give_up(self, m0: torch.Tensor) -> None:
+        self._unfusable[id(m0)] = m0
+        return None
+
+    def _record_for(self, members, args=()) -> Record:
+        """The compile-time record for the set the pass fused; a new record for
+        every other set (another layer through the same graph), so each
+        parameter set's counters are its own."""
+        if self.partner is not None and args:
+            fs = layout_of(args[self.partner.idx[0]])
+            if fs is not None and fs.record is not None:
+                return fs.record
+        first = self.record.detail.get("_first")
+        if first is None or first() is None or first() is members[0]:
+            return self.record
+        rec = Record(self.record.pattern, self.record.action, self.record.reason, list(self.names),
+                     detail={k: v for k, v in self.record.detail.items() if not k.startswith("_")})
+        for k in self.record.stats:
+            rec.stats.setdefault(k, 0)
+        return rec
+
+    def adopt(self, fs: FusedStorage, members: Sequence[torch.Tensor], extra: Sequence[Tuple[str, int, torch.Tensor]] = ()) -> None:
+        """The pass fused ``members`` at compile time: this site starts from
+        that layout. ``extra``: (name, input position, tensor) of the group's
+        tensors that stay outside the block."""
+        self.record.detail["_first"] = weakref.ref(members[0])
+        self._last = weakref.ref(fs)
+        note(self.record, self.names, members)
+        if extra:
+            self.extra_names = [n for n, _, _ in extra]
+            self.extra_idx = tuple(i for _, i, _ in extra)
+            note(self.record, self.extra_names, [t for _, _, t in extra])
+
+
+def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Callable,
+                 tensor_inputs: Sequence[Tuple[str, int]]) -> Callable:
+    """The callable the backend returns: per-call layout checks, then the
+    compiled graph, or the fallback graph when a group that the compiled graph
+    reads as a block cannot be laid out for this call."""
+    plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block) for s in sites]
+    owner_get = _OWNER.get
+
+    def others(args):
+        return [(n, args[i]) for n, i in tensor_inputs if isinstance(args[i], torch.Tensor)]
+
+    def call(*args):
+        ok = True
+        for site, idx, i0, key, counter, reads in plan:
+            entry = owner_get(id(args[i0]))
+            fs = entry[1] if entry is not None else None
+            if fs is None or fs.key != key or fs.ptrs != tuple([args[i].data_ptr() for i in idx]) or fs.block is None:
+                fs = site.prepare([args[i] for i in idx], others(args), args)
+                if fs is None:
+                    if reads:
+                        ok = False
+                        site.record.bump("fallback_calls")
+                    else:
+                        site.record.bump("unfused_layout_calls")
+                    continue
+            stats = fs.record.stats
+            for c in counter:
+                stats[c] = stats.get(c, 0) + 1
+        if ok:
+            return compiled(*args)
+        return fallback(*args)
+
+    call._wfpass_sites = list(sites)  # type: ignore[attr-defined]
+    return call
+
+
+# -- records, by the tensors they concern ---------------------------------------
+
+# tensor -> the records that concern it. Weak keys: a deleted model's records go with it.
+_NOTES = _compat.weak_id_key_dict()
+
+
+def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """File ``record`` under each of ``tensors`` (for ``wfpass.report(model)``),
+    remembering which of the record's ``params`` names each one is, so the
+    model's report can show it under the model's own name. A record for the
+    same decision on the same tensors (a recompile taking it again) replaces
+    the older one: a model's report does not grow with recompiles."""
+    refs = record.detail.setdefault("_tensors", {})
+    for n, t in zip(names, tensors):
+        if isinstance(t, torch.Tensor):
+            refs[n] = weakref.ref(t)
+            if n not in record.params:
+                record.params.append(n)
+    sig = (record.pattern, record.action, record.reason, tuple(record.params))
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        recs = _NOTES.get(t)
+        if recs is None:
+            _NOTES[t] = recs = []
+        if any(r is record for r in recs):
+            continue
+        recs[:] = [r for r in recs if (r.pattern, r.action, r.reason, tuple(r.params)) != sig]
+        recs.append(record)
+
+
+def records_of(t: torch.Tensor) -> List[Record]:
+    return list(_NOTES.get(t, ()))
+
+
+def model_report(model: torch.nn.Module) -> Report:
+    """Everything wfpass did to ``model``'s parameters and buffers, across every
+    graph, recompile and graph break: one row per decision, named with the
+    model's own ``named_parameters`` / ``named_buffers`` names, live counters."""
+    names: Dict[int, str] = {}
+    tensors: List[torch.Tensor] = []
+    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if id(t) not in names:
+            names[id(t)] = n
+            tensors.append(t)
+    out = Report(f"wfpass report for {type(model).__name__} (every graph, recompile and graph break)")
+    seen = set()
+    for t in tensors:
+        for rec in _NOTES.get(t, ()):
+            if id(rec) in seen:
+                continue
+            seen.add(id(rec))
+            tracked = rec.detail.get("_tensors") or {}
+            params = []
+            for p in rec.params:
+                r = tracked.get(p)
+                t = r() if r is not None else None
+                params.append(names.get(id(t), p) if t is not None else p)
+            view = Record(rec.pattern, rec.action, rec.reason, params,
+                          detail={k: v for k, v in rec.detail.items() if not k.startswith("_")})
+            view.stats = rec.stats  # the live counters, not a copy
+            out.records.append(view)
+    return out
+
+
+# -- eager call targets (``wfpass.apply`` graphs, hooks) ---------------------------
+
+
+class Group:
+    """Runtime state of one rewrite that an eagerly run graph or hook calls:
+    its report record and format-specific spec. Owned by the call target that
+    holds it (``Bound``), so it lives as long as the graph or hook does."""
+
+    def __init__(self, record: Record, spec: Any = None):
+        self.record, self.spec = record, spec
+
+
+class Bound:
+    """A graph call target ``fn(group, *args)`` carrying its group: FX accepts
+    a callable object as a ``call_function`` target, so no global table of
+    groups is needed to find it again."""
+
+    def __init__(self, fn: Callable, group: Group, name: Optional[str] = None):
+        self.fn, self.group = fn, group
+        self.__name__ = self.__qualname__ = name or fn.__name__
+        self.__module__ = fn.__module__
+        if getattr(fn, "_wfpass_keep", False):
+            self._wfpass_keep = True
+
+    def __call__(self, *args):
+        return self.fn(self.group, *args)
+
+    def __repr__(self) -> str:
+        return f"Bound({self.__name__})"
