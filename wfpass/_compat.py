@@ -483,3 +483,13 @@ def disable_compile_caches() -> None:
 
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
+
+
+def outside_fake_mode():
+    """A context in which tensors are real even while a fake implementation
+    runs (``torch._subclasses.fake_tensor.unset_fake_temporarily``, private;
+    torch 2.13.0). ``ops/rnn.workspace_numel`` measures oneDNN's workspace
+    size on real zeros from inside ``wfpass::lstm_layer``'s fake."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

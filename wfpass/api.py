@@ -44,15 +44,15 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
     and run once under ``no_grad``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.explain expects an nn.Module, got {type(model).__name__}")
+    from .backend import _compile_with_report
+
     probe = copy.deepcopy(model)
     be = backend(inner="eager", dry_run=True)
-    reports = Report(f"wfpass explain ({type(model).__name__}, dry run: nothing changed)")
+    reports = Report(f"wfpass explain ({type(model).__name__}, dry run: nothing changed)", dry_run=True)
 
     def collect(gm, example_inputs):
-        out = be(gm, example_inputs)
-        from .backend import _last_graph_report
-
-        reports.extend(_last_graph_report())
+        out, rep = _compile_with_report(be.config, gm, example_inputs)
+        reports.extend(rep)
         return out
 
     with torch.no_grad():

@@ -90,6 +90,10 @@ def _resolve_inner(inner: Any) -> Callable:
 
 
 def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    return _compile_with_report(config, gm, example_inputs)[0]
+
+
+def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]):
     # The graph as Dynamo traced it: the fallback for a call whose parameters
     # cannot be laid out for a group the rewritten graph reads as one block.
     original = _compat.clone_dynamo_graph(gm)
@@ -112,10 +116,10 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
         log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
         compiled = _first_call_then(at_call, gm.forward)
     if not ctx.sites:
-        return compiled
+        return compiled, report
     call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs())
     call._wfpass_report = report  # type: ignore[attr-defined]
-    return call
+    return call, report
 
 
 def _first_call_then(moves, fn: Callable) -> Callable:

@@ -61,8 +61,6 @@ class GroupSite:
         # A bias block's site: its layouts share the record of the weight
         # block's layout for the same call (one row per group in the report).
         self.partner = partner
-        # Parameter sets seen that cannot be fused (weak): not checked again every call.
-        self._unfusable: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._last: Optional["weakref.ref"] = None  # the layout this site served last
         # Tensors of the group that stay outside the block (a mixed group's
         # biases): filed under the same record, so the report names them.
@@ -74,8 +72,6 @@ class GroupSite:
                 args: Sequence[Any] = ()) -> Optional[FusedStorage]:
         """Make ``members`` a layout with this site's key, or say it cannot be (None)."""
         m0 = members[0]
-        if self._unfusable.get(id(m0)) is m0:
-            return None
         fs = layout_of(m0)
         if fs is not None and fs.key == self.key and all(a is b for a, b in zip(fs.members, members)):
             if fs.holds(members):
@@ -117,7 +113,8 @@ class GroupSite:
         return None
 
     def _give_up(self, m0: torch.Tensor) -> None:
-        self._unfusable[id(m0)] = m0
+        # Not remembered: whatever blocks the move (an alias the user holds)
+        # may be gone by the next call, which then fuses.
         return None
 
     def _record_for(self, members, args=()) -> Record:

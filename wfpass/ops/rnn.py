@@ -243,6 +243,13 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
     if (x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0
             and _compat.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
         return "mkldnn"
+    if steps is not None:
+        # No fused kernel for this RNN: the per-step ops, written out here.
+        # Not ATen's decomposition of torch.gru/rnn_tanh, which drops the
+        # dropout between layers (torch/_decomp/decompositions.py
+        # ``_rnn_helper``, torch 2.13.0) and gave wrong h_n gradients for a
+        # one-layer nn.RNN whose h_n is read (seen under Inductor).
+        return "loop"
     return "aten"
 
 
@@ -267,9 +274,19 @@ class RnnForward:
         elif self.path == "loop":
             outs = _loop(spec, x, hx, ws, has_b, self.train, p)
             out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
+        elif spec.mode == "LSTM":
+            # ATen's decomposition of torch.lstm (torch/_decomp/decompositions.py,
+            # torch 2.13.0) picks aten.mkldnn_rnn_layer in inference mode
+            # whenever oneDNN is on and the input needs no grad: without the
+            # workspace its backward needs (weights that need grad), and in a
+            # form Inductor's lowering fails on. Traced with oneDNN off it
+            # unrolls the plain cell math, which AOTAutograd differentiates.
+            with _compat.mkldnn_disabled():
+                outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], outs[2]
         else:
             outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
-            out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
+            out, hy, cy = outs[0], outs[1], None
         return (out, hy, cy) if spec.mode == "LSTM" else (out, hy)
 
     def __repr__(self) -> str:
@@ -490,7 +507,7 @@ def workspace_numel(T: int, B: int, I: int, H: int, dtype: torch.dtype, has_bias
     key = (T, B, I, H, dtype, has_biases)
     n = _WORKSPACE.get(key)
     if n is None:
-        with torch.enable_grad():
+        with _compat.outside_fake_mode(), torch.enable_grad():
             x = torch.zeros(T, B, I, dtype=dtype)
             w_ih, w_hh = torch.zeros(4 * H, I, dtype=dtype), torch.zeros(4 * H, H, dtype=dtype)
             b, h = torch.zeros(4 * H, dtype=dtype), torch.zeros(1, B, H, dtype=dtype)

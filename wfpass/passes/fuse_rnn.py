@@ -381,14 +381,16 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
             any(w.requires_grad for w in ws) or (isinstance(v, torch.Tensor) and v.requires_grad))
         static_batch = isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
         path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n, need_grad, static_batch)
-        counter = "unfused_calls" if path == "loop" else "fused_calls"
-        record.stats.setdefault(counter, 0)
+        # Counted by length, as the report's threshold reads: GRUs and plain
+        # RNNs run the same kernels on both sides of N on the CPU.
+        counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
+        record.stats.setdefault("fused_calls", 0)
+        record.stats.setdefault("unfused_calls", 0)
         record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
         if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
-            sited = GroupSite(site.kind, site.key, [ctx.placeholder_index(w) for w in w_nodes], site.names,
-                              site.offsets, site.numel, record, (counter,), reads_block=False)
-            sited._last = site._last
-            ctx.add_site(sited)
+            site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
+            site.counter = (counter,)
+            ctx.add_site(site)
         with g.inserting_before(node):
             new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, list(s.hx), *w_nodes))
     else:
@@ -425,8 +427,14 @@ def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail
     if existing is not None and existing.record is not None and why is None:
         record = existing.record  # the same parameters in another graph: one record
         ctx.report.records.append(record)
-        if not existing.holds(ws) and refuse(existing, ws):
-            record.bump("refused")
+        if not existing.holds(ws):
+            # Lost (a cast and back): re-fused after the inner compile, which
+            # sees the storage offsets Dynamo traced.
+            def refuse_later(fs=existing) -> None:
+                if refuse(fs, ws):
+                    fs.record.bump("refused")
+
+            ctx.defer(refuse_later)
     else:
         if why:
             note = f"weights left where they are ({why}); the kernels read them as they are"
@@ -440,17 +448,20 @@ def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail
     kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
     site = GroupSite(kind, key, (), names, spec.offsets, spec.numel, record, (), reads_block=False)
     if why is None:
-        if existing is None:
-            existing = fuse(kind, names, ws, spec.offsets, spec.numel, key=key, record=record)
-        existing.record = record
-        site.adopt(existing, ws)
-        if ctx.is_dynamo:
-            for r in s.weights:
-                if r.node is not None and r.node.op == "placeholder":
-                    ctx.refakify(r.node)
+        if existing is not None:
+            existing.record = record
+            site.adopt(existing, ws)
+        else:
+            # The graph reads each weight by itself, never the block: the
+            # move waits until the inner compiler has run on the examples
+            # Dynamo fakified (their storage offsets are those of before).
+            def move() -> None:
+                fs = fuse(kind, names, ws, spec.offsets, spec.numel, key=key, record=record)
+                site.adopt(fs, ws)
+
+            ctx.defer(move)
     else:
         from ..runtime import note as file_note
 
         file_note(record, names, ws)
-        site._unfusable[id(ws[0])] = ws[0]
     return site
