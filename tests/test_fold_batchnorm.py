@@ -160,14 +160,15 @@ def test_dynamo_fold_equals_unfolded_eval(dtype):
             torch.testing.assert_close(fn(x), ref(x), rtol=rtol, atol=atol)
     recs = fold_records(wfpass.last_report())
     assert len(recs) == 3 and len(compiles) == 1
-    assert recs[0].stats["folded_calls"] == 3 and recs[0].stats["folds_computed"] == 1
-    # New weights (load_state_dict copies in place): the fold is recomputed.
+    # Under torch.compile the fold is part of the graph, computed per call
+    # from the live statistics: nothing is cached outside the graph.
+    assert recs[0].detail["computed"] == "in the graph, per call"
+    # New weights (load_state_dict copies in place): the next call uses them.
     other = randomize(Net()).to(dtype).eval()
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         x = model.example(dtype)
         torch.testing.assert_close(fn(x), other(x), rtol=rtol, atol=atol)
-    assert recs[0].stats["folds_computed"] == 2
 
 
 def test_conv_output_with_other_users_not_folded():
