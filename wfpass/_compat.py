@@ -493,3 +493,29 @@ def outside_fake_mode():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def static_example(alias: torch.Tensor, name: str) -> None:
+    """Have AOTAutograd fakify ``alias`` (a new object standing for a
+    parameter that was moved into a block) with static sizes, strides and
+    storage offset, as Dynamo treats parameters. Without it a tensor Dynamo
+    never saw is fakified with fresh dynamic sizes that have no source, which
+    breaks guard building and leaves symbols in ShapeEnv caches. The context
+    goes into ``TracingContext.tensor_to_context``, which AOTAutograd's
+    ``process_inputs`` reads (torch/_functorch/_aot_autograd/frontend_utils.py;
+    ``StatefulSymbolicContext``, ``DimDynamic`` and ``ConstantSource`` are
+    private; torch 2.13.0)."""
+    from torch._guards import TracingContext
+
+    tc = TracingContext.try_get()
+    if tc is None or not hasattr(tc, "tensor_to_context"):
+        return
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext
+
+    d = alias.dim()
+    tc.tensor_to_context[alias] = StatefulSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC] * d, dynamic_strides=[DimDynamic.INFER_STRIDE] * d,
+        constraint_sizes=[None] * d, constraint_strides=[None] * d,
+        tensor_source=ConstantSource(f"wfpass_block_member_{name}"), shape_env_to_source_to_symbol_cache={},
+    )

@@ -120,6 +120,7 @@ class PassContext:
             alias = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
         else:
             alias = t.detach().requires_grad_(t.requires_grad)
+        _compat.static_example(alias, placeholder.name)
         self.compile_example(placeholder, alias)
 
     def tensor_inputs(self) -> List[tuple]:

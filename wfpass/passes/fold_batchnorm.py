@@ -227,6 +227,9 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             folded += 1
             continue
         record = ctx.report.add("batchnorm", "rewritten", reason, _params(site, layer_names), **detail)
+        refs = [r for r in site.refs.values() if r is not None]
+        note(record, [w_name] + ([b_name] if b_t is not None else []) + [r.name for r in refs],
+             [w_t] + ([b_t] if b_t is not None else []) + [r.tensor for r in refs])
         record.stats.setdefault("folded_calls", 0)
         g = gm.graph
 

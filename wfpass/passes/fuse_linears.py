@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from ..graph import LinearSite, PassContext, linear_sites, mutated_state, rows_of
 from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
-from ..runtime import GroupSite
+from ..runtime import GroupSite, note
 from ..storage import FusedStorage, fuse, fused_storage_of, layout_of, refuse, sharing_problem
 
 __all__ = ["fuse_linears"]
@@ -88,6 +88,13 @@ def _written(site: LinearSite, written) -> Optional[str]:
     return None
 
 
+def _skip(ctx: PassContext, why: str, sites: Sequence[LinearSite]) -> None:
+    """A skip record, filed under the tensors it concerns (``wfpass.report(model)``)."""
+    rec = ctx.report.add("linear", "skipped", why, _params(sites))
+    refs = [r for s in sites for r in ((s.weight, s.bias) if s.has_bias else (s.weight,)) if r is not None]
+    note(rec, [r.name for r in refs], [r.tensor for r in refs])
+
+
 def _params(sites: Sequence[LinearSite]) -> List[str]:
     out = []
     for s in sites:
@@ -128,7 +135,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
         for s in sites:
             why = _member_problem(ctx, s) or _written(s, written)
             if why:
-                ctx.report.add("linear", "skipped", why, _params([s]))
+                _skip(ctx, why, [s])
             else:
                 ok.append(s)
         # The same Parameter twice in one group cannot sit at two offsets.
@@ -139,7 +146,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
                 dup.add(id(s.weight.tensor))
             seen.setdefault(id(s.weight.tensor), s)
         for s in [s for s in ok if id(s.weight.tensor) in dup]:
-            ctx.report.add("linear", "skipped", f"the same weight {s.weight.name} is used by two linears of this group; left unfused so the tie stays", _params([s]))
+            _skip(ctx, f"the same weight {s.weight.name} is used by two linears of this group; left unfused so the tie stays", [s])
         ok = [s for s in ok if id(s.weight.tensor) not in dup]
 
         # Partition by what one GEMM needs to agree on.
@@ -151,7 +158,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
         for key, b in buckets.items():
             if b is not ok:
                 w = ok[0].weight.tensor
-                ctx.report.add("linear", "skipped", f"dtype/device/in_features {key[0]}/{key[1]}/{key[2]} differ from the siblings' {w.dtype}/{w.device}/{w.shape[1]}", _params(b))
+                _skip(ctx, f"dtype/device/in_features {key[0]}/{key[1]}/{key[2]} differ from the siblings' {w.dtype}/{w.device}/{w.shape[1]}", b)
 
         # Data dependence: add members greedily while the contraction stays a DAG.
         if len(ok) >= 2:
@@ -161,12 +168,12 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
                 if _fusion_keeps_dag(dep, [c.node for c in chosen] + [s.node]):
                     chosen.append(s)
                 else:
-                    ctx.report.add("linear", "skipped", "depends on the output of a sibling linear (fusing would create a cycle)", _params([s]))
+                    _skip(ctx, "depends on the output of a sibling linear (fusing would create a cycle)", [s])
             ok = chosen
 
         if len(ok) < ctx.config.min_group_size:
             if ok:
-                ctx.report.add("linear", "skipped", f"group of {len(ok)} left after the checks; min_group_size={ctx.config.min_group_size}", _params(ok))
+                _skip(ctx, f"group of {len(ok)} left after the checks; min_group_size={ctx.config.min_group_size}", ok)
             continue
         if _rewrite_group(gm, ctx, x, ok, dep):
             rewritten += 1
@@ -221,11 +228,11 @@ def _refused(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
 def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List[LinearSite], dep) -> bool:
     problems = _storage_problems(ctx, sites)
     for i, why in problems.items():
-        ctx.report.add("linear", "skipped", why, _params([sites[i]]))
+        _skip(ctx, why, [sites[i]])
     sites = [s for i, s in enumerate(sites) if i not in problems]
     if len(sites) < ctx.config.min_group_size:
         if sites:
-            ctx.report.add("linear", "skipped", f"group of {len(sites)} left after the sharing checks; min_group_size={ctx.config.min_group_size}", _params(sites))
+            _skip(ctx, f"group of {len(sites)} left after the sharing checks; min_group_size={ctx.config.min_group_size}", sites)
         return False
 
     # Keep graph order so the block's rows read like the model's attributes.
