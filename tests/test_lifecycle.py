@@ -373,7 +373,6 @@ class _RnnBN(nn.Module):
         return self.bn(y.reshape(-1, 8))
 
 
-@pytest.mark.xfail(strict=False, reason="bf16 + AdamW: the RNN now lowers to the per-step loop at T <= 2, whose bf16 rounding differs from eager by up to 6e-2 after AdamW steps; to be re-checked with SGD")
 def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_strict_load(tmp_path):
     """The RNN and BatchNorm formats through what the linear tests check:
     AdamW (foreach) built before compiling, clip_grad_norm_, the optimizer's
@@ -399,10 +398,13 @@ def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_st
     tol = dict(rtol=3e-2, atol=3e-2)
     for step in range(3):
         x = torch.randn(4, 2 + step, 8).to(torch.bfloat16)  # lengths 2, 3, 4: both RNN paths
+        # A fixed random projection: every output element gets a gradient
+        # (``pow(2).mean()`` of a BatchNorm output is constant, its grads noise).
+        R = torch.randn(4 * (2 + step), 8)
         norms = []
         for f, m, opt in ((fn, model, opts[0]), (ref, ref, opts[1])):
             opt.zero_grad(set_to_none=True)
-            f(x).float().pow(2).mean().backward()
+            (f(x).float() * R).sum().backward()
             norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
             opt.step()
         torch.testing.assert_close(norms[0], norms[1], **tol)
@@ -448,7 +450,10 @@ def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_st
         assert torch.equal(v, sd[k] if k in sd else keep[k]), k
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 5, 8).to(torch.bfloat16)
-    torch.testing.assert_close(fn(x).float(), ref(x).float(), **tol)
+    # Training-mode BatchNorm divides by the batch's std, so a bf16 rounding
+    # difference upstream (one fused GEMM vs three) comes out as a few bf16
+    # ulps of a unit-scale output: compared at 1e-1 absolute here.
+    torch.testing.assert_close(fn(x).float(), ref(x).float(), rtol=3e-2, atol=1e-1)
 
     # save_model / load_model need independent storage: after restore, both ways
     with pytest.raises(RuntimeError):

@@ -181,8 +181,9 @@ def test_in_graph_write_to_a_member_is_seen(mode):
     assert any("written in place inside the graph" in r.reason for r in rep.skipped), rep
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the skipped RNN stays a torch.lstm node, whose ATen decomposition (inference branch, aten.mkldnn_rnn_layer) hands AOTAutograd a None workspace")
 def test_in_graph_write_to_an_rnn_weight_is_seen():
+    """``clamp_`` of an LSTM weight in forward: the rewritten call reads the
+    clamped weight (it takes each weight as a graph value), like eager."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -196,10 +197,18 @@ def test_in_graph_write_to_an_rnn_weight_is_seen():
     model = M()
     ref = copy.deepcopy(model)
     fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
-    x = torch.randn(5, 2, 4)
-    torch.testing.assert_close(fn(x), ref(x))
+    for _ in range(2):
+        x = torch.randn(5, 2, 4, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        out, ref_out = fn(x), ref(x2)
+        torch.testing.assert_close(out, ref_out)
+        out.sum().backward()
+        ref_out.sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(model.rnn.weight_hh_l0, ref.rnn.weight_hh_l0)
+    # The RNN reads each weight as a graph value, after the write: rewritten.
     (rec,) = wfpass.last_report().find("rnn")
-    assert rec.action == "skipped" and "written in place" in rec.reason
+    assert rec.action == "rewritten" and "weight_hh_l0" in rec.detail["written_in_graph"]
 
 
 # -- one compiled graph, many parameter sets -------------------------------------
@@ -346,9 +355,10 @@ def test_twenty_models_compiled_and_deleted_leave_nothing_alive():
     real, fake = _live_tensors()
     assert live_layouts() <= base_layouts  # at most the last model's, until the next compile replaces it
     assert real - base_real < 16 * 1024, f"{real - base_real} bytes of real tensors kept alive"
-    # Dynamo keeps the last compile's fakes until the next one: a handful of
-    # objects either way, against 30 fakes per model if compiles were kept.
-    assert fake <= base_fake + 10, (fake, base_fake)
+    # Dynamo and the last report keep the latest compile's fakes (about 30
+    # for this model) until the next one replaces them: up to two compiles'
+    # worth either way, against 600 if the 20 compiles were kept.
+    assert fake <= base_fake + 60, (fake, base_fake)
 
 
 # -- reports per model -------------------------------------------------------------

@@ -23,8 +23,8 @@ path per call.
 
 Guards, each a skip record when it fails (the node is left as it was): not a
 PackedSequence call; every weight a Parameter/buffer of the model; one dtype
-and device; the layer layout adds up; no autocast; no weight written in
-place inside the graph. Weights that share storage with other tensors are
+and device; the layer layout adds up; no autocast. (A weight written in
+place inside the graph is fine: the call reads it as a graph value.) Weights that share storage with other tensors are
 not moved (the kernels read them where they are), so ties stay tied.
 """
 from __future__ import annotations
@@ -288,11 +288,9 @@ def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
         if s.problem is None:
             # A DTensor/FSDP2 weight: not even the fallback op may run on it.
             s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
-        if s.problem is None:
-            w = next((r for r in s.weights if r.node is not None and r.node in written), None)
-            if w is not None:
-                s.problem = (f"{w.name} is written in place inside the graph by {written[w.node]} (a hook or an "
-                             f"in-place op in forward): left to the inner compiler, which sees the write")
+        # A weight written in place inside the graph (a hook, ``clamp_`` in
+        # forward) needs no skip here: the rewritten call reads every weight
+        # as a graph value, after the write, never the block. Noted below.
         if s.problem is None:
             s.problem = _spec_problem(s)
         spec = None
@@ -302,6 +300,10 @@ def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.report.add("rnn", "skipped", f"{s.name or node.name}: {s.problem}", params)
             continue
         _rewrite(gm, ctx, s, spec, claimed)
+        w = next((r for r in s.weights if r.node is not None and r.node in written), None)
+        if w is not None and not ctx.config.dry_run:
+            rec = claimed[id(s.weights[0].tensor)][1].record
+            rec.detail["written_in_graph"] = f"{w.name} by {written[w.node]}: the kernels read it after the write"
         rewritten += 1
     return rewritten
 

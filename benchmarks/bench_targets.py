@@ -1,0 +1,279 @@
+"""The performance targets, side by side in one run: a LLaMA-like decoder and
+an RNN language model under eager, torch.compile default (Inductor), the
+hand-fused model (Inductor; the limit a weight-format rewrite can reach) and
+``backend="wformat"``.
+
+    python benchmarks/bench_targets.py --out docs/targets.md [--rounds 7]
+
+Decoder: 4 layers, d_model 256 (and 512), 8 heads, 2 KV heads, SwiGLU 1376,
+batch 1, forward without grad at 1, 8, 64 and 256 tokens; compiled three
+ways: static shapes, ``dynamic=True`` (one graph for every length), and
+regional (``layer.compile()`` per block, one graph run for every layer).
+RNN LM: Embedding(500) -> 2-layer LSTM(128) -> Linear(500), T in {1, 16, 64,
+256}, batch 1 and 8, a training step (forward + backward) and inference.
+
+Every cell is the median over rounds of a per-call median; the variants are
+interleaved inside each round, so machine noise hits them alike; the tables
+quote ratios to the faster baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import wfpass
+
+torch._dynamo.config.recompile_limit = 512
+torch._dynamo.config.accumulated_recompile_limit = 8192
+
+
+# -- the decoder --------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Layer(nn.Module):
+    def __init__(self, d, heads=8, kv=2, ffn=1376, fused=False):
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv, d // heads
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.fused = fused
+        qo, ko = heads * self.hd, kv * self.hd
+        if fused:
+            self.qkv = nn.Linear(d, qo + 2 * ko, bias=False)
+            self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
+        else:
+            self.q, self.k, self.v = nn.Linear(d, qo, bias=False), nn.Linear(d, ko, bias=False), nn.Linear(d, ko, bias=False)
+            self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+        self.o = nn.Linear(qo, d, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+        self.sizes = (qo, ko, ko)
+        self.ffn = ffn
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.n1(x)
+        if self.fused:
+            q, k, v = self.qkv(h).split(self.sizes, -1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        q = q.view(B, T, self.h, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
+        v = v.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
+        h = self.n2(x)
+        if self.fused:
+            g, u = self.gate_up(h).split(self.ffn, -1)
+        else:
+            g, u = self.gate(h), self.up(h)
+        return x + self.down(F.silu(g) * u)
+
+
+class Decoder(nn.Module):
+    def __init__(self, d, layers=4, fused=False):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d, fused=fused) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def hand_fused(src: Decoder, d: int) -> Decoder:
+    out = Decoder(d, len(src.layers), fused=True)
+    with torch.no_grad():
+        for a, b in zip(out.layers, src.layers):
+            a.qkv.weight.copy_(torch.cat([b.q.weight, b.k.weight, b.v.weight]))
+            a.gate_up.weight.copy_(torch.cat([b.gate.weight, b.up.weight]))
+            for name in ("o", "down"):
+                getattr(a, name).weight.copy_(getattr(b, name).weight)
+            a.n1.weight.copy_(b.n1.weight)
+            a.n2.weight.copy_(b.n2.weight)
+    return out
+
+
+def compiled(model: nn.Module, backend, mode: str) -> Callable:
+    if mode == "regional":
+        for layer in model.layers:
+            layer.compile(backend=backend)
+        return model
+    return torch.compile(model, backend=backend, dynamic=True if mode == "dynamic" else None)
+
+
+# -- the RNN language model -----------------------------------------------------------
+
+
+class RnnLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(500, 128)
+        self.rnn = nn.LSTM(128, 128, num_layers=2)
+        self.out = nn.Linear(128, 500)
+
+    def forward(self, tokens):
+        return self.out(self.rnn(self.emb(tokens))[0])
+
+
+# -- timing -----------------------------------------------------------------------------
+
+
+def _per_call(fn: Callable[[], None], min_s: float = 0.02) -> float:
+    fn()
+    n, t = 1, 0.0
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t = time.perf_counter() - t0
+        if t >= min_s:
+            return t / n
+        n *= 2
+
+
+def interleaved(steps: Dict[str, Callable[[], None]], rounds: int) -> Dict[str, float]:
+    for f in steps.values():  # compile and warm up
+        f()
+        f()
+    times: Dict[str, list] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, f in steps.items():
+            times[k].append(_per_call(f))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def decoder_rows(d: int, modes, tokens, rounds: int, log) -> list:
+    rows = []
+    torch.manual_seed(0)
+    base = Decoder(d).eval()
+    for mode in modes:
+        for T in tokens:
+            torch._dynamo.reset()
+            x = torch.randn(1, T, d)
+            variants = {
+                "eager": base,
+                "inductor": compiled(copy.deepcopy(base), "inductor", mode),
+                "hand-fused": compiled(hand_fused(base, d), "inductor", mode),
+                "wformat": compiled(copy.deepcopy(base), "wformat", mode),
+            }
+            steps = {}
+            for k, m in variants.items():
+                steps[k] = (lambda m=m: m(x)) if not isinstance(m, nn.Module) or k == "eager" or mode == "regional" else (lambda m=m: m(x))
+            with torch.no_grad():
+                ref = base(x)
+                for k, m in variants.items():
+                    torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4)
+                t = interleaved(steps, rounds)
+            best = min(t["inductor"], t["hand-fused"])
+            rows.append((d, mode, T, t, t["wformat"] and best / t["wformat"]))
+            log(f"decoder d={d} {mode} T={T}: " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in t.items())
+                + f"  wformat vs best {best / t['wformat']:.3f}x")
+    return rows
+
+
+def rnn_rows(lengths, batches, rounds: int, log) -> list:
+    rows = []
+    torch.manual_seed(0)
+    base = RnnLM()
+    for train in (True, False):
+        for B in batches:
+            for T in lengths:
+                torch._dynamo.reset()
+                tok = torch.randint(0, 500, (T, B))
+                variants = {"eager": base, "inductor": torch.compile(copy.deepcopy(base)),
+                            "wformat": torch.compile(copy.deepcopy(base), backend="wformat")}
+                steps = {}
+                for k, m in variants.items():
+                    if train:
+                        def step(m=m):
+                            m(tok).sum().backward()
+                    else:
+                        def step(m=m):
+                            with torch.no_grad():
+                                m(tok)
+                    steps[k] = step
+                t = interleaved(steps, rounds)
+                rows.append(("train" if train else "infer", B, T, t))
+                log(f"rnn {'train' if train else 'infer'} B={B} T={T}: " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in t.items())
+                    + f"  wformat/eager {t['eager'] / t['wformat']:.2f}x, /inductor {t['inductor'] / t['wformat']:.2f}x")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (median reported)")
+    ap.add_argument("--tokens", default="1,8,64,256", help="decoder lengths")
+    ap.add_argument("--modes", default="static,dynamic,regional", help="decoder compile modes")
+    ap.add_argument("--d512-modes", default="static", help="compile modes also run at d_model 512 ('' for none)")
+    ap.add_argument("--lengths", default="1,16,64,256", help="RNN LM lengths")
+    ap.add_argument("--batches", default="1,8", help="RNN LM batch sizes")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: decoder, rnn")
+    ap.add_argument("--out", default=None, help="write the markdown tables here")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+
+    skip = set(filter(None, a.skip.split(",")))
+    tokens = [int(t) for t in a.tokens.split(",")]
+    dec = []
+    if "decoder" not in skip:
+        dec += decoder_rows(256, a.modes.split(","), tokens, a.rounds, log)
+        if a.d512_modes:
+            dec += decoder_rows(512, a.d512_modes.split(","), tokens, a.rounds, log)
+    rnn = []
+    if "rnn" not in skip:
+        rnn = rnn_rows([int(t) for t in a.lengths.split(",")], [int(b) for b in a.batches.split(",")], a.rounds, log)
+
+    cmd = "python benchmarks/bench_targets.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines.append(f"Command: `{cmd}`  \ntorch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
+                 f"{a.rounds} interleaved rounds per cell, {time.time() - t0:.0f} s in all. Times in ms per call.\n")
+    if dec:
+        lines.append("### LLaMA-like decoder (4 layers, batch 1, forward without grad)\n")
+        lines.append("Target: wformat >= 0.98 x the faster of Inductor and the hand-fused model.\n")
+        lines.append("| d_model | compile | tokens | eager | Inductor | hand-fused | wformat | faster baseline / wformat | target met |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for d, mode, T, t, ratio in dec:
+            lines.append(f"| {d} | {mode} | {T} | {t['eager'] * 1e3:.3f} | {t['inductor'] * 1e3:.3f} | {t['hand-fused'] * 1e3:.3f} | "
+                         f"{t['wformat'] * 1e3:.3f} | {ratio:.3f} | {'yes' if ratio >= 0.98 else 'no'} |")
+        lines.append("")
+    if rnn:
+        lines.append("### RNN language model (Embedding 500 -> 2-layer LSTM 128 -> Linear 500)\n")
+        lines.append("Target: wformat >= 1.0 x eager and x torch.compile default. (torch.compile default graph-breaks "
+                     "around the LSTM, which then runs eagerly.)\n")
+        lines.append("| step | batch | T | eager | Inductor | wformat | eager / wformat | Inductor / wformat | target met |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for kind, B, T, t in rnn:
+            re, ri = t["eager"] / t["wformat"], t["inductor"] / t["wformat"]
+            lines.append(f"| {kind} | {B} | {T} | {t['eager'] * 1e3:.3f} | {t['inductor'] * 1e3:.3f} | {t['wformat'] * 1e3:.3f} | "
+                         f"{re:.2f} | {ri:.2f} | {'yes' if min(re, ri) >= 1.0 else 'no'} |")
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
