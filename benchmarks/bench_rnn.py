@@ -335,7 +335,7 @@ def kernel_crossover(shapes, lengths, log) -> List[str]:
             for T in lengths:
                 x = torch.randn(T, batch, hidden)
                 h = torch.zeros(1, batch, hidden)
-                spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0, ())
+                spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
 
                 def run(path):
                     if train:

@@ -81,7 +81,7 @@ def crossover(batch, hidden, lengths, train, rounds):
     torch.manual_seed(0)
     lstm = nn.LSTM(hidden, hidden).cuda()
     ws = [p.detach().requires_grad_(train) for p in lstm._flat_weights]
-    spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0, ())
+    spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
     h = torch.zeros(1, batch, hidden, device="cuda")
     ratios = []
     for T in lengths:

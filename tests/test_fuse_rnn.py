@@ -1,6 +1,6 @@
-"""fuse_rnn: nn.LSTM/GRU/RNN as one wfpass::rnn op over a flat weight block.
+"""fuse_rnn: nn.LSTM/GRU/RNN over a flat weight block, lowered to ATen ops.
 
-Numerics run through ``inner="aot_eager"`` (AOTAutograd traces the op and
+Numerics run through ``inner="aot_eager"`` (AOTAutograd traces the call and
 its backward exactly as for Inductor); a few tests go end to end through
 Inductor. N (``seq_threshold``) is 4 unless a test says otherwise, and the
 lengths 2 / 4 / 7 sit below / at / above it.

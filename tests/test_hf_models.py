@@ -213,6 +213,37 @@ def _encodec_lstm_block(model):
     return next(m for m in model.encoder.layers if type(m).__name__ == "EncodecLSTM")
 
 
+def test_hf_encodec_whole_model_lstm_residuals_and_report():
+    """The whole EnCodec model under ``backend=wformat``: its decoder LSTM
+    block adds the LSTM's output to its input (a residual read after the
+    RNN), and Dynamo splits the model at graph breaks. Forward and every
+    gradient equal eager; ``wfpass.report(model)`` holds both LSTMs, named as
+    in the model, with their calls counted over every graph."""
+    torch.manual_seed(0)
+    cfg = transformers.EncodecConfig(target_bandwidths=[16.0], sampling_rate=8000, audio_channels=1, hidden_size=16,
+                                     num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+                                     codebook_size=16, codebook_dim=16, num_lstm_layers=2)
+    model = transformers.EncodecModel(cfg)  # 16 kbit/s: two quantizers (1.5 would give none, and eager fails too)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    x = torch.randn(1, 1, 64)
+    out = fn(x).audio_values
+    ref_out = ref(x).audio_values
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    R = torch.randn_like(ref_out)
+    (out * R).sum().backward()
+    (ref_out * R).sum().backward()
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert p.grad is not None, n
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * gmax, n
+    rnn = wfpass.report(model).find("rnn", "rewritten")
+    names = sorted(r.params[0] for r in rnn)
+    assert len(rnn) == 2 and names[0].startswith("decoder.") and names[1].startswith("encoder."), names
+    assert all(r.stats["fused_calls"] + r.stats["unfused_calls"] >= 1 for r in rnn)
+
+
 def test_hf_encodec_rnn_format_save_pretrained_both_ways(tmp_path):
     """The rnn format through HuggingFace ``save_pretrained`` /
     ``from_pretrained`` (safetensors), on EnCodec (its encoder and decoder each

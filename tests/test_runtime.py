@@ -385,3 +385,32 @@ def test_explain_leaves_last_report_and_model_alone():
     assert {r.action for r in rep.find("linear")} == {"would rewrite"}
     assert wfpass.last_report() is last
     assert str(wfpass.report(model)) == before
+
+
+def test_in_graph_write_to_a_folded_batchnorm_is_seen():
+    """A pre-hook that scales a BatchNorm's weight in place, with eval-time
+    folding: the fold would be computed in front of the conv, before the
+    write, so it is skipped with the reason; every call equals eager."""
+
+    class ConvBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(x))
+
+    torch.manual_seed(0)
+    model = ConvBN().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    model.bn.register_forward_pre_hook(_halve)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", fold_batchnorm=True))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 3, 8, 8)
+            torch.testing.assert_close(fn(x), ref(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.bn.weight, ref.bn.weight)
+    assert any("written in place inside the graph" in r.reason for r in wfpass.last_report().find("batchnorm", "skipped"))

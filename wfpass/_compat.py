@@ -254,7 +254,12 @@ class _AllowRnnUnderWformat(int):
         except Exception:  # never break a trace over this
             return False
         if wanted:
-            _name_rnn_being_wrapped()
+            module = _name_rnn_being_wrapped()
+            if module is not None and not _on_cpu(module):
+                # Off the CPU the RNN graph-breaks and runs eagerly, as without
+                # wfpass: PyTorch's cuDNN path keeps its own flat weight buffer,
+                # and wfpass's ATen lowering of RNNs is checked on the CPU only.
+                return False
         return wanted
 
     def __repr__(self) -> str:
@@ -270,7 +275,11 @@ class _AllowRnnUnderWformat(int):
         return self
 
 
-def _name_rnn_being_wrapped() -> None:
+def _on_cpu(module: torch.nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in module.parameters())
+
+
+def _name_rnn_being_wrapped() -> Optional[torch.nn.Module]:
     """Give the RNN that Dynamo is wrapping right now errors that name it
     (``fuse_rnn.name_errors``) and fresh flat-weight references
     (``_refresh_flat_weight_refs``). The module and where it came from are the
@@ -286,19 +295,20 @@ def _name_rnn_being_wrapped() -> None:
                 break
             frame = frame.f_back
         if frame is None or frame.f_code.co_name != "wrap_module":
-            return
+            return None
         module = frame.f_locals.get("value")
         source = getattr(frame.f_locals.get("self"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name
         if not isinstance(module, torch.nn.RNNBase):
-            return
+            return None
         from .passes.fuse_rnn import name_errors
 
         name_errors(module, module_name_from_source(name) if isinstance(name, str) else "")
         _refresh_flat_weight_refs(module)
+        return module
     except Exception:  # never break a trace over this
-        return
+        return None
 
 
 def _refresh_flat_weight_refs(module: torch.nn.RNNBase) -> None:

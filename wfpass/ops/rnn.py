@@ -16,18 +16,20 @@ that carry their own derivative formulas:
 * ``loop``: the unfused path, for T <= ``seq_threshold``: the input
   projection of all steps as one GEMM, then one recurrent GEMM and the gate
   math per step (T is small here, so the unrolled graph is too).
-* ``aten``: the same ``torch.lstm`` / ``gru`` / ``rnn_tanh`` call as eager
-  (GRU and plain RNNs have no fused CPU kernel in PyTorch; LSTMs with
-  ``proj_size`` or a dtype oneDNN does not take), which AOTAutograd
-  decomposes into ATen ops as it would without wfpass.
+  GRUs, plain RNNs (no fused CPU kernel in PyTorch) and LSTMs oneDNN does
+  not take (``proj_size``, some dtypes) take this path at every static T.
+* ``aten``: the same ``torch.lstm`` / ``gru`` / ``rnn_tanh`` call as eager,
+  which AOTAutograd decomposes into ATen ops as it would without wfpass;
+  only for a symbolic T where the two paths above cannot run (training
+  through oneDNN needs a static shape; the loop needs a static T).
 
 No state is kept between the forward and the backward that AOTAutograd
 does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
 included, are outputs of traced ops, saved and freed by AOTAutograd.
 
 The path is chosen when the graph is compiled, from the static length T
-(``T <= seq_threshold``: ``loop``); a symbolic T (``dynamic=True``) takes the
-fused kernel at every length. ``seq_threshold="auto"`` measures the two paths
+(``T <= seq_threshold``: ``loop``). RNNs off the CPU are not captured at all
+(``_compat``): they graph-break and run eagerly, as without wfpass. ``seq_threshold="auto"`` measures the two paths
 once per shape at compile time (with the model's weights).
 
 The flat block: every Parameter of the RNN is a view into one buffer (same
@@ -82,7 +84,6 @@ class RnnSpec:
     threshold: Union[int, str]
     offsets: Tuple[int, ...]  # element offset of each weight in the block
     numel: int  # elements in the block
-    fake_bias_offsets: Tuple[Tuple[int, int], ...] = ()  # unused since the kernels take zero biases built in the graph
 
     @property
     def directions(self) -> int:
@@ -532,9 +533,23 @@ def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, 
     grads = torch.ops.aten.mkldnn_rnn_layer_backward.default(
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
         hidden_size, 1, has_biases, True, False, [], False, workspace)
-    # Fresh, contiguous outputs with the inputs' strides (an op may not return aliases).
-    return tuple(torch.empty_like(ref).copy_(g) if g is not None else torch.zeros_like(ref)
-                 for g, ref in zip(grads, (input, w_ih, w_hh, b_ih, b_hh, hx, cx)))
+    # An op may not return aliases of its inputs or of each other, and its
+    # outputs must have the strides its fake promises (``empty_like``): copy
+    # a gradient only where the kernel's answer breaks either rule.
+    refs = (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
+    taken = {t.untyped_storage().data_ptr() for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy,
+                                                       grad_output, grad_hy, grad_cy, workspace)
+             if t is not None and t.numel()}
+    out = []
+    for g, ref in zip(grads, refs):
+        if g is None:
+            g = torch.zeros_like(ref)
+        elif g.stride() != ref.stride() or (g.numel() and g.untyped_storage().data_ptr() in taken):
+            g = torch.empty_like(ref).copy_(g)
+        if g.numel():
+            taken.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return tuple(out)
 
 
 def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,

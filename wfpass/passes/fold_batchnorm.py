@@ -45,7 +45,7 @@ from typing import Any, List, Optional
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, meta_value
+from ..graph import mutated_state, LINEAR_TARGETS, PassContext, meta_value
 from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight, folded_params
 from ..runtime import Bound, Group, note
 from ..storage import sharing_problem, unmovable
@@ -111,6 +111,7 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     folded = 0
     others = None
+    written = mutated_state(gm)
     for site in batchnorm_sites(ctx):
         prod = site.x
         kind = None
@@ -187,6 +188,14 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
             if v is None or v.dim() != want:
                 what = "2-D" if kind == "linear" else f"a batched {w_t.dim() - 2}-d conv output"
                 skip(f"the {kind} output is not known to be {what} (BatchNorm over its output channels)")
+                continue
+        if site.flavour == "function":
+            srcs = [w_node, b_node] + [site.args[r] for r in ("running_mean", "running_var", "weight", "bias")]
+            hit = next((unwrap(n) for n in srcs if isinstance(n, fx.Node) and unwrap(n) in written), None)
+            if hit is not None:
+                # The fold is computed in front of the conv; a write between
+                # them (a BatchNorm pre-hook, clamp_ in forward) would come after it.
+                skip(f"{hit.name} is written in place inside the graph by {written[hit]}: the fold would read it before the write")
                 continue
         if ctx.is_dynamo and site.flavour == "function":
             srcs = [w_node, b_node] + [site.args[r] for r in ("running_mean", "running_var", "weight", "bias")]

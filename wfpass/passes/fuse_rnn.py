@@ -251,9 +251,7 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
         has_biases=bool(has_biases), dropout=float(dropout),
         threshold=default_seq_threshold(ws[0].device.type) if threshold is None else threshold,
     )
-    # Fake zero biases where the CPU kernels want bias tensors (oneDNN).
-    fake = not has_biases and ws[0].device.type == "cpu"
-    offsets, acc, fake_slots = [], 0, []
+    offsets, acc = [], 0
     layout = None
     if ws[0].device.type == "cuda":
         layout = _compat.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
@@ -263,16 +261,10 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     else:
         for k in range(num_layers * D):
             chunk = ws[k * per : (k + 1) * per]
-            for i, w in enumerate(chunk):
+            for w in chunk:
                 offsets.append(acc)
                 acc += w.numel()
-                if i == 1 and fake:
-                    # offsets in the group's separate zero buffer, not in the
-                    # block: torch.save writes a view's whole storage, so zeros
-                    # in the block would make every checkpoint larger.
-                    f = 2 * g * len(fake_slots)
-                    fake_slots.append((f, f + g))
-    return RnnSpec(offsets=tuple(offsets), numel=acc, fake_bias_offsets=tuple(fake_slots), **spec), None
+    return RnnSpec(offsets=tuple(offsets), numel=acc, **spec), None
 
 
 def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
