@@ -415,3 +415,21 @@ def test_in_graph_write_to_a_folded_batchnorm_is_seen():
             torch.testing.assert_close(fn(x), ref(x), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(model.bn.weight, ref.bn.weight)
     assert any("written in place inside the graph" in r.reason for r in wfpass.last_report().find("batchnorm", "skipped"))
+
+
+def test_rnn_off_the_cpu_is_left_to_pytorch():
+    """An RNN whose parameters are not on the CPU (here the meta device, a
+    stand-in for CUDA that runs anywhere) is not captured: it graph-breaks
+    and runs eagerly, as under torch.compile without wfpass."""
+    model = nn.Sequential(nn.LSTM(4, 8)).to("meta")
+    seen = []
+    be = wfpass.backend(inner="eager")
+
+    def spy(gm, ex):
+        seen.append(gm)
+        return be(gm, ex)
+
+    out = torch.compile(model, backend=spy)(torch.randn(5, 2, 4, device="meta"))
+    assert out[0].shape == (5, 2, 8)
+    assert not any(n.target in (torch.lstm,) or "rnn" in str(n.target) for g in seen for n in g.graph.nodes)
+    assert not wfpass.report(model).find("rnn")
