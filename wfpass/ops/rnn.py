@@ -129,64 +129,76 @@ def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     return _loop(spec, x, hx, ws, has_b, train, p)
 
 
-def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
-    """The unfused path in PyTorch ops (CUDA and other devices), with ATen's
-    native cell formulas and dropout placement."""
+def _layers(spec: RnnSpec, x, train: bool, p: float, direction):
+    """The layer and direction structure every path shares, as ``nn.LSTM``
+    has it: ``direction(layer_in, k, reverse) -> (y, final_state)`` for
+    each layer and direction ``k``, directions concatenated, dropout between
+    layers in training, batch-first in and out. Returns the output and the
+    final states in ``k`` order."""
     if spec.batch_first:
         x = x.transpose(0, 1)
-    T = x.shape[0]
-    D = spec.directions
+    finals = []
+    layer_in = x
+    for layer in range(spec.num_layers):
+        outs = []
+        for d in range(spec.directions):
+            y, final = direction(layer_in, layer * spec.directions + d, d == 1)
+            outs.append(y)
+            finals.append(final)
+        layer_out = outs[0] if spec.directions == 1 else torch.cat(outs, 2)
+        if p > 0 and train and layer < spec.num_layers - 1:
+            layer_out = F.dropout(layer_out, p, True)
+        layer_in = layer_out
+    return (layer_in.transpose(0, 1) if spec.batch_first else layer_in), finals
+
+
+def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+    """The unfused path in PyTorch ops, with ATen's native cell formulas and
+    dropout placement: the input projection of all steps as one GEMM, then
+    one recurrent GEMM and the gate math per step."""
     per = (4 if has_b else 2) + (1 if spec.proj_size > 0 else 0)
     lstm = spec.mode == "LSTM"
     h0 = hx[0]
     c0 = hx[1] if lstm else None
-    layer_in = x
-    hs, cs = [], []
-    for layer in range(spec.num_layers):
-        outs = []
-        for d in range(D):
-            k = layer * D + d
-            w = ws[k * per : (k + 1) * per]
-            w_ih, w_hh = w[0], w[1]
-            b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
-            w_hr = w[-1] if spec.proj_size > 0 else None
-            xw = F.linear(layer_in, w_ih, b_ih)  # all steps: one GEMM
-            h = h0[k]
-            c = c0[k] if lstm else None
-            ys: List[Optional[torch.Tensor]] = [None] * T
-            for t in (range(T - 1, -1, -1) if d == 1 else range(T)):
-                gates = F.linear(h, w_hh, b_hh).add(xw[t]) if not spec.mode == "GRU" else None
-                if lstm:
-                    i, f, g, o = gates.chunk(4, 1)
-                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                    h = torch.sigmoid(o) * torch.tanh(c)
-                    if w_hr is not None:
-                        h = F.linear(h, w_hr)
-                elif spec.mode == "GRU":
-                    gh = F.linear(h, w_hh, b_hh)
-                    ir, iz, in_ = xw[t].chunk(3, 1)
-                    hr, hz, hn = gh.chunk(3, 1)
-                    r = torch.sigmoid(ir + hr)
-                    z = torch.sigmoid(iz + hz)
-                    n = torch.tanh(in_ + r * hn)
-                    h = (h - n) * z + n
-                elif spec.mode == "RNN_TANH":
-                    h = torch.tanh(gates)
-                else:
-                    h = torch.relu(gates)
-                ys[t] = h
-            outs.append(torch.stack(ys, 0))
-            hs.append(h)
+
+    def direction(layer_in, k, reverse):
+        T = layer_in.shape[0]
+        w = ws[k * per : (k + 1) * per]
+        w_ih, w_hh = w[0], w[1]
+        b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
+        w_hr = w[-1] if spec.proj_size > 0 else None
+        xw = F.linear(layer_in, w_ih, b_ih)  # all steps: one GEMM
+        h = h0[k]
+        c = c0[k] if lstm else None
+        ys: List[Optional[torch.Tensor]] = [None] * T
+        for t in (range(T - 1, -1, -1) if reverse else range(T)):
             if lstm:
-                cs.append(c)
-        layer_out = outs[0] if D == 1 else torch.cat(outs, 2)
-        if p > 0 and train and layer < spec.num_layers - 1:
-            layer_out = F.dropout(layer_out, p, True)
-        layer_in = layer_out
-    out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
+                gates = F.linear(h, w_hh, b_hh).add(xw[t])
+                i, f, g, o = gates.chunk(4, 1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                if w_hr is not None:
+                    h = F.linear(h, w_hr)
+            elif spec.mode == "GRU":
+                gh = F.linear(h, w_hh, b_hh)
+                ir, iz, in_ = xw[t].chunk(3, 1)
+                hr, hz, hn = gh.chunk(3, 1)
+                r = torch.sigmoid(ir + hr)
+                z = torch.sigmoid(iz + hz)
+                n = torch.tanh(in_ + r * hn)
+                h = (h - n) * z + n
+            elif spec.mode == "RNN_TANH":
+                h = torch.tanh(F.linear(h, w_hh, b_hh).add(xw[t]))
+            else:
+                h = torch.relu(F.linear(h, w_hh, b_hh).add(xw[t]))
+            ys[t] = h
+        return torch.stack(ys, 0), (h, c)
+
+    out, finals = _layers(spec, x, train, p, direction)
+    hy = torch.stack([h for h, _ in finals], 0)
     if lstm:
-        return out, torch.stack(hs, 0), torch.stack(cs, 0)
-    return out, torch.stack(hs, 0)
+        return out, hy, torch.stack([c for _, c in finals], 0)
+    return out, hy
 
 
 def _kernel_weights(spec: RnnSpec, ws: Sequence[torch.Tensor]) -> Tuple[Sequence[torch.Tensor], bool]:
@@ -199,37 +211,21 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
     ``aten.mkldnn_rnn_layer``), one per layer and direction, as ATen's own
     oneDNN LSTM runs it, with dropout between layers like ``nn.LSTM``.
     ``need_grad``: ask the kernel for the workspace its backward formula reads."""
-    if spec.batch_first:
-        x = x.transpose(0, 1)
-    x = x.contiguous()
-    D = spec.directions
     per = spec.weights_per_layer
     h0, c0 = hx[0], hx[1]
-    hs, cs = [], []
-    layer_in = x
-    for layer in range(spec.num_layers):
-        outs = []
-        for d in range(D):
-            k = layer * D + d
-            w = ws[k * per : (k + 1) * per]
-            if has_b:
-                w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
-            else:
-                w0, w1 = w[0], w[1]
-                w2 = w3 = w0.new_zeros(w0.shape[0])
-            y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
-                layer_in, w0, w1, w2, w3, h0[k : k + 1].contiguous(), c0[k : k + 1].contiguous(), d == 1,
-                spec.hidden_size, has_b, need_grad,
-            )
-            outs.append(y)
-            hs.append(hy)
-            cs.append(cy)
-        layer_out = outs[0] if D == 1 else torch.cat(outs, 2)
-        if p > 0 and train and layer < spec.num_layers - 1:
-            layer_out = torch.dropout(layer_out, p, True)
-        layer_in = layer_out
-    out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
-    return out, torch.cat(hs, 0), torch.cat(cs, 0)
+
+    def direction(layer_in, k, reverse):
+        w = ws[k * per : (k + 1) * per]
+        w0, w1 = w[0], w[1]
+        w2, w3 = (w[2], w[3]) if has_b else (w0.new_zeros(w0.shape[0]),) * 2
+        y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
+            layer_in.contiguous(), w0, w1, w2, w3, h0[k : k + 1].contiguous(), c0[k : k + 1].contiguous(), reverse,
+            spec.hidden_size, has_b, need_grad,
+        )
+        return y, (hy, cy)
+
+    out, finals = _layers(spec, x, train, p, direction)
+    return out, torch.cat([h for h, _ in finals], 0), torch.cat([c for _, c in finals], 0)
 
 
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, need_grad: bool,
