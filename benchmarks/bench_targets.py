@@ -6,9 +6,11 @@ hand-fused model (Inductor; the limit a weight-format rewrite can reach) and
     python benchmarks/bench_targets.py --out docs/targets.md [--rounds 7]
 
 Decoder: 4 layers, d_model 256 (and 512), 8 heads, 2 KV heads, SwiGLU 1376,
-batch 1, forward without grad at 1, 8, 64 and 256 tokens; compiled three
-ways: static shapes, ``dynamic=True`` (one graph for every length), and
-regional (``layer.compile()`` per block, one graph run for every layer).
+batch 1, forward without grad at 1, 8, 64 and 256 tokens; compiled four
+ways: static shapes, ``dynamic=True`` (one graph for every length),
+recompiled (static first, then the dynamic recompile Dynamo makes when a
+second length comes), and regional (``layer.compile()`` per block, one graph
+run for every layer).
 RNN LM: Embedding(500) -> 2-layer LSTM(128) -> Linear(500), T in {1, 16, 64,
 256}, batch 1 and 8, a training step (forward + backward) and inference.
 
@@ -115,6 +117,7 @@ def compiled(model: nn.Module, backend, mode: str) -> Callable:
         for layer in model.layers:
             layer.compile(backend=backend)
         return model
+    # "recompiled": default dynamic=None; the caller runs another length first.
     return torch.compile(model, backend=backend, dynamic=True if mode == "dynamic" else None)
 
 
@@ -173,10 +176,14 @@ def decoder_rows(d: int, modes, tokens, rounds: int, log) -> list:
                 "hand-fused": compiled(hand_fused(base, d), "inductor", mode),
                 "wformat": compiled(copy.deepcopy(base), "wformat", mode),
             }
-            steps = {}
-            for k, m in variants.items():
-                steps[k] = (lambda m=m: m(x)) if not isinstance(m, nn.Module) or k == "eager" or mode == "regional" else (lambda m=m: m(x))
+            steps = {k: (lambda m=m: m(x)) for k, m in variants.items()}
             with torch.no_grad():
+                if mode == "recompiled":
+                    # Another length first: Dynamo compiles it statically, then
+                    # recompiles with a dynamic length for the timed one.
+                    for k, m in variants.items():
+                        if k != "eager":
+                            m(torch.randn(1, T + 3, d))
                 ref = base(x)
                 for k, m in variants.items():
                     torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4)
@@ -220,7 +227,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (median reported)")
     ap.add_argument("--tokens", default="1,8,64,256", help="decoder lengths")
-    ap.add_argument("--modes", default="static,dynamic,regional", help="decoder compile modes")
+    ap.add_argument("--modes", default="static,dynamic,recompiled,regional",
+                    help="decoder compile modes (recompiled: a static compile, then Dynamo's dynamic recompile)")
     ap.add_argument("--d512-modes", default="static", help="compile modes also run at d_model 512 ('' for none)")
     ap.add_argument("--lengths", default="1,16,64,256", help="RNN LM lengths")
     ap.add_argument("--batches", default="1,8", help="RNN LM batch sizes")

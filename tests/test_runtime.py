@@ -433,3 +433,30 @@ def test_rnn_off_the_cpu_is_left_to_pytorch():
     assert out[0].shape == (5, 2, 8)
     assert not any(n.target in (torch.lstm,) or "rnn" in str(n.target) for g in seen for n in g.graph.nodes)
     assert not wfpass.report(model).find("rnn")
+
+
+def test_in_graph_write_to_an_fp32_batchnorm_is_seen():
+    """bf16 model, a pre-hook scaling the BatchNorm's weight in place every
+    call (training): the format would change the dtype the write sees, so
+    the BatchNorm is skipped with the reason, and the model runs as eager."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(x))
+
+    torch.manual_seed(0)
+    model = M().to(torch.bfloat16)
+    model.bn.register_forward_pre_hook(_halve)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    for _ in range(3):
+        x = torch.randn(2, 3, 8, 8).to(torch.bfloat16)
+        torch.testing.assert_close(fn(x), ref(x))
+    torch.testing.assert_close(model.bn.weight, ref.bn.weight)
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+    (rec,) = wfpass.report(model).find("batchnorm")
+    assert rec.action == "skipped" and "mul_" in rec.reason

@@ -31,6 +31,10 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
     report = Report(f"wfpass report ({type(gm).__name__}, {len(list(gm.graph.nodes))} nodes)")
     ctx = PassContext(gm, config, report)
     run_passes(gm, ctx)
+    if not ctx.config.dry_run:
+        from .runtime import file_report
+
+        file_report(report, {r.name: r.tensor for r in ctx.state_tensors()})
     ctx.run_deferred()
     for move in ctx.take_first_call_moves():
         move()

@@ -26,7 +26,7 @@ from .config import Config
 from .graph import PassContext
 from .passes import run_passes
 from .report import Report
-from .runtime import guarded_call
+from .runtime import file_report, guarded_call
 
 __all__ = ["backend", "wformat", "last_report"]
 
@@ -101,8 +101,9 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
     report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)", dry_run=config.dry_run)
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
-    if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` alone
+    if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
         _set_last(report, *_compat.compile_origin())
+        file_report(report, {r.name: r.tensor for r in ctx.state_tensors()})
     inner = _resolve_inner(config.inner)
     compiled = inner(gm, ctx.compile_inputs())
     ctx.run_deferred()

@@ -34,7 +34,7 @@ from . import _compat
 from .report import Record, Report
 from .storage import FusedStorage, _OWNER, fuse, layout_of, refuse, sharing_problem
 
-__all__ = ["GroupSite", "guarded_call", "note", "records_of", "model_report"]
+__all__ = ["GroupSite", "guarded_call", "note", "file_report", "records_of", "model_report"]
 
 
 class GroupSite:
@@ -212,6 +212,16 @@ def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.
             continue
         recs[:] = [r for r in recs if (r.pattern, r.action, r.reason, tuple(r.params)) != sig]
         recs.append(record)
+
+
+def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
+    """File every record of a compile under the tensors its ``params`` name
+    (``tensors``: name -> tensor of the graph's parameters and buffers), so
+    ``wfpass.report(model)`` shows skips and rewrites of every format."""
+    for rec in report.records:
+        found = [(n, tensors[n]) for n in rec.params if n in tensors]
+        if found:
+            note(rec, [n for n, _ in found], [t for _, t in found])
 
 
 def records_of(t: torch.Tensor) -> List[Record]:
