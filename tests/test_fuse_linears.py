@@ -49,7 +49,7 @@ def _count(gm, target):
 
 
 @pytest.mark.parametrize("model_cls", [QKV, SwiGLU, Functional])
-@pytest.mark.parametrize("rows", [(1, 1), (4, 8)])  # fused path at M=1, split path at M=32 with fused_max_rows=16
+@pytest.mark.parametrize("rows", [(1, 1), (4, 8)])  # fused path at M=1, split path at M=32 with the default fused_max_rows
 def test_forward_backward_equal_eager(model_cls, rows):
     torch.manual_seed(0)
     model = model_cls()

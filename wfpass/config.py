@@ -64,7 +64,7 @@ class Config:
     inner: Union[str, Callable] = "inductor"
     passes: Optional[tuple] = None
     linear_path: str = "auto"
-    fused_max_rows: int = 16
+    fused_max_rows: int = 4  # measured: docs/targets.md (one GEMM lost at 8 rows in three runs)
     min_group_size: int = 2
     seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     fold_batchnorm: bool = False
