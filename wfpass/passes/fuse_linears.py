@@ -109,11 +109,15 @@ def _choose_path(ctx: PassContext, x: fx.Node) -> tuple:
     m = rows_of(x)
     if mode != "auto":
         return mode, f"linear_path={mode!r}"
+    if m is None and not ctx.is_dynamo:
+        # A traced graph without shapes (``wfpass.apply`` of symbolic_trace).
+        return "fused", "rows unknown (no shapes in the graph): fused GEMM"
     if m is None:
-        # A symbolic row count: decode and prefill share one graph. The block
-        # GEMM is never slower by much at large M (measured 0.92-1.01x) and
-        # wins at decode shapes, so take it.
-        return "fused", "rows symbolic: fused GEMM"
+        # A symbolic row count: one graph serves every M. Measured on the
+        # decoder benchmark (docs/targets.md), the one GEMM was not reliably
+        # faster at M = 1 and lost at M = 8 to 64, so such a graph keeps the
+        # separate GEMMs (over views of the block).
+        return "split", "rows symbolic: one GEMM per member over views of the fused block"
     if m <= ctx.config.fused_max_rows:
         return "fused", f"M={m} <= fused_max_rows={ctx.config.fused_max_rows}: one GEMM"
     return "split", f"M={m} > fused_max_rows={ctx.config.fused_max_rows}: one GEMM per member over views of the fused block"
