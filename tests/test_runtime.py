@@ -388,18 +388,19 @@ def test_explain_leaves_last_report_and_model_alone():
     assert str(wfpass.report(model)) == before
 
 
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
 def test_in_graph_write_to_a_folded_batchnorm_is_seen():
     """A pre-hook that scales a BatchNorm's weight in place, with eval-time
     folding: the fold would be computed in front of the conv, before the
     write, so it is skipped with the reason; every call equals eager."""
-
-    class ConvBN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x):
-            return self.bn(self.conv(x))
 
     torch.manual_seed(0)
     model = ConvBN().eval()
@@ -440,16 +441,8 @@ def test_in_graph_write_to_an_fp32_batchnorm_is_seen():
     call (training): the format would change the dtype the write sees, so
     the BatchNorm is skipped with the reason, and the model runs as eager."""
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
-        def forward(self, x):
-            return self.bn(self.conv(x))
-
     torch.manual_seed(0)
-    model = M().to(torch.bfloat16)
+    model = ConvBN().to(torch.bfloat16)
     model.bn.register_forward_pre_hook(_halve)
     ref = copy.deepcopy(model)
     fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))

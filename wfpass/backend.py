@@ -16,9 +16,8 @@ import functools
 import logging
 import os
 import weakref
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence
 
-import torch
 import torch.fx as fx
 
 from . import _compat

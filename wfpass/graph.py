@@ -115,7 +115,7 @@ class PassContext:
         fake (its storage the old one) and not know the members share the
         block. A new object is fakified afresh, with the block's storage,
         shared by all members: the aliasing is then the compiler's to see."""
-        t = self.example_inputs[self._placeholders.index(placeholder)]
+        t = self.example_inputs[self.placeholder_index(placeholder)]
         if isinstance(t, torch.nn.Parameter):
             alias = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
         else:

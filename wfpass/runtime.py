@@ -32,9 +32,9 @@ import torch
 
 from . import _compat
 from .report import Record, Report
-from .storage import FusedStorage, _OWNER, fuse, layout_of, refuse, sharing_problem
+from .storage import FusedStorage, _OWNER, fuse, layout_of, layout_of_set, refuse, sharing_problem
 
-__all__ = ["GroupSite", "guarded_call", "note", "file_report", "records_of", "model_report"]
+__all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]
 
 
 class GroupSite:
@@ -71,26 +71,27 @@ class GroupSite:
     def prepare(self, members: Sequence[torch.Tensor], others: Sequence[Tuple[str, torch.Tensor]] = (),
                 args: Sequence[Any] = ()) -> Optional[FusedStorage]:
         """Make ``members`` a layout with this site's key, or say it cannot be (None)."""
-        m0 = members[0]
-        fs = layout_of(m0)
-        if fs is not None and fs.key == self.key and all(a is b for a, b in zip(fs.members, members)):
+        # None is not remembered: whatever blocks a move (an alias the user
+        # holds) may be gone by the next call, which then fuses.
+        fs = layout_of_set(members, self.key)
+        if fs is not None:
             if fs.holds(members):
                 return fs
             # Our own layout, lost: ``param.data = ...``, ``.to()`` and back.
             if self._movable(members, others) is None and refuse(fs, members):
                 fs.record.bump("refused")
                 return fs
-            return self._give_up(m0)
+            return None
         for m in members:
             other = layout_of(m)
             if other is not None and other.intact():
                 # In another group's block (a different grouping in another
                 # graph): moving it would make the two graphs fight over it.
-                return self._give_up(m0)
+                return None
         why = self._movable(members, others)
         if why is not None:
             self.record.detail.setdefault("unfusable", why)
-            return self._give_up(m0)
+            return None
         last = self._last() if self._last is not None else None
         replaced = last is not None and all(m is None for m in last.members)
         record = self._record_for(members, args)
@@ -112,10 +113,13 @@ class GroupSite:
                 return why
         return None
 
-    def _give_up(self, m0: torch.Tensor) -> None:
-        # Not remembered: whatever blocks the move (an alias the user holds)
-        # may be gone by the next call, which then fuses.
-        return None
+    def find(self, members: Sequence[torch.Tensor]) -> Optional[FusedStorage]:
+        """``wfpass.apply`` graphs, which run eagerly and check in place: the
+        layout ``members`` are in, or ``prepare``'s answer."""
+        fs = layout_of(members[0])
+        if fs is not None and fs.key == self.key and fs.holds(members):
+            return fs
+        return self.prepare(list(members), [])
 
     def _record_for(self, members, args=()) -> Record:
         """The compile-time record for the set the pass fused; a new record for
@@ -163,7 +167,7 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
         for site, idx, i0, key, counter, reads in plan:
             entry = owner_get(id(args[i0]))
             fs = entry[1] if entry is not None else None
-            if fs is None or fs.key != key or fs.ptrs != tuple([args[i].data_ptr() for i in idx]) or fs.block is None:
+            if fs is None or fs.key != key or fs.ptrs != tuple([args[i].data_ptr() for i in idx]):
                 fs = site.prepare([args[i] for i in idx], others(args), args)
                 if fs is None:
                     if reads:
@@ -224,10 +228,6 @@ def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
             note(rec, [n for n, _ in found], [t for _, t in found])
 
 
-def records_of(t: torch.Tensor) -> List[Record]:
-    return list(_NOTES.get(t, ()))
-
-
 def model_report(model: torch.nn.Module) -> Report:
     """Everything wfpass did to ``model``'s parameters and buffers, across every
     graph, recompile and graph break: one row per decision, named with the
@@ -249,8 +249,8 @@ def model_report(model: torch.nn.Module) -> Report:
             params = []
             for p in rec.params:
                 r = tracked.get(p)
-                t = r() if r is not None else None
-                params.append(names.get(id(t), p) if t is not None else p)
+                member = r() if r is not None else None
+                params.append(names.get(id(member), p) if member is not None else p)
             view = Record(rec.pattern, rec.action, rec.reason, params,
                           detail={k: v for k, v in rec.detail.items() if not k.startswith("_")})
             view.stats = rec.stats  # the live counters, not a copy

@@ -21,7 +21,7 @@ import torch
 from . import _compat
 
 __all__ = [
-    "FusedStorage", "fuse", "refuse", "fused_storage_of", "layout_of", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
+    "FusedStorage", "fuse", "refuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent", "unmovable",
 ]
 
@@ -228,6 +228,16 @@ def layout_of(t: torch.Tensor) -> Optional[FusedStorage]:
     if entry is None or entry[0]() is not t:
         return None
     return entry[1]
+
+
+def layout_of_set(tensors: Sequence[torch.Tensor], key: Any) -> Optional[FusedStorage]:
+    """The layout, intact or lost, whose members are exactly ``tensors`` (the
+    same objects, in order) under ``key``; None if there is none."""
+    fs = layout_of(tensors[0])
+    members = fs.members if fs is not None else ()
+    if fs is None or fs.key != key or len(members) != len(tensors) or not all(a is b for a, b in zip(members, tensors)):
+        return None
+    return fs
 
 
 def live_layouts() -> int:

@@ -129,14 +129,6 @@ class _EagerSite:
         self.site = site
         self.__name__ = self.__qualname__ = name
 
-    def _layout(self, members):
-        from ..storage import layout_of
-
-        fs = layout_of(members[0])
-        if fs is not None and fs.key == self.site.key and fs.holds(members):
-            return fs
-        return self.site.prepare(list(members), [])
-
 
 class EagerBlock(_EagerSite):
     """``wfpass.apply`` graphs: the block as a view when the members are in it
@@ -148,7 +140,7 @@ class EagerBlock(_EagerSite):
         self.rows, self.cols = rows, cols
 
     def __call__(self, *members: torch.Tensor) -> torch.Tensor:
-        fs = self._layout(members)
+        fs = self.site.find(members)
         if fs is None:
             self.site.record.bump("fallback_calls")
             return torch.cat([m.detach().reshape(m.shape[0], -1) if self.cols else m.detach() for m in members], 0)
@@ -165,7 +157,7 @@ class EagerLayoutCheck(_EagerSite):
     _wfpass_keep = True  # run for its effect: dead-code elimination keeps it
 
     def __call__(self, *members: torch.Tensor) -> None:
-        fs = self._layout(members)
+        fs = self.site.find(members)
         if fs is None:
             self.site.record.bump("unfused_layout_calls")
         else:

@@ -201,11 +201,6 @@ def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     return out, hy
 
 
-def _kernel_weights(spec: RnnSpec, ws: Sequence[torch.Tensor]) -> Tuple[Sequence[torch.Tensor], bool]:
-    """The weights as PyTorch's RNN kernels take them (the module's own list)."""
-    return ws, spec.has_biases
-
-
 def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
     """A CPU LSTM as oneDNN LSTM layer calls (``wfpass::lstm_layer``, i.e.
     ``aten.mkldnn_rnn_layer``), one per layer and direction, as ATen's own
@@ -264,7 +259,7 @@ class RnnForward:
     def __call__(self, x, hx, *weights):
         spec = self.spec
         p = spec.dropout
-        ws, has_b = _kernel_weights(spec, weights)
+        ws, has_b = weights, spec.has_biases
         if self.path == "mkldnn":
             need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *hx, *weights))
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
@@ -432,18 +427,14 @@ class RnnModuleCall:
             mod.check_forward_args(input, hx, None)
         except (RuntimeError, ValueError, TypeError) as e:
             raise type(e)(f"{spec.name}: {e}") from None
-        from ..storage import layout_of
-
-        fs = layout_of(weights[0])
-        if fs is None or fs.key != site.key or not fs.holds(weights):
-            fs = site.prepare(list(weights), [])
+        fs = site.find(weights)
         if fs is None:
             rec.bump("unfused_layout_calls")
         else:
             rec = fs.record
         hx_list = list(hx) if lstm else [hx]
         train = mod.training
-        ws, has_b = _kernel_weights(spec, weights)
+        ws, has_b = weights, spec.has_biases
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (input, *hx_list, *weights))
         n = measure_threshold(spec, rec, input, hx_list, ws, has_b, train, spec.dropout, need_grad)
         if input.shape[1 if spec.batch_first else 0] <= n:

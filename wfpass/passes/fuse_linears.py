@@ -40,7 +40,7 @@ import torch.fx as fx
 from ..graph import LinearSite, PassContext, linear_sites, mutated_state, rows_of
 from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from ..runtime import GroupSite, note
-from ..storage import FusedStorage, fuse, fused_storage_of, layout_of, refuse, sharing_problem
+from ..storage import FusedStorage, fuse, fused_storage_of, layout_of_set, refuse, sharing_problem
 
 __all__ = ["fuse_linears"]
 
@@ -204,25 +204,15 @@ def _storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int
     return problems
 
 
-def _existing_storage(tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> Optional[FusedStorage]:
-    fs = fused_storage_of(tensors[0])
-    if fs is None:
-        return None
-    # Identity, not ==: comparing tensor lists with == compares their values.
-    members = fs.members
-    if len(members) == len(tensors) and all(a is b for a, b in zip(members, tensors)) and list(fs.offsets) == list(offsets):
+def _reuse(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
+    """The layout of these very tensors, if they have one: intact (a
+    recompile, an idempotent re-run), or lost (``param.data = ...``, a cast and
+    back) and fused again now, counted on its record, which stays the group's
+    record. The sharing checks have run."""
+    fs = layout_of_set(tensors, key)
+    if fs is None or fs.intact():
         return fs
-    return None
-
-
-def _refused(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
-    """A layout of these very tensors that was lost (``param.data = ...``, a
-    cast and back) and that Dynamo recompiles for: fuse it again, counted on
-    its record, which stays the group's record. The sharing checks have run."""
-    fs = layout_of(tensors[0])
-    if fs is None or fs.key != key or not all(a is b for a, b in zip(fs.members, tensors)) or fs.holds(tensors):
-        return None
-    if not refuse(fs, tensors):
+    if fs.holds(tensors) or not refuse(fs, tensors):
         return None
     if fs.record is not None:
         fs.record.bump("refused")
@@ -276,8 +266,8 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
                        "(inline_inbuilt_nn_modules=False): the per-call layout check cannot see them", params)
         return False
 
-    fs = _existing_storage(weights, w_offsets) or _refused(weights, layout.weight_key)
-    bfs = (_existing_storage(biases, b_offsets) or _refused(biases, layout.bias_key)) if fuse_biases else None
+    fs = _reuse(weights, layout.weight_key)
+    bfs = _reuse(biases, layout.bias_key) if fuse_biases else None
     bias_note = "" if fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
     if fs is not None and fs.record is not None and fs.record.pattern == "linear":
         # The same parameters in another graph (a recompile, a graph break):

@@ -30,7 +30,7 @@ not moved (the kernels read them where they are), so ties stay tied.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,7 @@ from ..graph import PassContext, TensorRef, meta_value
 from ..graph import mutated_state
 from ..ops.rnn import GATES, RnnForward, RnnModuleCall, RnnSpec, choose_path, measure_threshold
 from ..runtime import GroupSite
-from ..storage import fuse, fused_storage_of, layout_of, refuse, sharing_problem, unmovable
+from ..storage import fuse, layout_of_set, refuse, sharing_problem, unmovable
 
 __all__ = ["fuse_rnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
@@ -399,14 +399,9 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
 
 def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
     key = ("rnn", spec.offsets, tuple(tuple(w.shape) for w in ws))
-    existing = fused_storage_of(ws[0])
-    if existing is not None and not (
-        len(existing.shapes) == len(ws) and all(existing.is_member(w) for w in ws) and tuple(existing.offsets) == spec.offsets
-    ):
-        existing = None
-    lost = layout_of(ws[0])
-    if existing is None and lost is not None and lost.key == key and all(a is b for a, b in zip(lost.members, ws)):
-        existing = lost  # a recompile after the layout was lost: re-fused below, on its record
+    # Intact (a recompile, an idempotent re-run) or lost (a cast and back:
+    # re-fused below, on its record).
+    existing = layout_of_set(ws, key)
     why = None
     if overlap:
         why = "a weight also belongs to another RNN of this graph"
