@@ -30,7 +30,7 @@ def default_seq_threshold(device_type: str) -> int:
     the CPU's value."""
     return DEFAULT_SEQ_THRESHOLD.get(device_type, DEFAULT_SEQ_THRESHOLD["cpu"])
 #: Every pass wfpass knows, in the order the pipeline runs them.
-PASS_NAMES = ("fuse_linears", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm")
+PASS_NAMES = ("fuse_linears", "fold_cells", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -14,6 +14,7 @@ import torch.fx as fx
 from ..formats import PassFormat, register_format, registered_formats
 from ..graph import PassContext
 from .fold_batchnorm import fold_batchnorm
+from .fold_cells import fold_cells
 from .fp32_batchnorm import fp32_batchnorm
 from .fuse_linears import fuse_linears
 from .fuse_rnn import fuse_rnn
@@ -28,6 +29,8 @@ PassFn = Callable[[fx.GraphModule, PassContext], int]
 #: pipeline is simply "every registered format", users' ones after these.
 PIPELINE: List[Tuple[str, str, PassFn]] = [
     ("fuse_linears", "linear", fuse_linears),
+    # Before fuse_rnn: a folded cell loop is an RNN call fuse_rnn then lowers.
+    ("fold_cells", "rnn", fold_cells),
     ("fuse_rnn", "rnn", fuse_rnn),
     ("fp32_batchnorm", "batchnorm", fp32_batchnorm),
     ("fold_batchnorm", "batchnorm", fold_batchnorm),

@@ -184,6 +184,8 @@ def _dynamo_site(ctx: PassContext, node: fx.Node, mode: str) -> _Site:
     refs = [ctx.resolve(p) for p in args[2]]
     names = [r.name if r is not None else str(p) for r, p in zip(refs, args[2])]
     s.name = _display(_module_path(names[0]) if refs[0] is not None else "", mode)
+    if "wfpass_cells" in node.meta:  # a loop of cells that fold_cells folded into this call
+        s.name = node.meta["wfpass_cells"]
     for r, p in zip(refs, args[2]):
         if r is None or not r.is_state:
             s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
