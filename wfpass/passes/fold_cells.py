@@ -41,7 +41,8 @@ it is left exactly as it was, with a record saying why:
   weights that are not parameters...).
 
 ``wfpass.apply`` graphs (``symbolic_trace``) hold ``call_module`` cells with
-no shapes; they are reported, not folded (see docs/rnn.md).
+no shapes: a folded loop there calls ``CellLoopCall``, which does what the
+cells' ``forward`` did (unbatched steps, zero state) and picks the path per call.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ import torch.nn as nn
 from ..config import default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value
 from ..storage import unmovable
-from .fuse_rnn import _build_spec, _site_of, _spec_problem
+from ..ops.rnn import RnnSpec, fused_path, measure_threshold, unfused_path
+from .fuse_rnn import _build_spec, _new_group, _site_of, _spec_problem
 
 __all__ = ["fold_cells", "CELL_FUNCTIONS"]
 
@@ -83,6 +85,8 @@ class _Cell:
     h_outs: List[fx.Node]  # nodes that are this step's h
     c_outs: List[fx.Node]  # (LSTM) nodes that are this step's c
     problem: Optional[str] = None
+    state_whole: Optional[fx.Node] = None  # symbolic_trace: an LSTM step's (h, c) passed on as one value
+    module: Optional[nn.Module] = None  # symbolic_trace: the cell module
 
     @property
     def key(self) -> Tuple:
@@ -118,7 +122,52 @@ def _params(chains: Sequence[_Chain]) -> List[str]:
     return [r.name for ch in chains for r in ch.first.refs if r is not None]
 
 
+def _module_mode(mod: nn.Module) -> Optional[str]:
+    if type(mod) is nn.LSTMCell:
+        return "LSTM"
+    if type(mod) is nn.GRUCell:
+        return "GRU"
+    if type(mod) is nn.RNNCell:
+        return "RNN_TANH" if mod.nonlinearity == "tanh" else "RNN_RELU"
+    return None
+
+
+def _module_cell_of(ctx: PassContext, node: fx.Node) -> Optional[_Cell]:
+    """A ``call_module`` of a cell (``symbolic_trace`` graphs): ``cell(x)`` or
+    ``cell(x, hx)``, its weights named by the module's path."""
+    mod = ctx.module_of(node)
+    mode = _module_mode(mod) if mod is not None else None
+    if mode is None:
+        return None
+    args, kw = list(node.args), dict(node.kwargs)
+    x = args[0] if args else kw.get("input")
+    hx = args[1] if len(args) > 1 else kw.get("hx")
+    attrs = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ())
+    names = tuple(f"{node.target}.{a}" for a in attrs)
+    refs = [TensorRef(n, getattr(mod, a), "parameter", None) for n, a in zip(names, attrs)]
+    c = _Cell(node, mode, x, (), names, refs, [], [], module=mod)
+    if len(args) > 2 or set(kw) - {"input", "hx"} or not isinstance(x, fx.Node):
+        c.problem = "unexpected call form of the cell"
+    if mode == "LSTM" and isinstance(hx, fx.Node):
+        c.state_whole = hx
+    elif hx is not None:
+        c.state = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
+        if not all(isinstance(t, fx.Node) for t in c.state) or len(c.state) != (2 if mode == "LSTM" else 1):
+            c.problem = c.problem or "the state is not a graph value"
+    if mode == "LSTM":
+        for u in node.users:
+            if u.op == "call_function" and u.target is operator.getitem and u.args[1] in (0, 1):
+                (c.h_outs if u.args[1] == 0 else c.c_outs).append(u)
+            elif not (u.op == "call_module" and u.target == node.target and (u.args[1:2] == (node,) or u.kwargs.get("hx") is node)):
+                c.problem = f"the step's (h, c) pair is used as a whole by {u.name}"
+    else:
+        c.h_outs = [node]
+    return c
+
+
 def _cell_of(ctx: PassContext, node: fx.Node) -> Optional[_Cell]:
+    if node.op == "call_module":
+        return _module_cell_of(ctx, node)
     mode = CELL_FUNCTIONS.get(node.target) if node.op == "call_function" else None
     if mode is None:
         return None
@@ -154,11 +203,17 @@ def _cell_of(ctx: PassContext, node: fx.Node) -> Optional[_Cell]:
 def _links(cells: List[_Cell]) -> Dict[fx.Node, List[_Cell]]:
     """cell node -> the cells whose state is exactly this step's output."""
     by_h: Dict[fx.Node, _Cell] = {}
+    by_node = {c.node: c for c in cells}
     for c in cells:
         for h in c.h_outs:
             by_h[h] = c
     succ: Dict[fx.Node, List[_Cell]] = {c.node: [] for c in cells}
     for c in cells:
+        if c.state_whole is not None:
+            prev = by_node.get(c.state_whole)
+            if prev is not None:
+                succ[prev.node].append(c)
+            continue
         if not c.state:
             continue
         prev = by_h.get(c.state[0])
@@ -259,6 +314,8 @@ def _problem(ctx: PassContext, layers: List[_Chain], dep: set) -> Optional[str]:
     if len(biased) != 1:
         return "some stacked cells have biases and some do not"
     w0 = first.refs[0].tensor
+    if not w0.is_floating_point():
+        return f"weights are {w0.dtype}, not floating point"
     if len({(r.tensor.dtype, r.tensor.device) for ch in layers for r in ch.first.refs}) != 1:
         return "weights differ in dtype or device"
     if w0.device.type != "cpu":
@@ -329,26 +386,42 @@ def _call(g: fx.Graph, target, args, val=None) -> fx.Node:
     return n
 
 
-def _rewrite(ctx: PassContext, layers: List[_Chain], label: str) -> None:
+def _initial_state(g: fx.Graph, ch: _Chain, lstm: bool) -> List[Optional[fx.Node]]:
+    """The first step's (h, c) or (h,) as nodes, None where the cell starts
+    from zeros (``cell(x)`` without a state)."""
+    c = ch.first
+    if c.state_whole is not None:
+        with g.inserting_after(c.state_whole):
+            h = g.call_function(operator.getitem, (c.state_whole, 0))
+        with g.inserting_after(h):
+            cc = g.call_function(operator.getitem, (c.state_whole, 1))
+        return [h, cc]
+    if c.state:
+        return list(c.state)
+    return [None, None] if lstm else [None]
+
+
+def _rewrite(ctx: PassContext, layers: List[_Chain], label: str, site=None) -> None:
     g = ctx.gm.graph
     T = len(layers[0].cells)
     mode = layers[0].first.mode
     lstm = mode == "LSTM"
     cells = [c for ch in layers for c in ch.cells]
+    states = [_initial_state(g, ch, lstm) for ch in layers]
     order = {n: i for i, n in enumerate(g.nodes)}
-    inputs = [c.x for c in layers[0].cells] + [s for ch in layers for s in ch.first.state]
-    inputs += [w for ch in layers for w in ch.first.weight_nodes]
+    xs = [c.x for c in layers[0].cells]
+    inputs = xs + [s for st in states for s in st if s is not None]
+    inputs += [w for ch in layers for w in ch.first.weight_nodes if isinstance(w, fx.Node)]
     anchor = max(inputs, key=order.__getitem__)
     start = min(order[c.node] for c in cells)
     # Nodes between the first step and the anchor that read the loop's
     # results move after the fused call (none of them feeds a step input:
     # _problem proved that), in their order.
     dep = _depends(g, {c.node for c in cells})
-    moved = [n for n in g.nodes if start < order[n] <= order[anchor] and n in dep
-             and n not in {c.node for c in cells} and not any(n in c.h_outs or n in c.c_outs for c in cells)]
+    own = {c.node for c in cells} | {o for c in cells for o in c.h_outs + c.c_outs}
+    moved = [n for n in g.nodes if start < order[n] <= order[anchor] and n in dep and n not in own]
 
-    xs = [c.x for c in layers[0].cells]
-    src, dim = _step_inputs(g, xs, T)
+    src, dim = _step_inputs(g, xs, T) if ctx.is_dynamo else (None, None)
     with g.inserting_after(anchor):
         if src is not None:
             v = meta_value(src)
@@ -357,29 +430,39 @@ def _rewrite(ctx: PassContext, layers: List[_Chain], label: str) -> None:
             vals = [meta_value(x) for x in xs]
             val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
             X = _call(g, torch.stack, (xs, 0), val)
-    nodes = [X] if X is not src else []
+    last = anchor if X is src else X
 
-    def state_stack(i: int) -> fx.Node:
-        parts = [ch.first.state[i] for ch in layers]
-        vals = [meta_value(p) for p in parts]
-        val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
-        return _call(g, torch.stack, (parts, 0), val)
+    if ctx.is_dynamo:
+        def state_stack(i: int) -> fx.Node:
+            parts = [st[i] for st in states]
+            vals = [meta_value(p) for p in parts]
+            val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
+            return _call(g, torch.stack, (parts, 0), val)
 
-    last = nodes[-1] if nodes else anchor
-    with g.inserting_after(last):
-        h0 = state_stack(0)
-    with g.inserting_after(h0):
-        hx = [h0, state_stack(1)] if lstm else h0
-    last = hx[1] if lstm else hx
-    weights = [w for ch in layers for w in ch.first.weight_nodes]
-    has_b = len(layers[0].first.weight_nodes) == 4
-    with g.inserting_after(last):
-        call = _call(g, _RNN_CALL[mode], (X, hx, weights, has_b, len(layers), 0.0, True, False, False))
-        call.meta["wfpass_cells"] = label
-        call.meta["wfpass_cell_steps"] = T
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in layers[0].first.node.meta:
-                call.meta[key] = layers[0].first.node.meta[key]
+        with g.inserting_after(last):
+            h0 = state_stack(0)
+        with g.inserting_after(h0):
+            hx = [h0, state_stack(1)] if lstm else h0
+        last = hx[1] if lstm else hx
+        weights = [w for ch in layers for w in ch.first.weight_nodes]
+        has_b = len(layers[0].first.weight_nodes) == 4
+        with g.inserting_after(last):
+            call = _call(g, _RNN_CALL[mode], (X, hx, weights, has_b, len(layers), 0.0, True, False, False))
+            call.meta["wfpass_cells"] = label
+    else:
+        names = [n for ch in layers for n in ch.first.weight_nodes]
+        ws = []
+        for n in reversed(names):
+            with g.inserting_after(last):
+                ws.insert(0, g.get_attr(n))
+        last = ws[-1]
+        with g.inserting_after(last):
+            call = g.call_function(CellLoopCall(site, [ch.first.module for ch in layers]),
+                                   (X, [st[0] for st in states], [st[-1] for st in states] if lstm else [], *ws))
+    call.meta["wfpass_cell_steps"] = T
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in layers[0].first.node.meta:
+            call.meta[key] = layers[0].first.node.meta[key]
     with g.inserting_after(call):
         out = _call(g, operator.getitem, (call, 0))
     with g.inserting_after(out):
@@ -398,9 +481,7 @@ def _rewrite(ctx: PassContext, layers: List[_Chain], label: str) -> None:
         users = [u for u in old.users if u not in inside]
         if not users:
             return
-        first_user = min(users, key=lambda u: order.get(u, len(order)))
-        with g.inserting_before(first_user) if order.get(first_user) is not None and first_user not in moved else \
-                g.inserting_after(cn if cn is not None else hn):
+        with g.inserting_after(cn if cn is not None else hn):  # before every reader (moved ones included)
             new = make()
         for u in users:
             u.replace_input_with(old, new)
@@ -408,9 +489,9 @@ def _rewrite(ctx: PassContext, layers: List[_Chain], label: str) -> None:
     top = len(layers) - 1
     # ``torch.stack`` of every top-layer h in step order is the output itself.
     top_h = [c.h_outs[0] if c.h_outs else None for c in layers[top].cells]
-    for u in list(set(u for h in top_h if h is not None for u in h.users)):
-        if (u.op == "call_function" and u.target is torch.stack and u.args and list(u.args[0]) == top_h
-                and len(u.args) + len(u.kwargs) <= 2):
+    for u in list({u: None for h in top_h if h is not None for u in h.users}):
+        if (u.op == "call_function" and u.target is torch.stack and u.args and isinstance(u.args[0], (list, tuple))
+                and list(u.args[0]) == top_h and len(u.args) + len(u.kwargs) <= 2):
             d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
             if d in (0, 1):
                 with g.inserting_before(u):
@@ -457,9 +538,6 @@ def _check_rnn_call(ctx: PassContext, call: fx.Node) -> Optional[str]:
 
 def fold_cells(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Fold every foldable cell loop in ``gm`` into one RNN call; returns how many."""
-    if not ctx.is_dynamo:
-        _report_module_cells(gm, ctx)
-        return 0
     cells = [c for c in (_cell_of(ctx, n) for n in gm.graph.nodes) if c is not None]
     if not cells:
         return 0
@@ -480,6 +558,7 @@ def fold_cells(gm: fx.GraphModule, ctx: PassContext) -> int:
             for ch in group:
                 ch.problem = ch.problem or why
     folded = 0
+    claimed: Dict[Tuple[int, ...], Any] = {}  # symbolic_trace: ids of a layer stack's weights -> its group
     rnn_runs = ctx.config.runs("fuse_rnn")
     for ch in chains:
         if ch.below is not None:
@@ -498,16 +577,16 @@ def fold_cells(gm: fx.GraphModule, ctx: PassContext) -> int:
             for l in layers:
                 l.below = l.above = None
             for l in layers:
-                folded += _fold_one(ctx, [l], _depends(gm.graph, {c.node for c in l.cells}))
+                folded += _fold_one(ctx, [l], _depends(gm.graph, {c.node for c in l.cells}), claimed)
             continue
         if why is not None:
             ctx.report.add("rnn", "skipped", f"{label}: {why}", params, steps=len(ch.cells))
             continue
-        folded += _fold_one(ctx, layers, dep, checked=True)
+        folded += _fold_one(ctx, layers, dep, claimed, checked=True)
     return folded
 
 
-def _fold_one(ctx: PassContext, layers: List[_Chain], dep: set, checked: bool = False) -> int:
+def _fold_one(ctx: PassContext, layers: List[_Chain], dep: set, claimed: dict, checked: bool = False) -> int:
     label, params = _label(layers), _params(layers)
     T = len(layers[0].cells)
     why = None if checked else _problem(ctx, layers, dep)
@@ -518,6 +597,9 @@ def _fold_one(ctx: PassContext, layers: List[_Chain], dep: set, checked: bool = 
         return 0
     if ctx.config.dry_run:
         ctx.report.add("rnn", "rewritten", f"{label}: {T} cell steps -> one RNN call", params, steps=T)
+        return 1
+    if not ctx.is_dynamo:  # symbolic_trace graph: an eager call target, grouped here
+        _rewrite(ctx, layers, label, _module_group(ctx, layers, label, claimed))
         return 1
     g = ctx.gm.graph
     trial = _trial_call(ctx, layers)
@@ -549,19 +631,77 @@ def _erase_trial(g: fx.Graph, n: fx.Node) -> None:
     g.erase_node(n)
 
 
-def _report_module_cells(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """``symbolic_trace`` graphs: cell modules are reported, not folded (no
-    shapes to prove the loop's structure)."""
-    seen = set()
-    for n in gm.graph.nodes:
-        if n.op != "call_module":
-            continue
-        mod = ctx.module_of(n)
-        if type(mod) not in _CELL_MODULES or n.target in seen:
-            continue
-        seen.add(n.target)
-        calls = sum(1 for m in gm.graph.nodes if m.op == "call_module" and m.target == n.target)
-        ctx.report.add("rnn", "skipped",
-                       f"'{n.target}' (nn.{type(mod).__name__}, {calls} call(s)): cell loops are folded under "
-                       "torch.compile(backend='wformat'), not in wfpass.apply graphs",
-                       [f"{n.target}.{p}" for p, _ in mod.named_parameters()], steps=calls)
+def _module_group(ctx: PassContext, layers: List[_Chain], label: str, claimed: dict):
+    """symbolic_trace flavour: the RNN spec and the fused group (record, flat
+    block) of a stack of cell modules, as ``fuse_rnn`` builds them for an
+    ``nn.LSTM``; one group per weight set however many loops call it."""
+    refs = [r for ch in layers for r in ch.first.refs]
+    ws, names = [r.tensor for r in refs], [r.name for r in refs]
+    ids = tuple(id(w) for w in ws)
+    if ids in claimed:
+        return claimed[ids]
+    first = layers[0].first
+    offsets, acc = [], 0
+    for w in ws:
+        offsets.append(acc)
+        acc += w.numel()
+    thr = ctx.config.seq_threshold
+    spec = RnnSpec(name=label, mode=first.mode, input_size=ws[0].shape[1], hidden_size=ws[1].shape[1], proj_size=0,
+                   num_layers=len(layers), bidirectional=False, batch_first=False,
+                   has_biases=len(first.weight_nodes) == 4, dropout=0.0,
+                   threshold=default_seq_threshold(ws[0].device.type) if thr is None else thr,
+                   offsets=tuple(offsets), numel=acc)
+    T = len(layers[0].cells)
+    how = f"{label}: {T} cell steps -> one RNN call"
+    detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers, steps=T, block_elements=acc)
+    taken = {i for k in claimed for i in k}
+    site = _new_group(ctx, None, spec, ws, names, how, detail, overlap=any(i in taken for i in ids))
+    site.spec = spec
+    claimed[ids] = site
+    return site
+
+
+class CellLoopCall:
+    """A folded cell loop in a ``wfpass.apply`` graph, which runs eagerly:
+    ``(stacked step inputs, initial h per layer, initial c per layer, *weights)
+    -> (out, h_n[, c_n])``. Does what each ``nn.*Cell.forward`` did (unbatched
+    1-D steps, a zero state where none was given), then one RNN call: the
+    fused kernel above ``seq_threshold`` steps, the unfused path at or below."""
+
+    __module__ = __name__
+
+    def __init__(self, site, modules: Sequence[nn.Module]):
+        self.site, self.spec = site, site.spec
+        self.__name__ = self.__qualname__ = "cell_loop"
+
+    def __call__(self, X, h0s, c0s, *weights):
+        spec, site = self.spec, self.site
+        lstm = spec.mode == "LSTM"
+        if X.dim() not in (2, 3):
+            raise ValueError(f"wfpass: {spec.name}: each step's input must be 1-D or 2-D, got {X.dim() - 1}-D")
+        batched = X.dim() == 3
+        if not batched:
+            X = X.unsqueeze(1)
+        B = X.shape[1]
+
+        def state(parts):
+            return torch.stack([X.new_zeros(B, spec.hidden_size) if p is None else (p if batched else p.unsqueeze(0))
+                                for p in parts], 0)
+
+        hx = [state(h0s), state(c0s)] if lstm else [state(h0s)]
+        fs = site.find(weights)
+        rec = site.record if fs is None else fs.record
+        if fs is None:
+            rec.bump("unfused_layout_calls")
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (X, *hx, *weights))
+        n = measure_threshold(spec, rec, X, hx, weights, spec.has_biases, False, 0.0, need_grad)
+        if X.shape[0] <= n:
+            rec.bump("unfused_calls")
+            outs = unfused_path(spec, X, hx, weights, spec.has_biases, False, 0.0)
+        else:
+            rec.bump("fused_calls")
+            outs = fused_path(spec, X, hx, weights, spec.has_biases, False, 0.0)
+        outs = list(outs)
+        if not batched:
+            outs = [outs[0].squeeze(1)] + [o.squeeze(1) for o in outs[1:]]
+        return tuple(outs)
