@@ -3,15 +3,54 @@
     model = torch.compile(model, backend="wformat")
     print(wfpass.report(model))
 """
-from .api import apply, explain, report, restore
-from .backend import backend, last_report
-from .config import Config
-from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
-from .report import Record, Report
+import sys
+from typing import TYPE_CHECKING
 
+__version__ = "0.1.0"
 __all__ = [
     "apply", "backend", "explain", "last_report", "report", "restore",
     "register_format", "unregister_format", "registered_formats",
     "Config", "Format", "ParamFormat", "Record", "Report",
 ]
-__version__ = "0.1.0"
+
+
+def _load_api() -> None:
+    """Import the public API (and with it torch) into this namespace."""
+    from .api import apply, explain, report, restore
+    from .backend import backend, last_report
+    from .config import Config
+    from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
+    from .report import Record, Report
+
+    # ``backend`` and ``report`` are also submodule names: binding the
+    # functions last makes ``wfpass.backend(...)`` the function, as before.
+    globals().update({k: v for k, v in locals().items() if k in __all__})
+
+
+def _started_by_cli() -> bool:
+    # ``python -m wfpass --help`` must answer in well under a second, and
+    # importing torch takes seconds. Python imports this package before it
+    # runs wfpass/__main__.py and sets sys.argv[0] to "-m" while it does so:
+    # only then is the API left to load on first use (the CLI's commands load
+    # it). Every other import of wfpass loads it at once, as always.
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] != ["-m"] or "-m" not in argv:
+        return False
+    return argv[argv.index("-m") + 1:argv.index("-m") + 2] == [__name__]
+
+
+if TYPE_CHECKING:
+    from .api import apply, explain, report, restore
+    from .backend import backend, last_report
+    from .config import Config
+    from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
+    from .report import Record, Report
+
+if _started_by_cli():
+    def __getattr__(name: str):
+        if name in __all__:
+            _load_api()
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:
+    _load_api()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import weakref
 from typing import Any, Callable, List, Sequence
 
@@ -24,7 +23,7 @@ from . import _compat
 from .config import Config
 from .graph import PassContext
 from .passes import run_passes
-from .report import Report
+from .report import Report, print_at_exit_if_asked
 from .runtime import file_report, guarded_call
 
 __all__ = ["backend", "wformat", "last_report"]
@@ -72,8 +71,7 @@ def _set_last(report: Report, origin: Any = None, continues: bool = False, call:
         _LAST[:] = [report]
     _LAST_ORIGIN[0] = origin
     _LAST_CALL[0] = [weakref.ref(t) for t in call]
-    if os.environ.get("WFPASS_REPORT", "") not in ("", "0"):
-        print(report)
+    print_at_exit_if_asked(report)  # WFPASS_REPORT=1
 
 
 def _resolve_inner(inner: Any) -> Callable:

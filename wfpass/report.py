@@ -5,15 +5,17 @@ call, so printing the report after a few steps shows which path really ran.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
+import os
+import shutil
+import sys
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tabulate import tabulate
-
-__all__ = ["Record", "Report"]
+__all__ = ["Record", "Report", "terminal_width", "print_at_exit_if_asked"]
 
 log = logging.getLogger("wfpass")
 
@@ -117,16 +119,158 @@ class Report:
         return iter(self.records)
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, width: Optional[int] = None) -> str:
+        """The report as a table ``width`` columns wide (default: the
+        terminal's width, 120 when it is unknown). One row per record: the
+        pattern, the action, then the parameters (their common prefix written
+        once), the reason and the counters, one under the other. A name is
+        never cut: a name longer than the line is the only thing that may
+        overflow it."""
+        if width is None:
+            width = terminal_width()
+        width = max(int(width), 40)
+        head = f"{self.title}: " + ", ".join(f"{n} {a}" for a, n in _count_actions(self.records))
         if not self.records:
-            return f"{self.title}: no linear, RNN or BatchNorm pattern found"
-        rows = []
+            return f"{self.title}: no pattern of any registered format found"
+        pw = max(len("pattern"), *(len(r.pattern) for r in self.records))
+        aw = max(len("action"), *(len(r.action) for r in self.records))
+        indent = pw + aw + 4
+        if width - indent < 30:  # a narrow terminal: details below each row, indented
+            indent = 4
+        avail = width - indent
+        lines = [head, f"{'pattern':<{pw}}  {'action':<{aw}}  parameters / why / counters", f"{'-' * pw}  {'-' * aw}  {'-' * max(avail, 10)}"]
         for r in self.records:
-            params = ", ".join(r.params)
-            if len(params) > 70:
-                params = params[:67] + "..."
-            stats = " ".join(f"{k}={v}" for k, v in sorted(r.stats.items()))
-            rows.append([r.pattern, r.action, r.reason, params, stats])
-        table = tabulate(rows, headers=["pattern", "action", "reason", "params", "stats"], tablefmt="github", maxcolwidths=[None, None, 60, 50, 40])
-        return f"{self.title}\n{table}"
+            details = _param_lines(r.params, avail)
+            details += _wrap_words(_short_reason(r.reason).split(" "), avail, "why: ", " " * 5)
+            if r.stats:
+                details += _wrap_words([f"{k}={v}" for k, v in r.stats.items()], avail, "counts: ", " " * 8)
+            first = f"{r.pattern:<{pw}}  {r.action:<{aw}}  "
+            if indent == 4:
+                lines.append(first.rstrip())
+                lines += [" " * indent + d for d in details]
+            else:
+                lines.append(first + details[0])
+                lines += [" " * indent + d for d in details[1:]]
+        return "\n".join(line.rstrip() for line in lines)
 
     __repr__ = __str__
+
+
+# -- rendering -------------------------------------------------------------------------
+
+#: Width used when the terminal's is unknown (output to a file or a pipe).
+DEFAULT_WIDTH = 120
+
+
+def terminal_width() -> int:
+    """The terminal's width (``COLUMNS`` first, as ``shutil`` reads it), or
+    ``DEFAULT_WIDTH`` when there is no terminal to ask."""
+    return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+
+
+def _count_actions(records: Sequence[Record]) -> List[Tuple[str, int]]:
+    counts: Dict[str, int] = {}
+    for r in records:
+        counts[r.action] = counts.get(r.action, 0) + 1
+    # Known actions in their usual order, any other after them as first seen.
+    return sorted(counts.items(), key=lambda kv: ACTIONS.index(kv[0]) if kv[0] in ACTIONS else len(ACTIONS))
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    """The longest prefix, ending at a dot, that every name shares and that
+    leaves every name a non-empty rest."""
+    if len(names) < 2:
+        return ""
+    parts = [n.split(".") for n in names]
+    prefix: List[str] = []
+    for i, seg in enumerate(parts[0][:-1]):
+        if all(len(p) > i + 1 and p[i] == seg for p in parts):
+            prefix.append(seg)
+        else:
+            break
+    return ".".join(prefix) + "." if prefix else ""
+
+
+def _param_lines(names: Sequence[str], width: int) -> List[str]:
+    """``prefix{a, b, c}``, filled into lines of ``width``; breaks only
+    between names."""
+    if not names:
+        return ["(no parameters)"]
+    prefix = _common_prefix(names)
+    if prefix:
+        members = [n[len(prefix):] for n in names]
+        tokens = [prefix + "{"] + [m + ("," if i < len(members) - 1 else "}") for i, m in enumerate(members)]
+        glue = [""] + [""] + [" "] * (len(members) - 1)  # no space after the brace
+    else:
+        tokens = [n + ("," if i < len(names) - 1 else "") for i, n in enumerate(names)]
+        glue = [""] + [" "] * (len(names) - 1)
+    cont = " " * min(len(prefix) + 1, 8) if prefix else "  "
+    lines: List[str] = []
+    cur = ""
+    for tok, sep in zip(tokens, glue):
+        if not cur:
+            cur = tok
+        elif len(cur) + len(sep) + len(tok) <= width:
+            cur += sep + tok
+        else:
+            lines.append(cur)
+            cur = cont + tok
+    lines.append(cur)
+    return lines
+
+
+def _wrap_words(words: Sequence[str], width: int, first: str, cont: str) -> List[str]:
+    lines: List[str] = []
+    cur = first
+    fresh = True
+    for w in words:
+        if not w:
+            continue
+        if fresh:
+            cur += w
+            fresh = False
+        elif len(cur) + 1 + len(w) <= width:
+            cur += " " + w
+        else:
+            lines.append(cur)
+            cur = cont + w
+    lines.append(cur)
+    return lines
+
+
+def _short_reason(reason: str) -> str:
+    """The reason with clauses that repeat an earlier one word for word
+    dropped (several steps may each add the same note)."""
+    seen: List[str] = []
+    for clause in reason.split("; "):
+        if clause not in seen:
+            seen.append(clause)
+    return "; ".join(seen)
+
+
+# -- WFPASS_REPORT=1 ---------------------------------------------------------------------
+
+_AT_EXIT: List[Report] = []
+
+
+def print_at_exit_if_asked(report: Report) -> None:
+    """With ``WFPASS_REPORT=1`` in the environment, print ``report`` to
+    stderr when the process exits. At compile time every counter is still 0;
+    at exit they say which path each call took."""
+    if os.environ.get("WFPASS_REPORT", "") in ("", "0"):
+        return
+    with _AT_EXIT_LOCK:
+        if not _AT_EXIT:
+            atexit.register(_print_reports)
+        if not any(r is report for r in _AT_EXIT):
+            _AT_EXIT.append(report)
+
+
+_AT_EXIT_LOCK = threading.Lock()
+
+
+def _print_reports() -> None:
+    for r in _AT_EXIT:
+        print(r, end="\n\n", file=sys.stderr)
