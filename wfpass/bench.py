@@ -1,0 +1,626 @@
+"""``python -m wfpass bench``: the headline comparisons in one run.
+
+Three models, each step timed four ways, interleaved:
+
+- a LLaMA-like decoder (RMSNorm, grouped-query attention, SwiGLU MLP),
+  forward without grad, at a decode size (1 token) and a prefill size;
+- an RNN language model (Embedding -> 2-layer LSTM -> Linear), a training
+  step and inference;
+- a bf16 CNN with BatchNorm (conv-BN-ReLU blocks), a training step and an
+  eval forward, plus the BatchNorm running statistics after a number of
+  training steps, against an fp32 copy.
+
+The four ways: eager PyTorch, ``torch.compile`` default (Inductor), the
+hand-fused reference compiled with Inductor (the decoder written with one
+Q/K/V and one gate/up linear; the CNN with its BatchNorms moved to fp32 by
+hand; the LSTM has none: eager already runs PyTorch's fused kernel), and
+``backend="wformat"``. Each output is first checked against eager.
+
+Timing: a round times every variant once (a sample: enough calls to last
+``min_s``, per-call time), in an order that rotates from round to round, so
+machine noise reaches all of them alike. The table gives the median over
+rounds and the spread (half the interquartile range over rounds, in % of
+the median).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Progress", "interleaved", "Timing", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN", "main", "run"]
+
+
+# -- progress on stderr ----------------------------------------------------------------
+
+
+class Progress:
+    """A progress bar on stderr: ``[#####.....] 12/40 label 3.1 s``. On a
+    terminal it redraws one line (and ticks the seconds while a long step,
+    such as a compile, runs); otherwise it prints one line per labelled
+    step, so logs stay readable."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, enabled: bool = True) -> None:
+        self.total, self.done = max(total, 1), 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.label = ""
+        self.t0 = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def _line(self, extra: str = "") -> str:
+        n = 24
+        full = min(n, n * self.done // self.total)
+        return f"[{'#' * full}{'.' * (n - full)}] {self.done}/{self.total} {self.label}{extra}"
+
+    def _draw(self, extra: str = "") -> None:
+        if not self.tty:
+            return
+        with self._lock:
+            self.stream.write("\r\033[K" + self._line(extra))
+            self.stream.flush()
+
+    def say(self, label: str) -> None:
+        """A new step begins."""
+        self.label = label
+        if not self.enabled:
+            return
+        if self.tty:
+            self._draw()
+        else:
+            print(self._line(), file=self.stream, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        self._draw()
+
+    @contextmanager
+    def working(self, label: str) -> Iterator[None]:
+        """A long step: the seconds tick on a terminal; the time it took is
+        printed either way."""
+        self.say(label)
+        start = time.perf_counter()
+        stop = threading.Event()
+        ticker = None
+        if self.tty:
+            def tick() -> None:
+                while not stop.wait(0.25):
+                    self._draw(f" {time.perf_counter() - start:.1f} s")
+
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            took = time.perf_counter() - start
+            if self.enabled and not self.tty:
+                print(f"    {label}: {took:.1f} s", file=self.stream, flush=True)
+            self.advance()
+
+    def close(self) -> None:
+        if self.tty:
+            with self._lock:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+
+
+# -- interleaved timing ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timing:
+    """Per-call seconds, one sample per round."""
+
+    samples: List[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """Half the interquartile range over rounds, relative to the median:
+        one disturbed round (another process on a shared machine) moves it
+        little, unlike the full range."""
+        if len(self.samples) < 2 or not self.median:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return (q3 - q1) / 2 / self.median
+
+    def cell(self, unit: float = 1e3) -> str:
+        return f"{self.median * unit:.3f} ±{self.spread * 100:.0f}%"
+
+
+def _calls_per_sample(fn: Callable[[], None], min_s: float) -> int:
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if time.perf_counter() - t0 >= min_s or n >= 1 << 16:
+            return n
+        n *= 2
+
+
+def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float = 0.02,
+                progress: Optional[Progress] = None) -> Dict[str, Timing]:
+    """Time every step ``rounds`` times, the variants interleaved inside each
+    round and their order rotated from round to round. Each step must
+    already have run once (compiled)."""
+    names = list(steps)
+    calls = {k: _calls_per_sample(steps[k], min_s) for k in names}
+    out: Dict[str, List[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            fn, n = steps[k], calls[k]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out[k].append((time.perf_counter() - t0) / n)
+        if progress is not None:
+            progress.advance()
+    return {k: Timing(v) for k, v in out.items()}
+
+
+# -- the models ------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class DecoderLayer(nn.Module):
+    """LLaMA-like: RMSNorm, grouped-query causal attention, SwiGLU. With
+    ``fused=True`` the layer is written by hand with one Q/K/V linear and one
+    gate/up linear: the layout a weight-format rewrite aims at."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int, fused: bool = False) -> None:
+        super().__init__()
+        self.h, self.kv, self.hd = heads, kv_heads, d // heads
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.fused, self.ffn = fused, ffn
+        qo, ko = heads * self.hd, kv_heads * self.hd
+        self.sizes = (qo, ko, ko)
+        if fused:
+            self.qkv = nn.Linear(d, qo + 2 * ko, bias=False)
+            self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d, n, bias=False) for n in self.sizes)
+            self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+        self.o = nn.Linear(qo, d, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.n1(x)
+        if self.fused:
+            q, k, v = self.qkv(h).split(self.sizes, -1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        q = q.view(b, t, self.h, self.hd).transpose(1, 2)
+        k = k.view(b, t, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
+        v = v.view(b, t, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        h = self.n2(x)
+        if self.fused:
+            g, u = self.gate_up(h).split(self.ffn, -1)
+        else:
+            g, u = self.gate(h), self.up(h)
+        return x + self.down(F.silu(g) * u)
+
+
+class Decoder(nn.Module):
+    def __init__(self, d: int = 256, layers: int = 4, heads: int = 8, kv_heads: int = 2, ffn: int = 1376,
+                 fused: bool = False) -> None:
+        super().__init__()
+        self.shape = dict(d=d, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn)
+        self.layers = nn.ModuleList(DecoderLayer(d, heads, kv_heads, ffn, fused) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def hand_fused_decoder(src: Decoder) -> Decoder:
+    """``src`` written by hand with fused Q/K/V and gate/up weights."""
+    out = Decoder(**src.shape, fused=True)
+    with torch.no_grad():
+        for a, b in zip(out.layers, src.layers):
+            a.qkv.weight.copy_(torch.cat([b.q.weight, b.k.weight, b.v.weight]))
+            a.gate_up.weight.copy_(torch.cat([b.gate.weight, b.up.weight]))
+            for name in ("o", "down", "n1", "n2"):
+                getattr(a, name).weight.copy_(getattr(b, name).weight)
+    return out
+
+
+class RnnLM(nn.Module):
+    """Embedding -> LSTM -> Linear over the vocabulary; input [T, batch]."""
+
+    def __init__(self, vocab: int = 500, hidden: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.emb = nn.Embedding(vocab, hidden)
+        self.rnn = nn.LSTM(hidden, hidden, num_layers=layers)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens):
+        return self.out(self.rnn(self.emb(tokens))[0])
+
+
+class BnCNN(nn.Module):
+    """Conv-BatchNorm-ReLU blocks with a residual, then pooling and a linear
+    head: the BatchNorm pattern of a ResNet."""
+
+    def __init__(self, width: int = 32, blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                          nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width))
+            for _ in range(blocks))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        return self.head(x.mean((2, 3)))
+
+
+def _bn_fp32_by_hand(model: nn.Module) -> nn.Module:
+    """The reference for the batchnorm format: BatchNorms in fp32 in a half
+    model; PyTorch's mixed-precision batch norm kernel then runs."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.float()
+    return model
+
+
+# -- the cases -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sizes:
+    decoder: dict
+    decode_tokens: int
+    prefill_tokens: int
+    rnn: dict
+    rnn_batch: int
+    rnn_steps: int
+    cnn: dict
+    cnn_input: tuple
+    bn_steps: int
+    rounds: int
+    min_s: float
+
+
+QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode_tokens=1, prefill_tokens=32,
+              rnn=dict(vocab=100, hidden=32, layers=2), rnn_batch=4, rnn_steps=16,
+              cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01)
+FULL = Sizes(decoder=dict(d=256, layers=4, heads=8, kv_heads=2, ffn=1376), decode_tokens=1, prefill_tokens=256,
+             rnn=dict(vocab=500, hidden=128, layers=2), rnn_batch=8, rnn_steps=64,
+             cnn=dict(width=32, blocks=3), cnn_input=(8, 3, 32, 32), bn_steps=100, rounds=7, min_s=0.05)
+
+VARIANTS = ("eager", "inductor", "hand-fused", "wformat")
+PARTS = ("decoder", "rnn", "cnn")
+
+
+@dataclasses.dataclass
+class Case:
+    model: str
+    step: str
+    size: str
+    # -> (steps by variant, an optional extra measurement run after the first calls)
+    build: Callable[[], tuple]
+    tol: float  # max |out - eager| relative to max |eager|
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    times: Dict[str, Timing]
+    first_call_s: Dict[str, float]
+    errors: Dict[str, float]
+    ok: bool
+
+
+def _compile(model: nn.Module, backend: str) -> nn.Module:
+    # dynamic=False: every size gets its own static graph, as in a serving
+    # loop that pads to fixed sizes; no size is compiled twice.
+    return torch.compile(model, backend=backend, dynamic=False)
+
+
+def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
+    def build():
+        torch.manual_seed(0)
+        base = Decoder(**s.decoder).eval()
+        x = torch.randn(1, tokens, s.decoder["d"])
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
+                  "hand-fused": _compile(hand_fused_decoder(base), "inductor"),
+                  "wformat": _compile(copy.deepcopy(base), "wformat")}
+
+        def step(m):
+            def run():
+                with torch.no_grad():
+                    return m(x)
+            return run
+
+        return {k: step(m) for k, m in models.items()}, None
+
+    d = s.decoder
+    return Case("LLaMA-like decoder", "forward", f"{label}: {tokens} token{'s' if tokens > 1 else ''}", build, 1e-4,
+                f"{d['layers']} layers, d_model {d['d']}, {d['heads']} heads / {d['kv_heads']} KV heads, SwiGLU {d['ffn']}, batch 1")
+
+
+def _rnn_case(s: Sizes, train: bool) -> Case:
+    def build():
+        torch.manual_seed(0)
+        base = RnnLM(**s.rnn)
+        tok = torch.randint(0, s.rnn["vocab"], (s.rnn_steps, s.rnn_batch))
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
+                  "wformat": _compile(copy.deepcopy(base), "wformat")}
+
+        def step(m):
+            if train:
+                def run():
+                    out = m(tok)
+                    out.sum().backward()
+                    return out.detach()
+            else:
+                def run():
+                    with torch.no_grad():
+                        return m(tok)
+            return run
+
+        return {k: step(m) for k, m in models.items()}, None
+
+    r = s.rnn
+    return Case("RNN language model", "training step" if train else "inference", f"T={s.rnn_steps}, batch {s.rnn_batch}",
+                build, 1e-4, f"Embedding {r['vocab']} -> {r['layers']}-layer LSTM {r['hidden']} -> Linear {r['vocab']}")
+
+
+def _cnn_case(s: Sizes, train: bool, stats: Dict[str, float]) -> Case:
+    def build():
+        torch.manual_seed(0)
+        base = BnCNN(**s.cnn).to(torch.bfloat16)
+        ref32 = BnCNN(**s.cnn)
+        ref32.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
+        x = torch.randn(*s.cnn_input, dtype=torch.bfloat16)
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
+                  "hand-fused": _compile(_bn_fp32_by_hand(copy.deepcopy(base)), "inductor"),
+                  "wformat": _compile(copy.deepcopy(base), "wformat")}
+
+        def bn_statistics() -> None:
+            # Running statistics on a stream whose channel means and spread
+            # drift (weights fixed, so only the statistics differ), against
+            # an fp32 copy given the same bf16 inputs. Runs the compiled
+            # training graphs, after their first call.
+            ref32(x.float())  # the step every variant took on its first call
+            g = torch.Generator().manual_seed(1)
+            batches = [(torch.randn(*s.cnn_input, generator=g) * (1.0 + 0.01 * i) + 2.0 + 0.02 * i).to(torch.bfloat16)
+                       for i in range(s.bn_steps)]
+            for m in list(models.values()) + [ref32]:
+                for xb in batches:
+                    m(xb if m is not ref32 else xb.float())
+            ref_bns = [m for m in ref32.modules() if isinstance(m, nn.BatchNorm2d)]
+            stats.clear()
+            for k, m in models.items():
+                mod = getattr(m, "_orig_mod", m)
+                bns = [b for b in mod.modules() if isinstance(b, nn.BatchNorm2d)]
+                stats[k] = statistics.median(
+                    ((b.running_var.float() - r.running_var).norm() / r.running_var.norm()).item() for b, r in zip(bns, ref_bns))
+                stats[k + " dtype"] = str(bns[0].running_var.dtype).replace("torch.", "")
+
+        for m in models.values():
+            m.train(train)
+
+        def step(m):
+            if train:
+                def run():
+                    out = m(x)
+                    out.float().sum().backward()
+                    return out.detach()
+            else:
+                def run():
+                    with torch.no_grad():
+                        return m(x)
+            return run
+
+        return {k: step(m) for k, m in models.items()}, (bn_statistics if train else None)
+
+    c = s.cnn
+    n_bn = 1 + 2 * c["blocks"]
+    return Case("bf16 CNN with BatchNorm", "training step" if train else "eval forward",
+                "x".join(map(str, s.cnn_input)), build, 5e-2,
+                f"{n_bn} conv-BatchNorm pairs, width {c['width']}, bf16")
+
+
+def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress] = None) -> tuple:
+    """Run the cases of ``parts``; returns (results, BatchNorm statistics)."""
+    stats: Dict[str, float] = {}
+    cases: List[Case] = []
+    if "decoder" in parts:
+        cases += [_decoder_case(sizes, sizes.decode_tokens, "decode"), _decoder_case(sizes, sizes.prefill_tokens, "prefill")]
+    if "rnn" in parts:
+        cases += [_rnn_case(sizes, True), _rnn_case(sizes, False)]
+    if "cnn" in parts:
+        cases += [_cnn_case(sizes, True, stats), _cnn_case(sizes, False, stats)]
+    if progress is None:
+        progress = Progress(0, enabled=False)
+    # Per case: one unit for building, one per variant's first call, one per round.
+    progress.total = sum(2 + len(VARIANTS) + sizes.rounds for _ in cases) + ("cnn" in parts)
+    results = []
+    for case in cases:
+        torch.compiler.reset()  # each case starts from nothing compiled
+        name = f"{case.model}, {case.step}, {case.size}"
+        with progress.working(f"{name}: building"):
+            steps, extra = case.build()
+        first, errors, ok = {}, {}, True
+        ref = None
+        for k, fn in steps.items():
+            what = "running eager" if k == "eager" else f"compiling {k}"
+            with progress.working(f"{name}: {what}"):
+                t0 = time.perf_counter()
+                out = fn()
+                first[k] = time.perf_counter() - t0
+            out = out.float()
+            if ref is None:
+                ref = out
+            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            errors[k] = err
+            ok &= math.isfinite(err) and err <= case.tol
+        progress.advance(len(VARIANTS) - len(steps))
+        if extra is not None:
+            with progress.working(f"{name}: BatchNorm statistics, {sizes.bn_steps} steps"):
+                extra()
+        progress.say(f"{name}: timing, {sizes.rounds} interleaved rounds")
+        times = interleaved(steps, sizes.rounds, sizes.min_s, progress)
+        results.append(Result(case, times, first, errors, ok))
+        progress.advance()
+        del steps
+    torch.compiler.reset()
+    progress.close()
+    return results, stats
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()} ({cpu}), "
+            f"{os.cpu_count()} CPUs visible, {torch.get_num_threads()} torch threads; every model on the CPU")
+
+
+def markdown(results: Sequence[Result], stats: Dict[str, float], sizes: Sizes, command: str, seconds: float) -> str:
+    lines = [f"Command: `{command}`  ",
+             f"{_machine()}; {sizes.rounds} interleaved rounds per row, {seconds:.0f} s in all.",
+             "",
+             "Times in ms per call: median over rounds, ± half the interquartile range over rounds. "
+             "*x Inductor*: Inductor's time / wformat's (above 1: wformat is faster). "
+             "*hand-fused*: the decoder written with one Q/K/V and one gate/up linear, or the CNN with its "
+             "BatchNorms in fp32 by hand, compiled with Inductor; the LSTM has no hand-fused reference "
+             "(eager already runs PyTorch's fused kernel).",
+             "",
+             "| model | step | size | eager | Inductor | hand-fused | wformat | wformat x Inductor | wformat x eager | output checked |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = r.times
+        cells = [t[k].cell() if k in t else "-" for k in VARIANTS]
+        vs_i = t["inductor"].median / t["wformat"].median
+        vs_e = t["eager"].median / t["wformat"].median
+        worst = max(v for k, v in r.errors.items() if k != "eager")
+        check = f"{'ok' if r.ok else 'MISMATCH'} ({worst:.0e})"
+        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | " + " | ".join(cells)
+                     + f" | {vs_i:.2f} | {vs_e:.2f} | {check} |")
+    lines += ["", "*output checked*: largest |variant - eager| over largest |eager|, all compiled variants "
+              "(bf16 CNN: tolerance 5e-2; the rest 1e-4).", ""]
+    lines += ["First call (compile included), seconds:", "",
+              "| model | step | size | Inductor | hand-fused | wformat |", "|---|---|---|---|---|---|"]
+    for r in results:
+        f = r.first_call_s
+        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | "
+                     + " | ".join(f"{f[k]:.1f}" if k in f else "-" for k in VARIANTS[1:]) + " |")
+    lines.append("")
+    models = {}
+    for r in results:
+        models.setdefault(r.case.model, r.case.note)
+    lines += ["Models: " + "; ".join(f"{k}: {v}" for k, v in models.items()) + ".", ""]
+    if stats:
+        lines += [f"BatchNorm running_var after {sizes.bn_steps} training steps on a drifting bf16 stream "
+                  "(weights fixed), relative error against an fp32 copy given the same inputs, median over the "
+                  "BatchNorms:", "",
+                  "| variant | statistics dtype | running_var error |", "|---|---|---|"]
+        for k in VARIANTS:
+            if k in stats:
+                lines.append(f"| {k} | {stats[k + ' dtype']} | {stats[k]:.2e} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], path: str) -> Optional[str]:
+    """A bar chart of every variant's time relative to Inductor's, with the
+    spread as error bars. Returns a message instead when matplotlib is
+    missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed, so no plot was written (pip install matplotlib)"
+    labels = [f"{r.case.model}\n{r.case.step}, {r.case.size}" for r in results]
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(results) + 1.5))
+    h = 0.8 / len(VARIANTS)
+    for i, k in enumerate(VARIANTS):
+        ys, xs, errs = [], [], []
+        for j, r in enumerate(results):
+            if k in r.times:
+                base = r.times["inductor"].median
+                ys.append(j + (i - (len(VARIANTS) - 1) / 2) * h)
+                xs.append(r.times[k].median / base)
+                errs.append(r.times[k].spread * r.times[k].median / base)
+        ax.barh(ys, xs, height=h, xerr=errs, label=k, capsize=2)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(results)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per call relative to Inductor (lower is faster)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"wfpass bench, torch {torch.__version__}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] = None, parts: Sequence[str] = PARTS,
+         threads: Optional[int] = None, plot_file: bool = True, command: str = "python -m wfpass bench") -> int:
+    import wfpass
+
+    wfpass._load_api()  # registers the backend's passes
+    sizes = dataclasses.replace(QUICK if quick else FULL)
+    if rounds is not None:
+        sizes.rounds = rounds
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    progress = Progress(0)
+    results, stats = run(sizes, parts, progress)
+    text = markdown(results, stats, sizes, command, time.perf_counter() - t0)
+    print(text)
+    os.makedirs(out, exist_ok=True)
+    table_path = os.path.join(out, "bench.md")
+    with open(table_path, "w") as f:
+        f.write(text)
+    print(f"table written to {table_path}")
+    if plot_file:
+        png = os.path.join(out, "bench.png")
+        msg = plot(results, png)
+        print(msg if msg else f"plot written to {png}")
+    return 0 if all(r.ok for r in results) else 1
