@@ -138,10 +138,15 @@ class Timing:
         """Half the interquartile range over rounds, relative to the median:
         one disturbed round (another process on a shared machine) moves it
         little, unlike the full range."""
-        if len(self.samples) < 2 or not self.median:
-            return 0.0
+        q1, q3 = self.quartiles
+        return (q3 - q1) / 2 / self.median if self.median else 0.0
+
+    @property
+    def quartiles(self) -> tuple:
+        if len(self.samples) < 2:
+            return self.median, self.median
         q1, _, q3 = statistics.quantiles(self.samples, n=4, method="inclusive")
-        return (q3 - q1) / 2 / self.median
+        return q1, q3
 
     def cell(self, unit: float = 1e3) -> str:
         return f"{self.median * unit:.3f} ±{self.spread * 100:.0f}%"
@@ -578,19 +583,22 @@ def plot(results: Sequence[Result], path: str) -> Optional[str]:
     fig, ax = plt.subplots(figsize=(9, 0.9 * len(results) + 1.5))
     h = 0.8 / len(VARIANTS)
     for i, k in enumerate(VARIANTS):
-        ys, xs, errs = [], [], []
+        ys, xs, lo, hi = [], [], [], []
         for j, r in enumerate(results):
             if k in r.times:
-                base = r.times["inductor"].median
+                t, base = r.times[k], r.times["inductor"].median
+                q1, q3 = t.quartiles
                 ys.append(j + (i - (len(VARIANTS) - 1) / 2) * h)
-                xs.append(r.times[k].median / base)
-                errs.append(r.times[k].spread * r.times[k].median / base)
-        ax.barh(ys, xs, height=h, xerr=errs, label=k, capsize=2)
+                xs.append(t.median / base)
+                lo.append((t.median - q1) / base)
+                hi.append((q3 - t.median) / base)
+        ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", label=k, capsize=3)
+    ax.set_xscale("log")
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(results)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("time per call relative to Inductor (lower is faster)")
+    ax.set_xlabel("time per call relative to Inductor, log scale (left of 1: faster; bars: interquartile range)")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"wfpass bench, torch {torch.__version__}", fontsize=10)
     fig.tight_layout()
@@ -607,6 +615,11 @@ def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] =
     sizes = dataclasses.replace(QUICK if quick else FULL)
     if rounds is not None:
         sizes.rounds = rounds
+    if threads is None and quick:
+        # Tiny sizes gain nothing from threads, and on a busy machine a
+        # second thread waiting for a descheduled first one costs more than
+        # the whole call.
+        threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", type=_parts, default=None, metavar="PARTS",
                        help="comma list of the models to run: decoder, rnn, cnn (default: all three)")
     bench.add_argument("--threads", type=_positive, default=None,
-                       help="torch threads (default: torch's own choice)")
+                       help="torch threads (default: torch's own choice; 1 with --quick)")
     bench.add_argument("--no-plot", action="store_true", help="write the table only, not bench.png")
     return parser
 

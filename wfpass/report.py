@@ -140,7 +140,7 @@ class Report:
         if width - indent < 30:  # a narrow terminal: details below each row, indented
             indent = 4
         avail = width - indent
-        lines = [head, f"{'pattern':<{pw}}  {'action':<{aw}}  parameters / why / counters", f"{'-' * pw}  {'-' * aw}  {'-' * max(avail, 10)}"]
+        lines = _wrap_words(head.split(" "), width, "", "  ") + [f"{'pattern':<{pw}}  {'action':<{aw}}  parameters / why / counters", f"{'-' * pw}  {'-' * aw}  {'-' * max(avail, 10)}"]
         for r in self.records:
             details = _param_lines(r.params, avail)
             details += _wrap_words(_short_reason(r.reason).split(" "), avail, "why: ", " " * 5)

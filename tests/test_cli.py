@@ -1,0 +1,139 @@
+"""``python -m wfpass``: help and version without importing torch, help
+text for every option, ``bench --quick`` writing its table and plot, the
+demo tour, and ``WFPASS_REPORT=1`` printing at exit."""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import wfpass
+from wfpass import bench, cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_help_and_version_answer_without_importing_torch():
+    t0 = time.perf_counter()
+    res = _run("-X", "importtime", "-m", "wfpass", "--help")
+    took = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "wfpass.cli" in imported
+    # Measured at about 0.1 s; the bound leaves room for a loaded machine.
+    assert took < 5.0
+    assert "demo" in res.stdout and "bench" in res.stdout and "--version" in res.stdout
+    res = _run("-m", "wfpass", "--version")
+    assert res.returncode == 0 and res.stdout.startswith(f"wfpass {wfpass.__version__} (torch ")
+
+
+def test_every_option_has_help_and_no_markup():
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = [parser] + list(subs.choices.values())
+    assert set(subs.choices) == {"demo", "bench"}
+    for p in parsers:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                assert all(c.help for c in action._choices_actions)
+                continue
+            assert action.help and len(action.help) > 10, (p.prog, action.option_strings)
+        text = p.format_help()
+        # reStructuredText markup reads as noise in a terminal
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, p.prog
+
+
+def test_bad_option_values_are_refused_with_the_option_named(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--only", "decoder,gpt"])
+    assert "--only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_bench_quick_writes_its_table_and_plot(tmp_path):
+    res = _run("-m", "wfpass", "bench", "--quick", "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    table = (tmp_path / "out" / "bench.md").read_text()
+    png = (tmp_path / "out" / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    rows = [line for line in table.splitlines() if line.startswith("| LLaMA") or line.startswith("| RNN")
+            or line.startswith("| bf16")]
+    # Six timed rows, then the same six in the first-call table.
+    steps = [r.split(" | ")[1] for r in rows[:6]]
+    assert steps == ["forward", "forward", "training step", "inference", "training step", "eval forward"], table
+    for row in rows[:6]:
+        cells = row.strip("|").split(" | ")
+        for cell in cells[3:7]:
+            assert cell == "-" or re.fullmatch(r"\d+\.\d{3} ±\d+%", cell), row
+        assert float(cells[7]) > 0 and float(cells[8]) > 0
+        assert cells[9].startswith("ok"), row
+    assert "running_var error" in table and "| wformat | float32 |" in table
+    # The progress bar went to stderr, the table to stdout.
+    assert "[" in res.stderr and "/" in res.stderr and "| model |" in res.stdout
+
+
+def test_plot_is_optional_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    case = bench.Case("m", "s", "z", lambda: None, 1e-4)
+    res = bench.Result(case, {k: bench.Timing([1.0, 1.1, 0.9]) for k in bench.VARIANTS}, {}, {}, True)
+    msg = bench.plot([res], str(tmp_path / "x.png"))
+    assert "matplotlib is not installed" in msg and not (tmp_path / "x.png").exists()
+
+
+def test_interleaved_timing_rotates_the_order_and_keeps_every_round():
+    seen = []
+    steps = {k: (lambda k=k: seen.append(k)) for k in "abc"}
+    t = bench.interleaved(steps, rounds=3, min_s=0.0)
+    assert {k: len(v.samples) for k, v in t.items()} == {"a": 3, "b": 3, "c": 3}
+    timed = seen[3:]  # after one calibration call each
+    assert timed[:3] == ["a", "b", "c"] and timed[3:6] == ["b", "c", "a"] and timed[6:] == ["c", "a", "b"]
+    assert bench.Timing([1.0, 2.0, 3.0, 4.0, 100.0]).median == 3.0
+    assert bench.Timing([1.0, 1.0, 1.0]).spread == 0.0
+
+
+def test_demo_tour_checks_and_shows_zero_bytes_and_same_parameters():
+    res = _run("-m", "wfpass", "demo", "--layers", "1", "--rounds", "2")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert "the same nn.Parameter objects as before compiling: yes" in out
+    assert "(+0 bytes)" in out
+    assert "pattern" in out and "layers.0.{q.weight, k.weight, v.weight}" in out
+    assert "| decode, 1 token" in out and "| prefill, 64 tokens" in out
+    assert out.rstrip().endswith("OK: every check passed")
+    assert "compiling" in res.stderr  # progress while the compiles run
+
+
+def test_wfpass_report_env_prints_at_exit_with_live_counters():
+    code = (
+        "import torch, wfpass\n"
+        "from torch import nn\n"
+        "class QKV(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.q(x).sum() + self.k(x).sum() + self.v(x).sum()\n"
+        "f = torch.compile(QKV(), backend=wfpass.backend(inner='eager'))\n"
+        "for _ in range(3):\n"
+        "    f(torch.randn(1, 16))\n"
+        "print('done')\n"
+    )
+    res = _run("-c", code, env={"WFPASS_REPORT": "1"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "done"  # the report goes to stderr, after the program's own output
+    assert "wfpass report" in res.stderr and "fused_calls=3" in res.stderr and "q.weight, q.bias, k.weight" in res.stderr
+    res = _run("-c", code, env={"WFPASS_REPORT": "0"})
+    assert "wfpass report" not in res.stderr
