@@ -332,8 +332,9 @@ def test_double_backward_works_in_apply_graphs():
     torch.testing.assert_close(torch.autograd.grad(g1.pow(2).sum(), x)[0], gg, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("zero_state", [False, True])
 @pytest.mark.parametrize("train", [False, True])
-def test_lstm_layer_op_passes_torch_library_opcheck(train):
+def test_lstm_layer_op_passes_torch_library_opcheck(train, zero_state):
     """PyTorch's own checker on ``wfpass::lstm_layer``: schema (no aliasing,
     no mutation), fake implementation (shapes, dtypes, strides, the oneDNN
     workspace size included) and the registered autograd formula."""
@@ -342,7 +343,7 @@ def test_lstm_layer_op_passes_torch_library_opcheck(train):
     x = torch.randn(4, 2, I, requires_grad=train)
     ws = [torch.randn(4 * H, I), torch.randn(4 * H, H), torch.randn(4 * H), torch.randn(4 * H)]
     ws = [w.requires_grad_(train) for w in ws]
-    h, c = torch.randn(1, 2, H), torch.randn(1, 2, H)
+    h, c = (None, None) if zero_state else (torch.randn(1, 2, H), torch.randn(1, 2, H))
     # Not the aot_dispatch checks: they compare every output of two runs, and
     # the workspace is oneDNN's scratch memory, whose bytes differ run to run.
     torch.library.opcheck(torch.ops.wfpass.lstm_layer.default, (x, *ws, h, c, False, H, True, train),

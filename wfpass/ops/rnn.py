@@ -214,8 +214,8 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
         w0, w1 = w[0], w[1]
         w2, w3 = (w[2], w[3]) if has_b else (w0.new_zeros(w0.shape[0]),) * 2
         y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
-            layer_in.contiguous(), w0, w1, w2, w3, h0[k : k + 1].contiguous(), c0[k : k + 1].contiguous(), reverse,
-            spec.hidden_size, has_b, need_grad,
+            layer_in.contiguous(), w0, w1, w2, w3, None if h0 is None else h0[k : k + 1].contiguous(),
+            None if c0 is None else c0[k : k + 1].contiguous(), reverse, spec.hidden_size, has_b, need_grad,
         )
         return y, (hy, cy)
 
@@ -260,8 +260,11 @@ class RnnForward:
         spec = self.spec
         p = spec.dropout
         ws, has_b = weights, spec.has_biases
+        if self.path != "mkldnn" and any(h is None for h in hx):
+            # A zero state (None): the oneDNN op fills its own; the others get it here.
+            hx = [z if h is None else h for h, z in zip(hx, _zero_state(spec, x))]
         if self.path == "mkldnn":
-            need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *hx, *weights))
+            need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
         elif self.path == "loop":
             outs = _loop(spec, x, hx, ws, has_b, self.train, p)
@@ -465,17 +468,26 @@ class RnnModuleCall:
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _LIB.define(
-    "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor hx, Tensor cx, "
+    "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
     "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 _LIB.define(
-    "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor hx, Tensor cx, "
+    "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
     "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
     "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
+def _zero_hx(input, hx, hidden_size):
+    """``None`` -> the zero state ``[1, B, H]``. Made here, inside the op,
+    rather than in the graph: a zeros tensor in the graph is a kernel
+    Inductor must generate and compile (seconds of C++ compile on a cold
+    cache, measured), for a value the op can fill itself."""
+    return input.new_zeros((1, input.shape[1], hidden_size)) if hx is None else hx
+
+
 def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
     with torch.enable_grad() if train else torch.no_grad():
         y, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer.default(
             input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1, has_biases, False, False, train)
@@ -511,12 +523,14 @@ def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size
     if train:
         # Static shapes only: the pass takes this op for a symbolic T only without grad.
         n = workspace_numel(int(T), int(B), int(input.shape[2]), hidden_size, input.dtype, has_biases)
-    return (input.new_empty((T, B, hidden_size)), hx.new_empty(hx.shape), cx.new_empty(cx.shape),
+    state = (1, B, hidden_size)
+    return (input.new_empty((T, B, hidden_size)), input.new_empty(state), input.new_empty(state),
             input.new_empty((n,), dtype=torch.uint8))
 
 
 def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
                          reverse, hidden_size, has_biases, workspace):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
     grads = torch.ops.aten.mkldnn_rnn_layer_backward.default(
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
         hidden_size, 1, has_biases, True, False, [], False, workspace)
@@ -541,6 +555,7 @@ def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, 
 
 def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
                               reverse, hidden_size, has_biases, workspace):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
     return tuple(torch.empty_like(t) for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx))
 
 
@@ -563,8 +578,9 @@ def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
     reverse, hidden_size, has_biases, train = ctx.static
     if not train:
         raise RuntimeError("wfpass: an LSTM layer run without grad was differentiated")
-    grads = torch.ops.wfpass.lstm_layer_backward.default(
-        input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gy, ghy, gcy, reverse, hidden_size, has_biases, ws)
+    grads = list(torch.ops.wfpass.lstm_layer_backward.default(
+        input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gy, ghy, gcy, reverse, hidden_size, has_biases, ws))
+    grads[5:7] = [g if h is not None else None for g, h in zip(grads[5:7], (hx, cx))]  # no grad for a state made inside
     return (*grads, None, None, None, None)
 
 

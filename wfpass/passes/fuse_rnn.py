@@ -345,6 +345,41 @@ def _threshold(ctx: PassContext, s: _Site, spec: RnnSpec, record) -> int:
     return measure_threshold(spec, record, x, hx, ws, spec.has_biases, bool(s.consts[3]), spec.dropout, need_grad)
 
 
+_ZEROS = {torch.zeros, torch.zeros_like, torch.ops.aten.zeros.default}
+_SHAPE_OPS = {torch.stack, torch.cat, torch.unsqueeze, "unsqueeze", "expand", "contiguous", "view", "reshape"}
+
+
+def _zeros_node(n: Any) -> bool:
+    """Is ``n`` all zeros by construction (``torch.zeros``, ``zeros_like``,
+    ``new_zeros``, or stacked / reshaped from such)?"""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return False
+    if n.target in _ZEROS or n.target == "new_zeros":
+        return True
+    if n.target in _SHAPE_OPS and n.args:
+        first = n.args[0]
+        parts = first if isinstance(first, (list, tuple)) else [first]
+        return bool(parts) and all(_zeros_node(p) for p in parts)
+    return False
+
+
+def _is_zero_state(h: fx.Node, spec: RnnSpec, x_val: Any, which: int) -> bool:
+    """A state argument the RNN op can make itself: zeros of exactly the
+    shape and dtype ``nn.LSTM/GRU/RNN`` would build (only the oneDNN op
+    and the loops read ``None`` as that)."""
+    v = meta_value(h)
+    if not (_zeros_node(h) and isinstance(v, torch.Tensor) and isinstance(x_val, torch.Tensor)):
+        return False
+    if v.dtype != x_val.dtype or v.device != x_val.device or v.requires_grad:
+        return False
+    batch = x_val.shape[0 if spec.batch_first else 1] if x_val.dim() == 3 else None
+    want = (spec.num_layers * spec.directions, batch, spec.out_hidden if which == 0 else spec.hidden_size)
+    try:
+        return batch is not None and v.dim() == 3 and tuple(int(d) for d in v.shape) == tuple(int(d) for d in want)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, claimed) -> None:
     ws = [r.tensor for r in s.weights]
     names = [r.name for r in s.weights]
@@ -387,8 +422,11 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
             site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
             site.counter = (counter,)
             ctx.add_site(site)
+        hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
+        if hx != list(s.hx):
+            record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
         with g.inserting_before(node):
-            new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, list(s.hx), *w_nodes))
+            new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
     else:
         with g.inserting_before(node):
             w_nodes = [g.get_attr(n) for n in names]
