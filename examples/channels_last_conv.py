@@ -45,8 +45,9 @@ def main():
             for _ in range(3):  # the first call runs eagerly, then one recompile sees the new layout
                 out = compiled(x)
             torch.testing.assert_close(out, ref(x), rtol=1e-4, atol=1e-5)
-        report = wfpass.last_report()
-        print(report)
+        # Every decision about this model: the move on the first compile,
+        # "already in this format" on the recompile it caused.
+        print(wfpass.report(model))
         assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in model if isinstance(m, nn.Conv2d))
         assert list(model.state_dict()) == list(ref.state_dict())
         wfpass.restore(model)

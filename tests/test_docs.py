@@ -36,3 +36,86 @@ def test_every_cited_test_exists(doc):
 def test_the_guarantees_page_cites_tests():
     # The parser above must find the page's citations (else the check is empty).
     assert len(_citations((ROOT / "docs" / "guarantees.md").read_text())) > 100
+
+
+# -- the docs speak to users ---------------------------------------------------------
+
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+# Pages written by hand (the others are tables a benchmark wrote).
+PROSE = ["index.md", "runtime.md", "guarantees.md", "linear.md", "rnn.md", "batchnorm.md", "write_your_own_format.md"]
+TERMS = ["Dynamo", "FX graph", "ATen", "AOTAutograd", "Inductor", "GEMM", "oneDNN", "cuDNN"]
+
+
+def test_index_lists_every_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in sorted((ROOT / "docs").iterdir()):
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, f"docs/index.md does not list {page.name}"
+    assert set(PROSE) <= {p.name for p in PAGES}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_words_about_how_the_project_is_organised(doc):
+    # Readers want the software, not the story of its making.
+    text = doc.read_text()
+    banned = r"\b(issues?|sessions?|lent|helpers?|the lead|second run of the team|could not be carried|first written|first version of this page)\b"
+    found = [m.group(0) for m in re.finditer(banned, text, re.I)]
+    assert not found, f"{doc.name}: {found}"
+
+
+def test_terms_are_defined_once_in_the_index_and_linked_from_every_prose_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    terms = index.split("## Terms", 1)[1]
+    for term in TERMS:
+        assert f"- **{term}**" in terms, term
+    for name in PROSE[1:]:
+        text = (ROOT / "docs" / name).read_text()
+        assert "index.md#terms" in text, f"{name} uses the terms without pointing to their definitions"
+        # Defined in one place: no page repeats a definition in brackets.
+        for phrase in ("(PyTorch's tensor operators)", "(Intel's CPU kernel library", "front end, which records"):
+            assert phrase not in text, (name, phrase)
+
+
+def test_defaults_stated_in_the_docs_are_the_code_s():
+    from wfpass.config import DEFAULT_SEQ_THRESHOLD, Config
+
+    cpu, rows = DEFAULT_SEQ_THRESHOLD["cpu"], Config().fused_max_rows
+    rnn = (ROOT / "docs" / "rnn.md").read_text()
+    assert f"default `None`: **{cpu}** on the CPU" in rnn and f"default {cpu} on the CPU" in rnn
+    assert f"default seq_threshold = None ({cpu} on the CPU)" in (ROOT / "docs" / "rnn_results.md").read_text()
+    assert f"default N = {DEFAULT_SEQ_THRESHOLD['cuda']}" in rnn.replace("CUDA default N", "default N")
+    readme = (ROOT / "README.md").read_text()
+    assert f"| `seq_threshold` | `None`: {cpu} on the CPU |" in readme
+    assert f"| `fused_max_rows` | {rows} |" in readme
+    assert f"`fused_max_rows` (default {rows})" in (ROOT / "docs" / "linear.md").read_text()
+
+
+def test_every_option_of_config_is_in_the_readme_table():
+    import dataclasses
+
+    from wfpass.config import Config
+
+    readme = (ROOT / "README.md").read_text()
+    for f in dataclasses.fields(Config):
+        if f.name != "dry_run":  # wfpass.explain's switch, not a user option
+            assert f"| `{f.name}` |" in readme, f.name
+
+
+def test_write_your_own_format_quotes_the_example_verbatim():
+    page = (ROOT / "docs" / "write_your_own_format.md").read_text()
+    example = (ROOT / "examples" / "channels_last_conv.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        assert block in example, f"not in examples/channels_last_conv.py:\n{block}"
+    # The members the page's table explains are the ones ParamFormat has.
+    import wfpass
+
+    for member in ("name", "targets", "roles", "to_format", "from_format", "check", "kernel"):
+        assert f"| `{member}" in page and hasattr(wfpass.ParamFormat, member), member
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(doc):
+    for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", doc.read_text()):
+        assert (doc.parent / target).exists(), f"{doc.name} links to a missing {target}"
