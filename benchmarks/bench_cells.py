@@ -108,8 +108,7 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
         if name == "inductor" and skip_inductor:
             compile_s[name] = None
             continue
-        m = copy.deepcopy(loop)
-        torch._dynamo.reset()
+        m = copy.deepcopy(loop)  # a model of its own: no torch._dynamo.reset(), which would recompile the others
         cm = torch.compile(m, backend=backend)
         fn = step(cm)
         signal.signal(signal.SIGALRM, _alarm)
@@ -127,6 +126,11 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
         if name == "wformat":
             folded = [r for r in wfpass.report(m).records if r.pattern == "rnn" and r.action == "rewritten"]
             assert folded, "wformat did not fold the loop"
+    # Dynamo alone (its trace grows with T whatever the backend does);
+    # measured after the others, so without the process's one-time costs.
+    t0 = time.perf_counter()
+    step(torch.compile(copy.deepcopy(loop), backend="eager"))()
+    compile_s["dynamo"] = time.perf_counter() - t0
     for fn in variants.values():  # warm-up
         fn()
     times = {k: [] for k in variants}
@@ -193,14 +197,15 @@ def main() -> None:
         f"{platform.python_version()}; {a.rounds} interleaved rounds of {a.reps} calls, medians. "
         f"Model: `LSTMCell({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
         "",
-        "Compile + first step: a fresh process, Inductor caches off; 'n/a' = stopped after "
+        "Compile + first step: a fresh process, Inductor caches off ('of which Dynamo': the same with "
+        "`backend=\"eager\"`, Dynamo's trace alone, measured after the others); 'n/a' = stopped after "
         f"{a.compile_limit:.0f} s (or not tried: a shorter T already took longer). Speed: wformat's time relative to "
         "the eager loop and to eager `nn.LSTM` with the same weights (x > 1: wformat faster); spread = (max - min) / "
         "median of the round medians.",
         "",
-        "| layers | mode | T | compile+1st: Inductor | compile+1st: wformat | eager loop ms | Inductor ms | wformat ms "
+        "| layers | mode | T | compile+1st: Inductor | compile+1st: wformat | of which Dynamo | eager loop ms | Inductor ms | wformat ms "
         "| eager nn.LSTM ms | wformat vs eager loop | wformat vs nn.LSTM | wformat vs Inductor | spread (wformat) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -208,7 +213,7 @@ def main() -> None:
         ind = ms.get("inductor")
         lines.append(
             f"| {r['layers']} | {r['mode']} | {r['T']} | {_fmt(r['compile_s']['inductor'], ' s')} | "
-            f"{_fmt(r['compile_s']['wformat'], ' s')} | {ms['eager loop']:.2f} | {_fmt(ind)} | {_fmt(w)} | "
+            f"{_fmt(r['compile_s']['wformat'], ' s')} | {_fmt(r['compile_s']['dynamo'], ' s')} | {ms['eager loop']:.2f} | {_fmt(ind)} | {_fmt(w)} | "
             f"{ms['eager nn.LSTM']:.2f} | {ms['eager loop'] / w:.2f}x | {ms['eager nn.LSTM'] / w:.2f}x | "
             f"{'n/a' if ind is None else f'{ind / w:.2f}x'} | {r['spread']['wformat']:.0%} |")
     text = "\n".join(lines) + "\n"
