@@ -398,3 +398,33 @@ def test_symbolic_trace_apply_folds_call_module_cells():
     for (n, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
     assert rep.records[0].stats["fused_calls"] == 2
+
+
+def test_cell_sharing_weights_with_an_lstm_keeps_the_tie():
+    """A cell whose Parameters are an ``nn.LSTM``'s layer: the cell loop and
+    the LSTM are one weight set, one block, one record naming both."""
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(I, H)
+            self.cell = nn.LSTMCell(I, H)
+            for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                setattr(self.cell, n, getattr(self.lstm, f"{n}_l0"))
+
+        def forward(self, x):
+            y, _ = self.lstm(x)
+            h = c = torch.zeros(x.shape[1], H)
+            outs = []
+            for t in range(x.shape[0]):
+                h, c = self.cell(x[t] * 0.5, (h, c))
+                outs.append(h)
+            return y + torch.stack(outs)
+
+    m = Shared()
+    cap = _check(m, torch.randn(6, B, I, requires_grad=True))
+    assert cap.count(_cells) == 0 and cap.count(_rnn) == 2
+    assert m.cell.weight_ih is m.lstm.weight_ih_l0
+    (rec,) = _records(m)
+    assert rec.action == "rewritten" and "nn.LSTMCell loop" in rec.reason and "'lstm' (nn.LSTM)" in rec.reason
+    assert len({p.untyped_storage().data_ptr() for p in m.parameters()}) == 1

@@ -395,6 +395,8 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
     prior = claimed.get(ids[0])
     if prior is not None and prior[0] == ids:
         site = prior[1]
+        if spec.name not in site.record.reason:  # e.g. a cell loop over an nn.LSTM's own weights
+            site.record.reason += f"; also called as {spec.name}"
     else:
         site = _new_group(ctx, s, spec, ws, names, how, detail, overlap=any(i in claimed for i in ids))
         for i in ids:
