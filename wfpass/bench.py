@@ -33,6 +33,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, TextIO
 
@@ -300,7 +301,7 @@ def _bn_fp32_by_hand(model: nn.Module) -> nn.Module:
     """The reference for the batchnorm format: BatchNorms in fp32 in a half
     model; PyTorch's mixed-precision batch norm kernel then runs."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             m.float()
     return model
 
@@ -339,7 +340,8 @@ class Case:
     model: str
     step: str
     size: str
-    # -> (steps by variant, an optional extra measurement run after the first calls)
+    # -> (models by variant, steps by variant, an optional extra measurement
+    # run after the first calls)
     build: Callable[[], tuple]
     tol: float  # max |out - eager| relative to max |eager|
     note: str = ""
@@ -352,12 +354,30 @@ class Result:
     first_call_s: Dict[str, float]
     errors: Dict[str, float]
     ok: bool
+    rewrites: str = ""  # what wfpass.report says the wformat model got
+
+
+def _own_code(model: nn.Module) -> nn.Module:
+    """Give ``model`` a ``forward`` with a code object of its own (a subclass
+    with a copy of the function). Dynamo keeps its state per code object:
+    cached graphs, and a mark that makes every later call of a frame it
+    failed to compile run eagerly, for every backend. Without this, the
+    first variant compiled decides for the others: ``torch.compile``'s
+    default gives up on a model with an LSTM, and from then on the wformat
+    copy of the same class would run eagerly too. Each variant is measured
+    as if it ran in a process of its own."""
+    cls = type(model)
+    fwd = cls.forward
+    own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__, fwd.__closure__)
+    model.__class__ = type(cls.__name__, (cls,), {"forward": own, "__module__": cls.__module__,
+                                                   "__qualname__": cls.__qualname__})
+    return model
 
 
 def _compile(model: nn.Module, backend: str) -> nn.Module:
     # dynamic=False: every size gets its own static graph, as in a serving
     # loop that pads to fixed sizes; no size is compiled twice.
-    return torch.compile(model, backend=backend, dynamic=False)
+    return torch.compile(_own_code(model), backend=backend, dynamic=False)
 
 
 def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
@@ -375,7 +395,7 @@ def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
                     return m(x)
             return run
 
-        return {k: step(m) for k, m in models.items()}, None
+        return models, {k: step(m) for k, m in models.items()}, None
 
     d = s.decoder
     return Case("LLaMA-like decoder", "forward", f"{label}: {tokens} token{'s' if tokens > 1 else ''}", build, 1e-4,
@@ -402,7 +422,7 @@ def _rnn_case(s: Sizes, train: bool) -> Case:
                         return m(tok)
             return run
 
-        return {k: step(m) for k, m in models.items()}, None
+        return models, {k: step(m) for k, m in models.items()}, None
 
     r = s.rnn
     return Case("RNN language model", "training step" if train else "inference", f"T={s.rnn_steps}, batch {s.rnn_batch}",
@@ -456,7 +476,7 @@ def _cnn_case(s: Sizes, train: bool, stats: Dict[str, float]) -> Case:
                         return m(x)
             return run
 
-        return {k: step(m) for k, m in models.items()}, (bn_statistics if train else None)
+        return models, {k: step(m) for k, m in models.items()}, (bn_statistics if train else None)
 
     c = s.cnn
     n_bn = 1 + 2 * c["blocks"]
@@ -484,7 +504,7 @@ def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress]
         torch.compiler.reset()  # each case starts from nothing compiled
         name = f"{case.model}, {case.step}, {case.size}"
         with progress.working(f"{name}: building"):
-            steps, extra = case.build()
+            models, steps, extra = case.build()
         first, errors, ok = {}, {}, True
         ref = None
         for k, fn in steps.items():
@@ -505,12 +525,24 @@ def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress]
                 extra()
         progress.say(f"{name}: timing, {sizes.rounds} interleaved rounds")
         times = interleaved(steps, sizes.rounds, sizes.min_s, progress)
-        results.append(Result(case, times, first, errors, ok))
+        results.append(Result(case, times, first, errors, ok, _rewrites(models["wformat"])))
         progress.advance()
-        del steps
+        del steps, models
     torch.compiler.reset()
     progress.close()
     return results, stats
+
+
+def _rewrites(model: nn.Module) -> str:
+    """``"8 linear"``: the rewritten records of the model's report, by
+    pattern, that served at least one call (so the timing ran them)."""
+    import wfpass
+
+    counts: Dict[str, int] = {}
+    for r in wfpass.report(model).rewritten:
+        if any(v for k, v in r.stats.items() if k.endswith("_calls")) or r.pattern == "batchnorm":
+            counts[r.pattern] = counts.get(r.pattern, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
 # -- output ----------------------------------------------------------------------------
@@ -532,8 +564,8 @@ def markdown(results: Sequence[Result], stats: Dict[str, float], sizes: Sizes, c
              "BatchNorms in fp32 by hand, compiled with Inductor; the LSTM has no hand-fused reference "
              "(eager already runs PyTorch's fused kernel).",
              "",
-             "| model | step | size | eager | Inductor | hand-fused | wformat | wformat x Inductor | wformat x eager | output checked |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | step | size | eager | Inductor | hand-fused | wformat | wformat x Inductor | wformat x eager | output checked | wformat rewrote |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r.times
         cells = [t[k].cell() if k in t else "-" for k in VARIANTS]
@@ -542,9 +574,10 @@ def markdown(results: Sequence[Result], stats: Dict[str, float], sizes: Sizes, c
         worst = max(v for k, v in r.errors.items() if k != "eager")
         check = f"{'ok' if r.ok else 'MISMATCH'} ({worst:.0e})"
         lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | " + " | ".join(cells)
-                     + f" | {vs_i:.2f} | {vs_e:.2f} | {check} |")
+                     + f" | {vs_i:.2f} | {vs_e:.2f} | {check} | {r.rewrites} |")
     lines += ["", "*output checked*: largest |variant - eager| over largest |eager|, all compiled variants "
-              "(bf16 CNN: tolerance 5e-2; the rest 1e-4).", ""]
+              "(bf16 CNN: tolerance 5e-2; the rest 1e-4). *wformat rewrote*: the rewrites in `wfpass.report` "
+              "of the wformat model (linear groups, RNNs, BatchNorms) that ran.", ""]
     lines += ["First call (compile included), seconds:", "",
               "| model | step | size | Inductor | hand-fused | wformat |", "|---|---|---|---|---|---|"]
     for r in results:
