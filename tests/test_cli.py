@@ -82,7 +82,7 @@ def test_bench_quick_writes_its_table_and_plot(tmp_path):
         assert cells[9].startswith("ok"), row
         # wformat's own formats ran in its timed calls, per its report
         want = {"LLaMA-like decoder": "linear", "RNN language model": "rnn", "bf16 CNN with BatchNorm": "batchnorm"}
-        assert re.search(rf"\d+ {want[cells[0]]}", cells[10]), row
+        assert re.search(rf"\d+ {want[cells[0].strip()]}", cells[10]), row
     assert "running_var error" in table and "| wformat | float32 |" in table
     # The progress bar went to stderr, the table to stdout.
     assert "[" in res.stderr and "/" in res.stderr and "| model |" in res.stdout
