@@ -48,9 +48,10 @@ TERMS = ["Dynamo", "FX graph", "ATen", "AOTAutograd", "Inductor", "GEMM", "oneDN
 
 def test_index_lists_every_page():
     index = (ROOT / "docs" / "index.md").read_text()
-    for page in sorted((ROOT / "docs").iterdir()):
-        if page.name != "index.md":
-            assert f"]({page.name})" in index, f"docs/index.md does not list {page.name}"
+    for page in sorted(p for p in (ROOT / "docs").rglob("*") if p.is_file()):
+        rel = page.relative_to(ROOT / "docs").as_posix()
+        if rel != "index.md":
+            assert f"]({rel})" in index, f"docs/index.md does not list {rel}"
     assert set(PROSE) <= {p.name for p in PAGES}
 
 
