@@ -549,9 +549,11 @@ def _rewrites(model: nn.Module) -> str:
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    return (f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()} ({cpu}), "
-            f"{os.cpu_count()} CPUs visible, {torch.get_num_threads()} torch threads; every model on the CPU")
+    cpu = platform.processor()
+    arch = platform.machine() + (f" ({cpu})" if cpu and cpu != platform.machine() else "")
+    n = torch.get_num_threads()
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {arch}, {os.cpu_count()} CPUs visible, "
+            f"{n} torch thread{'s' if n != 1 else ''}; every model on the CPU")
 
 
 def markdown(results: Sequence[Result], stats: Dict[str, float], sizes: Sizes, command: str, seconds: float) -> str:
