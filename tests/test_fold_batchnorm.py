@@ -5,6 +5,7 @@ same model unfolded, in eval mode (a deep copy run eagerly).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -240,3 +241,92 @@ def test_inductor_folded_bf16_eval():
             x = model.example(torch.bfloat16, n=8, size=8)
             torch.testing.assert_close(fn(x), ref(x), rtol=3e-2, atol=3e-2)
     assert len(fold_records(wfpass.last_report())) == 3
+
+
+class ConvBnLinearsLstm(nn.Module):
+    """A conv -> BatchNorm1d that folds, next to the other formats: Q/K/V
+    siblings (linear format) and an LSTM (rnn format) in the same graph."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(4, c, 3, padding=1)
+        self.bn = nn.BatchNorm1d(c)
+        self.q, self.k, self.v = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.rnn = nn.LSTM(c, c, batch_first=True)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x))).transpose(1, 2)
+        y = self.q(y) + self.k(y) * self.v(y)
+        return self.rnn(y)[0]
+
+
+# Every inner compiler, several channel counts, alone and next to the other
+# formats; each model is called with three batch sizes, so Dynamo recompiles
+# with a dynamic batch after the first call. Inductor compiles are slow on
+# CI's 2 cores: two channel counts there.
+_FOLD_MATRIX = {"eager": (3, 5, 8, 16), "aot_eager": (3, 5, 8, 16), "inductor": (5, 8)}
+
+
+@pytest.mark.parametrize("neighbours", [False, True], ids=["alone", "with-linears-and-lstm"])
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_fold_every_inner_compiler_and_channel_count(inner, neighbours):
+    for i, c in enumerate(_FOLD_MATRIX[inner]):
+        torch._dynamo.reset()
+        dtype = (torch.float32, torch.bfloat16)[i % 2]
+        if neighbours:
+            model = randomize(ConvBnLinearsLstm(c)).to(dtype).eval()
+            make = lambda n: torch.randn(n, 4, 6, dtype=dtype)  # noqa: E731
+            want = {"batchnorm", "linear", "rnn"}
+        else:
+            model = randomize(Net(2, c + c % 2)).to(dtype).eval()  # groups=2 needs an even count
+            make = lambda n: model.example(dtype, n=n, size=6)  # noqa: E731
+            want = {"batchnorm"}
+        ref = copy.deepcopy(model)
+        fn = torch.compile(model, backend=wfpass.backend(inner=inner, fold_batchnorm=True))
+        rtol, atol = TOL[dtype]
+        with torch.no_grad():
+            for n in (2, 3, 5):
+                x = make(n)
+                torch.testing.assert_close(fn(x), ref(x), rtol=rtol, atol=atol, msg=lambda m: f"{inner} c={c}: {m}")
+        report = wfpass.last_report()
+        assert fold_records(report), (inner, c, str(report))
+        assert not fold_skips(report), (inner, c, str(report))
+        done = {r.pattern for r in report.find(action="rewritten")}
+        assert want <= done, (inner, c, done)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+def test_new_examples_take_the_inputs_symbols_not_fresh_ones(inner):
+    """The fp32 BatchNorm tensors the backend hands the inner compiler are
+    new objects. Fakified with fresh duck-sized symbols, a size of 4 channels
+    was unified with every input dimension of the same value (here the batch
+    of 4) and specialised it: a batch of 5 recompiled; with Inductor and
+    ``dynamic=True`` the compile failed ("Cannot convert expression to
+    float"); and a guard on such a symbol fails with "sources must not be
+    empty". Now they are fakified with the input's own symbols (or static
+    sizes): one graph serves every batch. (Inductor's CPU conv specialises
+    image sizes by itself, with or without wfpass: there the test checks the
+    compile and the numbers only.)"""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 6, 3),
+                          nn.BatchNorm2d(6)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.float()  # the format's definition: fp32 BatchNorm tensors
+    fn = torch.compile(model, backend=wfpass.backend(inner=inner), dynamic=True)
+    for n in (4, 5, 4):
+        x = torch.randn(n, 3, 8 + n, 8, dtype=torch.bfloat16)
+        strict = n != 4 and inner != "inductor"
+        ctx = torch._dynamo.config.patch(error_on_recompile=True) if strict else contextlib.nullcontext()
+        with ctx:
+            out = fn(x)
+        ref_out = ref(x)
+        torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+        proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(n))  # loss = (out * R).sum()
+        (out.float() * proj).sum().backward()
+        (ref_out.float() * proj).sum().backward()
+    assert model[1].running_mean.dtype == torch.float32
+    torch.testing.assert_close(model[1].running_mean, ref[1].running_mean, rtol=1e-3, atol=1e-4)
+    g, g_ref = model[0].weight.grad.float(), ref[0].weight.grad.float()
+    # bf16 grads: error relative to the largest grad (2 bf16 ulps of it).
+    assert (g - g_ref).abs().max() <= 1.6e-2 * g_ref.abs().max(), (g - g_ref).abs().max() / g_ref.abs().max()

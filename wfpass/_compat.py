@@ -505,14 +505,31 @@ def outside_fake_mode():
     return unset_fake_temporarily()
 
 
-def static_example(alias: torch.Tensor, name: str) -> None:
-    """Have AOTAutograd fakify ``alias`` (a new object standing for a
-    parameter that was moved into a block) with static sizes, strides and
-    storage offset, as Dynamo treats parameters. Without it a tensor Dynamo
-    never saw is fakified with fresh dynamic sizes that have no source, which
-    breaks guard building and leaves symbols in ShapeEnv caches. The context
-    goes into ``TracingContext.tensor_to_context``, which AOTAutograd's
-    ``process_inputs`` reads (torch/_functorch/_aot_autograd/frontend_utils.py;
+def static_example(alias: torch.Tensor, name: str, like: Optional[torch.Tensor] = None) -> None:
+    """Tell AOTAutograd how to fakify ``alias``, a new tensor the backend
+    hands the inner compiler in place of a graph input (a parameter moved
+    into a block, a BatchNorm tensor cast to fp32).
+
+    Why it matters: a tensor Dynamo never saw, with no context, is fakified
+    with fresh duck-sized symbols that no graph input binds. A guard on such
+    a symbol cannot be built (``AssertionError: sources must not be empty for
+    symbol s..`` in ``produce_guards``), and duck sizing can silently tie it
+    to an input's symbol of the same value (the batch size equal to a channel
+    count), specialising that input or breaking Inductor's indexing
+    (``TypeError: Cannot convert expression to float`` under
+    ``dynamic=True``, measured). So:
+
+    * ``like`` given (the tensor ``alias`` stands for), with the same sizes,
+      strides and offset, and Dynamo fakified it with a context (a buffer
+      whose size Dynamo made dynamic): reuse that context, so the new fake
+      has exactly the input's symbols, bound by the input's own source;
+    * otherwise static sizes, strides and storage offset, as Dynamo treats
+      parameters (a moved member's offset changed, so the cached symbols of
+      the old tensor would be stale).
+
+    The context goes into ``TracingContext.tensor_to_context``, which
+    AOTAutograd's ``process_inputs`` reads
+    (torch/_functorch/_aot_autograd/frontend_utils.py;
     ``StatefulSymbolicContext``, ``DimDynamic`` and ``ConstantSource`` are
     private; torch 2.13.0)."""
     from torch._guards import TracingContext
@@ -523,6 +540,12 @@ def static_example(alias: torch.Tensor, name: str) -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext
 
+    if like is not None and like.shape == alias.shape and like.stride() == alias.stride() and (
+            like.storage_offset() == alias.storage_offset()):
+        ctx = tc.tensor_to_context.get(like)
+        if isinstance(ctx, StatefulSymbolicContext):
+            tc.tensor_to_context[alias] = ctx
+            return
     d = alias.dim()
     tc.tensor_to_context[alias] = StatefulSymbolicContext(
         dynamic_sizes=[DimDynamic.STATIC] * d, dynamic_strides=[DimDynamic.INFER_STRIDE] * d,

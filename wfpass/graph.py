@@ -85,13 +85,22 @@ class PassContext:
         moves, self._at_call = self._at_call, []
         return moves
 
-    def compile_example(self, placeholder: fx.Node, value: Any) -> None:
+    def compile_example(self, placeholder: fx.Node, value: Any, same_layout: bool = True) -> None:
         """Dynamo graphs: hand the inner compiler ``value`` (a new tensor, the
         format's dtype) as ``placeholder``'s example, for a deferred move that
         gives the real tensor that dtype before the first call. AOTAutograd
         fakifies a new object afresh, so the compiled code expects the new
         dtype; Dynamo builds its guards after the backend returns, from the
-        moved tensors: no recompile. ``resolve`` still gives the real tensor."""
+        moved tensors: no recompile. ``resolve`` still gives the real tensor.
+
+        ``value`` is fakified with the input's own symbols (``same_layout``:
+        its sizes, strides and offset are those Dynamo saw) or with static
+        sizes, never with fresh symbols that no input binds
+        (``_compat.static_example``)."""
+        if isinstance(value, torch.Tensor):
+            i = self._placeholders.index(placeholder)
+            like = self.example_inputs[i] if same_layout and self.example_inputs is not None and i < len(self.example_inputs) else None
+            _compat.static_example(value, placeholder.name, like if isinstance(like, torch.Tensor) else None)
         self._compile_examples[self._placeholders.index(placeholder)] = value
 
     def compile_inputs(self) -> List[Any]:
@@ -120,8 +129,9 @@ class PassContext:
             alias = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
         else:
             alias = t.detach().requires_grad_(t.requires_grad)
-        _compat.static_example(alias, placeholder.name)
-        self.compile_example(placeholder, alias)
+        # The move changed the member's storage offset: the symbols Dynamo
+        # cached for the tensor before the move would be stale.
+        self.compile_example(placeholder, alias, same_layout=False)
 
     def tensor_inputs(self) -> List[tuple]:
         """(name, position) of every tensor input: what a per-call sharing check compares against."""
