@@ -79,14 +79,15 @@ def _alarm(signum, frame):
     raise _Timeout()
 
 
-def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float, skip_inductor: bool) -> dict:
+def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float, skip_inductor: bool,
+            threads: int) -> dict:
     import copy
 
     import torch
 
     import wfpass
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(threads)
     loop, fused = _models(layers, T)
     x = torch.randn(T, BATCH, IN)
     R = torch.randn(T, BATCH, HID)
@@ -160,12 +161,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--modes", nargs="+", default=["train", "infer"])
     ap.add_argument("--compile-limit", type=float, default=240.0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (1: steadiest on a shared machine, where threads that wait for each "
+                         "other turn any other load into 10x swings)")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--skip-inductor", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         layers, T, mode = int(a.one[0]), int(a.one[1]), a.one[2]
-        print(json.dumps(run_one(layers, T, mode, a.rounds, a.reps, a.compile_limit, a.skip_inductor)))
+        print(json.dumps(run_one(layers, T, mode, a.rounds, a.reps, a.compile_limit, a.skip_inductor, a.threads)))
         return
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     rows = []
@@ -174,7 +178,7 @@ def main() -> None:
             too_slow = False
             for T in a.lengths:
                 cmd = [sys.executable, __file__, "--one", str(layers), str(T), mode, "--rounds", str(a.rounds),
-                       "--reps", str(a.reps), "--compile-limit", str(a.compile_limit)]
+                       "--reps", str(a.reps), "--compile-limit", str(a.compile_limit), "--threads", str(a.threads)]
                 if too_slow:
                     cmd.append("--skip-inductor")
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -193,7 +197,7 @@ def main() -> None:
         "",
         f"Command: `python benchmarks/bench_cells.py {' '.join(sys.argv[1:])}`",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores ({a.threads} intra-op thread(s)), torch {torch.__version__}, "
         f"{platform.python_version()}; {a.rounds} interleaved rounds of {a.reps} calls, medians. "
         f"Model: `LSTMCell({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
         "",
