@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import wfpass
+from wfpass.bench import _own_code
 
 torch._dynamo.config.recompile_limit = 512
 torch._dynamo.config.accumulated_recompile_limit = 8192
@@ -207,8 +208,12 @@ def rnn_rows(lengths, batches, rounds: int, log) -> list:
             for T in lengths:
                 torch._dynamo.reset()
                 tok = torch.randint(0, 500, (T, B))
-                variants = {"eager": base, "inductor": torch.compile(copy.deepcopy(base)),
-                            "wformat": torch.compile(copy.deepcopy(base), backend="wformat")}
+                # Each compiled copy gets a forward code object of its own:
+                # Dynamo marks a code object it failed to compile (torch.compile's
+                # default gives up on the LSTM) and then runs it eagerly for
+                # every backend, so a shared one made wformat run eagerly.
+                variants = {"eager": base, "inductor": torch.compile(_own_code(copy.deepcopy(base))),
+                            "wformat": torch.compile(_own_code(copy.deepcopy(base)), backend="wformat")}
                 steps = {}
                 for k, m in variants.items():
                     if train:
@@ -220,6 +225,9 @@ def rnn_rows(lengths, batches, rounds: int, log) -> list:
                                 m(tok)
                     steps[k] = step
                 t = interleaved(steps, rounds)
+                rec = [r for r in wfpass.report(variants["wformat"]).records if r.pattern == "rnn"]
+                if not rec or not (rec[0].stats.get("fused_calls", 0) + rec[0].stats.get("unfused_calls", 0)):
+                    raise RuntimeError(f"wformat's compiled LSTM did not run (T={T}, B={B}): the timing would be eager's")
                 rows.append(("train" if train else "infer", B, T, t))
                 log(f"rnn {'train' if train else 'infer'} B={B} T={T}: " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in t.items())
                     + f"  wformat/eager {t['eager'] / t['wformat']:.2f}x, /inductor {t['inductor'] / t['wformat']:.2f}x")
