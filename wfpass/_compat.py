@@ -209,6 +209,16 @@ def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new_gm.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source
+    # Higher-order ops' bodies (activation checkpointing, wrap) are
+    # submodules the new GraphModule shares with Dynamo's: copy them too, so
+    # a rewrite inside a body changes neither Dynamo's graph nor the fallback.
+    copied = set()
+    for node in new_gm.graph.nodes:
+        if node.op == "get_attr" and "." not in node.target and node.target not in copied:
+            sub = getattr(new_gm, node.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                copied.add(node.target)
+                setattr(new_gm, node.target, clone_dynamo_graph(sub))
     return new_gm
 
 

@@ -45,7 +45,7 @@ from typing import Any, List, Optional
 import torch
 import torch.fx as fx
 
-from ..graph import mutated_state, LINEAR_TARGETS, PassContext, meta_value
+from ..graph import LINEAR_TARGETS, PassContext, meta_value
 from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight, folded_params
 from ..runtime import Bound, Group, note
 from ..storage import sharing_problem, unmovable
@@ -111,7 +111,7 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     folded = 0
     others = None
-    written = mutated_state(gm)
+    written = ctx.written_state()
     for site in batchnorm_sites(ctx):
         prod = site.x
         kind = None

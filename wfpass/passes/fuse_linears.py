@@ -37,7 +37,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph import LinearSite, PassContext, linear_sites, mutated_state, rows_of
+from ..graph import LinearSite, PassContext, linear_sites, rows_of
 from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from ..runtime import GroupSite, note
 from ..storage import FusedStorage, fuse, fused_storage_of, layout_of_set, refuse, sharing_problem
@@ -131,7 +131,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
 
     dep = None
     rewritten = 0
-    written = mutated_state(gm)
+    written = ctx.written_state()
     for x, sites in by_input.items():
         if len(sites) < 2:
             continue  # a lone linear is not a pattern: nothing to report
@@ -250,9 +250,17 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
     params = _params(sites)
     detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
                   extra_bytes=0, bias_layout="one buffer" if fuse_biases else ("per call" if biases else "none"))
+    region = ""
+    if ctx.region is not None:
+        # Inside a higher-order op's body (activation checkpointing): the
+        # block is read in the body, so its recomputation in the backward
+        # reads the same block.
+        detail["region"] = ctx.region
+        region = f"; inside a {ctx.region} region" + (
+            " (recomputed in the backward from the same block)" if ctx.region == "tag_activation_checkpoint" else "")
 
     if ctx.config.dry_run:
-        ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why} [dry run]", params, **detail)
+        ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why}{region} [dry run]", params, **detail)
         return True
 
     dynamo = ctx.is_dynamo
@@ -276,7 +284,7 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         ctx.report.records.append(record)
     else:
         note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}{bias_note}", params, **detail)
+        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}{bias_note}{region}", params, **detail)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
     if fs is None:
         fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
