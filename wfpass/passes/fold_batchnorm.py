@@ -231,6 +231,11 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         when = "eval, no grad" if site.flavour == "function" else "eval now; train/eval and grad checked per call"
         reason = (f"folded into {kind} {detail['into']} ({when}): weight and bias recomputed in fp32 and cast to "
                   f"{str(w_t.dtype).replace('torch.', '')}; new tensors, +{extra} bytes")
+        if ctx.is_dynamo:
+            # Measured (docs/fold_results.md): recomputing the fold on every
+            # call costs more than the BatchNorm it removes.
+            reason += ("; computed on every call, which measured slower than not folding (bf16 ResNet: "
+                       "1.08-1.54x with Inductor, 1.2-2.4x without; docs/batchnorm.md)")
         if ctx.config.dry_run:
             ctx.report.add("batchnorm", "rewritten", f"would be {reason} [dry run]", _params(site, layer_names), **detail)
             folded += 1
