@@ -57,6 +57,36 @@ def qualified_name_from_source(source: str) -> Optional[str]:
     return ".".join(parts) if parts else None
 
 
+_ROOT = re.compile(r"^([LG])\[['\"]([^'\"]+)['\"]\]")
+
+
+def source_root(source: str):
+    """The object a Dynamo source starts from: ``L['self']`` -> the frame's
+    local ``self`` (the module being compiled), ``G['model']`` -> a global.
+    Read from ``InstructionTranslator.current_tx()``'s ``f_locals`` /
+    ``f_globals`` (private; torch 2.13.0), set while the backend runs; None
+    anywhere else or when the source has another form."""
+    m = _ROOT.match(source or "")
+    if m is None:
+        return None
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return None
+    if tx is None:
+        return None
+    scope = getattr(tx, "f_locals", None) if m.group(1) == "L" else getattr(tx, "f_globals", None)
+    return (scope or {}).get(m.group(2))
+
+
+def source_root_key(source: str) -> Optional[str]:
+    """``L['self']`` of ``L['self']._modules['q']._parameters['weight']``."""
+    m = _ROOT.match(source or "")
+    return m.group(0) if m else None
+
+
 def traced_frame_modules() -> list:
     """The ``nn.Module`` objects the frame Dynamo is compiling can reach: its
     locals (``self`` of a ``forward``), the globals its code names and the
@@ -178,15 +208,41 @@ def ddp_tensors() -> set:
     reduction", or with ``find_unused_parameters=True`` silently stops
     all-reducing that gradient); its buffers are broadcast from lists DDP
     also built up front."""
-    import sys
-
-    ddp_cls = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
-    get = getattr(ddp_cls, "_get_active_ddp_module", None)
-    ddp = get() if get is not None else None
+    ddp = active_ddp()
     if ddp is None:
         return set()
     mod = ddp.module
     return {id(t) for t in (*mod.parameters(), *mod.buffers())}
+
+
+def active_ddp():
+    """The DistributedDataParallel whose forward is running now, or None
+    (``DistributedDataParallel._get_active_ddp_module()``, private; torch 2.13.0)."""
+    import sys
+
+    ddp_cls = getattr(sys.modules.get("torch.nn.parallel.distributed"), "DistributedDataParallel", None)
+    get = getattr(ddp_cls, "_get_active_ddp_module", None)
+    return get() if get is not None else None
+
+
+def fsdp2_sharded_of(t: torch.Tensor):
+    """The sharded Parameter (a DTensor) that FSDP2 (``fully_shard``)
+    all-gathered into ``t``, or None. Dynamo traces the forward between
+    FSDP's hooks, where the module holds plain unsharded Parameters; after
+    the forward FSDP puts the sharded ones back, and those are what
+    ``model.named_parameters()`` shows. Reads each module's
+    ``_get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*]`` and their
+    ``_unsharded_param`` / ``sharded_param`` (private; torch 2.13.0)."""
+    for m in fsdp2_modules():
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups
+            for g in groups:
+                for fp in g.fsdp_params:
+                    if getattr(fp, "_unsharded_param", None) is t:
+                        return fp.sharded_param
+        except Exception:  # pragma: no cover - FSDP2's internals changed shape
+            return None
+    return None
 
 
 def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -63,6 +63,7 @@ class PassContext:
         self._deferred: List[Callable[[], None]] = []
         self._at_call: List[Callable[[], None]] = []
         self._compile_examples: Dict[int, Any] = {}
+        self._root_names: Dict[str, Dict[int, str]] = {}  # source root -> id(tensor) -> state_dict name
         self.sites: List[Any] = []  # runtime.GroupSite of every fused group (Dynamo graphs)
 
     def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
@@ -165,6 +166,8 @@ class PassContext:
                 return None
             src = _compat.dynamo_source_name(arg)
             qual = _compat.qualified_name_from_source(src) if src else None
+            if qual is not None:
+                qual = self._model_name(t, src) or qual
             if isinstance(t, torch.nn.Parameter):
                 kind = "parameter"
             elif qual is not None and "_buffers[" in (src or ""):
@@ -179,6 +182,30 @@ class PassContext:
             kind = "parameter" if isinstance(t, torch.nn.Parameter) else ("buffer" if self._is_buffer(arg.target) else "tensor")
             return TensorRef(arg.target, t, kind, arg)
         return None
+
+    def _model_name(self, t: torch.Tensor, source: str) -> Optional[str]:
+        """``t``'s name in ``named_parameters()`` / ``named_buffers()`` of the
+        module the source starts from (the model whose ``forward`` Dynamo
+        compiles): the ``state_dict()`` key. The source path itself is not
+        always one: a wrapper that keeps the model in its ``__dict__`` (PEFT's
+        ``PeftModel``/``LoraModel``) gives ``__dict__.__dict__.encoder...``."""
+        key = _compat.source_root_key(source)
+        if key is None:
+            return None
+        names = self._root_names.get(key)
+        if names is None:
+            root = _compat.source_root(source)
+            ddp = _compat.active_ddp()
+            if ddp is not None and isinstance(root, torch.nn.Module) and ddp.module is root:
+                # Dynamo compiles the module DDP wraps; the model the user
+                # compiled is the DDP, whose names start with ``module.``.
+                root = ddp
+            names = {}
+            if isinstance(root, torch.nn.Module):
+                for n, v in list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False)):
+                    names.setdefault(id(v), n)
+            self._root_names[key] = names
+        return names.get(id(t))
 
     def module_of(self, node: fx.Node) -> Optional[torch.nn.Module]:
         if node.op != "call_module":

@@ -222,10 +222,32 @@ def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
     """File every record of a compile under the tensors its ``params`` name
     (``tensors``: name -> tensor of the graph's parameters and buffers), so
     ``wfpass.report(model)`` shows skips and rewrites of every format."""
+    sharded = {}
+    if _compat.fsdp2_modules():
+        # FSDP2: the graph saw the unsharded Parameters, which FSDP frees
+        # after the forward; file the records under the sharded ones too,
+        # which ``model.named_parameters()`` holds.
+        for n, t in tensors.items():
+            s = _compat.fsdp2_sharded_of(t)
+            if s is not None:
+                sharded[n] = s
     for rec in report.records:
         found = [(n, tensors[n]) for n in rec.params if n in tensors]
         if found:
             note(rec, [n for n, _ in found], [t for _, t in found])
+        shards = [(n, sharded[n]) for n in rec.params if n in sharded]
+        if shards:
+            _note_also(rec, [t for _, t in shards])
+
+
+def _note_also(record: Record, tensors: Sequence[torch.Tensor]) -> None:
+    """File ``record`` under more tensors without changing the names it tracks."""
+    for t in tensors:
+        recs = _NOTES.get(t)
+        if recs is None:
+            _NOTES[t] = recs = []
+        if not any(r is record for r in recs):
+            recs.append(record)
 
 
 def model_report(model: torch.nn.Module) -> Report:
