@@ -75,7 +75,12 @@ class _Timeout(Exception):
     pass
 
 
+_FIRED = []
+
+
 def _alarm(signum, frame):
+    # Inductor may wrap the exception (InductorError): the flag says it was ours.
+    _FIRED.append(True)
     raise _Timeout()
 
 
@@ -118,7 +123,10 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
         try:
             fn()
             compile_s[name] = time.perf_counter() - t0
-        except _Timeout:
+        except Exception:
+            if not _FIRED:
+                raise
+            _FIRED.clear()
             compile_s[name] = None
             continue
         finally:
@@ -173,10 +181,23 @@ def main() -> None:
         return
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     rows = []
+    # Every finished configuration is kept (JSON lines next to the table), so
+    # a run that stops part-way resumes where it stopped.
+    cache_path = (a.out.rsplit(".", 1)[0] + ".jsonl") if a.out else None
+    done = {}
+    if cache_path and os.path.exists(cache_path):
+        for line in open(cache_path):
+            r = json.loads(line)
+            done[(r["layers"], r["T"], r["mode"])] = r
     for layers in a.layers:
         for mode in a.modes:
             too_slow = False
             for T in a.lengths:
+                if (layers, T, mode) in done:
+                    r = done[(layers, T, mode)]
+                    too_slow = too_slow or r["compile_s"]["inductor"] is None
+                    rows.append(r)
+                    continue
                 cmd = [sys.executable, __file__, "--one", str(layers), str(T), mode, "--rounds", str(a.rounds),
                        "--reps", str(a.reps), "--compile-limit", str(a.compile_limit), "--threads", str(a.threads)]
                 if too_slow:
@@ -186,6 +207,9 @@ def main() -> None:
                     sys.stderr.write(p.stderr[-3000:])
                     raise SystemExit(f"configuration layers={layers} T={T} {mode} failed")
                 r = json.loads(p.stdout.strip().splitlines()[-1])
+                if cache_path:
+                    with open(cache_path, "a") as f:
+                        f.write(json.dumps(r) + "\n")
                 too_slow = too_slow or r["compile_s"]["inductor"] is None
                 rows.append(r)
                 print(f"layers={layers} T={T:4d} {mode:5s} compile wformat {_fmt(r['compile_s']['wformat'], ' s')}, "
