@@ -599,3 +599,39 @@ def test_cuda_fp16_inductor():
     torch.testing.assert_close(fn(x), ref(x), rtol=1e-2, atol=1e-2)
     assert model.bn.running_var.dtype == torch.float32
     torch.testing.assert_close(model.bn.running_var, ref.bn.running_var, rtol=1e-4, atol=1e-5)
+
+
+def test_momentum_none_in_a_sequential_names_the_module_that_stopped_the_compile():
+    """A bf16 ``nn.Sequential`` with a ``BatchNorm2d(momentum=None)`` in
+    training: Dynamo graph-breaks on ``float(num_batches_tracked)`` inside the
+    Sequential's loop, runs the whole model eagerly and calls no backend, so
+    no format is applied. The user is told which module did it: a warning
+    on the ``wfpass`` logger, ``last_report()``, and ``wfpass.report(model)``
+    (before, ``last_report()`` said "nothing compiled yet")."""
+    import logging
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.BatchNorm2d(8, momentum=None)).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, rec):
+            seen.append(rec.getMessage())
+
+    handler = Catch(level=logging.WARNING)
+    logging.getLogger("wfpass").addHandler(handler)
+    try:
+        for i in range(2):
+            x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            torch.testing.assert_close(fn(x), ref(x))  # eager either way: bit for bit
+    finally:
+        logging.getLogger("wfpass").removeHandler(handler)
+    assert len([m for m in seen if "'4' (BatchNorm2d, momentum=None" in m]) == 1, seen
+    rep = wfpass.last_report()
+    (rec,) = rep.records
+    assert rec.action == "skipped" and "Dynamo runs the whole model eagerly" in rec.reason and "momentum=0.1" in rec.reason
+    assert rec.params == ["4.running_mean", "4.running_var", "4.weight", "4.bias"]
+    assert [r.reason for r in wfpass.report(model)] == [rec.reason]
+    assert model[4].running_mean.dtype == torch.bfloat16  # nothing converted behind the report's back

@@ -618,3 +618,96 @@ def static_example(alias: torch.Tensor, name: str, like: Optional[torch.Tensor] 
         constraint_sizes=[None] * d, constraint_strides=[None] * d,
         tensor_source=ConstantSource(f"wfpass_block_member_{name}"), shape_env_to_source_to_symbol_cache={},
     )
+
+
+# -- BatchNorm(momentum=None): tell the user which module stopped the compile --
+
+
+class _ItemBreakProbe(int):
+    """Stands in for ``torch._dynamo.config.capture_scalar_outputs = False``
+    and stays falsy: Dynamo behaves exactly as before. What it adds: when
+    Dynamo is about to graph-break on ``Tensor.item()`` (``float(t)``) for a
+    wformat backend, inside a BatchNorm's ``forward`` (``momentum=None`` in
+    training reads ``float(self.num_batches_tracked)``), it tells wfpass which
+    module it is (``fp32_batchnorm.note_item_break``). In an ``nn.Sequential``
+    that break makes Dynamo run the whole model eagerly and call no backend
+    at all, so without this the user sees "nothing compiled yet".
+
+    Dynamo reads the flag in ``TensorVariable.method_item(self, tx, ...)``
+    (torch/_dynamo/variables/tensor.py, torch 2.13.0): the caller's ``tx`` is
+    the translator of the frame being traced, whose ``symbolic_locals['self']``
+    holds the module and its source (private). Setting the flag to ``True``
+    instead does not help: the break moves to ``F.batch_norm``, which does not
+    take a traced float momentum."""
+
+    def __bool__(self) -> bool:
+        try:
+            import sys
+
+            frame = sys._getframe(1)
+            if frame.f_code.co_name == "method_item":
+                tx = frame.f_locals.get("tx")
+                var = getattr(tx, "symbolic_locals", {}).get("self")
+                module = getattr(var, "value", None)
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                    root = InstructionTranslator_current()
+                    config = wformat_config(getattr(getattr(root, "output", None), "compiler_fn", None))
+                    if config is not None:
+                        src = getattr(var, "source", None)
+                        name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")
+                        from .passes.fp32_batchnorm import note_item_break
+
+                        note_item_break(module, module_name_from_source(name) if isinstance(name, str) else "", config)
+        except Exception:  # never break a trace over this
+            pass
+        return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+    def to_jsonable(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (_ItemBreakProbe, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def InstructionTranslator_current():
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    return InstructionTranslator.current_tx()
+
+
+def wformat_config(compiler_fn):
+    """The ``Config`` of the wformat backend ``compiler_fn`` is (through
+    Dynamo's wrappers, as ``rnn_capture_wanted`` finds it), or None."""
+    import importlib
+
+    from .config import Config
+
+    _backend = importlib.import_module("wfpass.backend")
+    fn = compiler_fn
+    for _ in range(8):
+        if fn is None:
+            return None
+        cfg = getattr(fn, "config", None)
+        if isinstance(cfg, Config):
+            return cfg
+        if fn is _backend.wformat:
+            return _backend._DEFAULT
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+              or getattr(fn, "__wrapped__", None)
+              or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+              or _closed_over_backend(fn))
+    return None
+
+
+def install_item_break_probe() -> None:
+    """See ``_ItemBreakProbe``; a user's own ``capture_scalar_outputs = True`` is left alone."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.capture_scalar_outputs is False:
+        dynamo_config.capture_scalar_outputs = _ItemBreakProbe()

@@ -33,6 +33,9 @@ log = logging.getLogger("wfpass")
 _LAST: List[Report] = []
 _LAST_ORIGIN: List[Any] = [None]
 _LAST_CALL: List[Any] = [[]]
+# Records of graph breaks that may leave nothing compiled (``note_uncompiled``),
+# newer than the last compile.
+_UNCOMPILED: List[Any] = []
 
 
 def last_report() -> Report:
@@ -40,6 +43,12 @@ def last_report() -> Report:
     or, where Dynamo split one call into several graphs (a graph break, whose
     rest runs as a resume function; DDP's per-bucket subgraphs), all of them
     in order. Records are the live ones: their ``stats`` keep counting."""
+    if _UNCOMPILED:
+        # Dynamo broke the graph after the last compile and compiled nothing
+        # since: say where, rather than show an older compile.
+        out = Report("wfpass report (Dynamo compiled no graph since: a graph break ran the model eagerly)")
+        out.records.extend(_UNCOMPILED)
+        return out
     if not _LAST:
         return Report("wfpass report (nothing compiled yet)")
     if len(_LAST) == 1:
@@ -61,6 +70,7 @@ def _set_last(report: Report, origin: Any = None, continues: bool = False, call:
     frame or resume function after a graph break), whose tensor arguments are
     ``call``. A continuation joins the previous reports only if they came
     from the same call (the same argument objects, held weakly)."""
+    _UNCOMPILED.clear()
     last = _LAST_ORIGIN[0]
     same = origin is not None and last is not None and origin[0] is last[0] and origin[1] == last[1]
     refs = _LAST_CALL[0]
@@ -72,6 +82,13 @@ def _set_last(report: Report, origin: Any = None, continues: bool = False, call:
     _LAST_ORIGIN[0] = origin
     _LAST_CALL[0] = [weakref.ref(t) for t in call]
     print_at_exit_if_asked(report)  # WFPASS_REPORT=1
+
+
+def note_uncompiled(record: Any) -> None:
+    """A record about a graph break that may leave nothing compiled
+    (``fp32_batchnorm.note_item_break``): ``last_report()`` shows it until
+    the next graph is compiled."""
+    _UNCOMPILED.append(record)
 
 
 def _resolve_inner(inner: Any) -> Callable:

@@ -240,6 +240,14 @@ def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
             _note_also(rec, [t for _, t in shards])
 
 
+def unnote(record: Record, tensors: Sequence[torch.Tensor]) -> None:
+    """Withdraw ``record`` from ``tensors`` (a later decision replaced it)."""
+    for t in tensors:
+        recs = _NOTES.get(t)
+        if recs:
+            recs[:] = [r for r in recs if r is not record]
+
+
 def _note_also(record: Record, tensors: Sequence[torch.Tensor]) -> None:
     """File ``record`` under more tensors without changing the names it tracks."""
     for t in tensors:

@@ -60,10 +60,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..graph import PassContext, TensorRef, meta_value
 from .. import _compat
 from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
-from ..runtime import Bound, Group, note
+from ..report import Record as _Record
+from ..runtime import Bound, Group, note, unnote
 from ..storage import sharing_problem
 
-__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook"]
+__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook", "note_item_break"]
+
+_compat.install_item_break_probe()
 
 
 # Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
@@ -406,6 +409,10 @@ def _eager_batchnorms(ctx: PassContext) -> int:
             ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
             # The hook owns its group: it goes with the module.
             _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
+            broke = _BREAK_NOTED.get(mod)
+            if broke is not None:
+                # The graph break left graphs around it after all: this record replaces the warning's.
+                unnote(broke, list(tensors.values()))
             n += 1
     return n
 
@@ -417,3 +424,41 @@ def drop_eager_hook(mod: torch.nn.Module) -> bool:
         return False
     handle.remove()
     return True
+
+
+# -- a graph break that leaves nothing compiled -----------------------------------
+
+# BatchNorms already reported (weak keys: the record goes with the module).
+_BREAK_NOTED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
+    """Dynamo is about to graph-break inside ``mod``'s forward on
+    ``float(num_batches_tracked)`` (``momentum=None`` in training) while
+    compiling for a wformat backend (``_compat._ItemBreakProbe``). Where the
+    break leaves graphs on both sides, those graphs' compiles convert the
+    module (``_eager_batchnorms``); inside a loop (``nn.Sequential``) Dynamo
+    runs the whole frame eagerly and no backend is called. Either way, the
+    user learns here which module broke the graph: a warning on the
+    ``wfpass`` logger, and a record that ``last_report()`` shows when no
+    graph was compiled after it and that ``wfpass.report(model)`` shows
+    under the module's tensors."""
+    if mod in _BREAK_NOTED or config.dry_run:
+        return
+    from ..backend import note_uncompiled
+
+    label = name or type(mod).__name__
+    tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
+    half = any(t.dtype in HALF for t in tensors.values())
+    why = (f"'{label}' ({type(mod).__name__}, momentum=None, training): Dynamo graph-breaks on "
+           f"float(num_batches_tracked) in its forward. Where that leaves no graph around it (a loop such as "
+           f"nn.Sequential's), Dynamo runs the whole model eagerly and compiles nothing, so no format is applied"
+           + (" and this BatchNorm keeps its half-precision statistics" if half else "")
+           + ". Give it a float momentum (e.g. momentum=0.1), or use wfpass.apply on a torch.fx.symbolic_trace graph")
+    record = _Record("batchnorm", "skipped", why, [f"{label}.{r}" for r in tensors], detail=dict(flavour="graph break"))
+    note(record, [f"{label}.{r}" for r in tensors], list(tensors.values()))
+    _BREAK_NOTED[mod] = record
+    import logging
+
+    logging.getLogger("wfpass").warning("wfpass: %s", why)
+    note_uncompiled(record)
