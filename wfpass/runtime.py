@@ -238,6 +238,9 @@ def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
         shards = [(n, sharded[n]) for n in rec.params if n in sharded]
         if shards:
             _note_also(rec, [t for _, t in shards])
+            aliases = rec.detail.setdefault("_aliases", {})
+            for n, t in shards:
+                aliases[n] = weakref.ref(t)
 
 
 def unnote(record: Record, tensors: Sequence[torch.Tensor]) -> None:
@@ -276,11 +279,17 @@ def model_report(model: torch.nn.Module) -> Report:
                 continue
             seen.add(id(rec))
             tracked = rec.detail.get("_tensors") or {}
+            aliases = rec.detail.get("_aliases") or {}  # FSDP2: the sharded Parameter of an unsharded one
             params = []
             for p in rec.params:
-                r = tracked.get(p)
-                member = r() if r is not None else None
-                params.append(names.get(id(member), p) if member is not None else p)
+                name = None
+                for refs in (tracked, aliases):
+                    r = refs.get(p)
+                    member = r() if r is not None else None
+                    if member is not None and id(member) in names:
+                        name = names[id(member)]
+                        break
+                params.append(name or p)
             view = Record(rec.pattern, rec.action, rec.reason, params,
                           detail={k: v for k, v in rec.detail.items() if not k.startswith("_")})
             view.stats = rec.stats  # the live counters, not a copy
