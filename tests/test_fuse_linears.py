@@ -427,3 +427,43 @@ def test_split_path_layout_lost_comes_back_and_is_counted(flavour):
     assert rec.stats["refused"] == 2 and not rec.stats.get("unfused_layout_calls")
     assert model.q.weight.untyped_storage().data_ptr() == model.v.weight.untyped_storage().data_ptr()
 
+
+
+def test_layers_already_fused_get_a_record():
+    """Models whose Q/K/V already live in one weight get a row saying so, not
+    "no pattern found": ``nn.TransformerEncoderLayer`` (``in_proj_weight``),
+    GPT-2's ``Conv1D`` ``c_attn`` (one ``addmm`` split three ways) and a
+    hand-fused ``qkv`` linear whose output is split. Nothing is moved."""
+    transformers = pytest.importorskip("transformers")
+
+    class HandFused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(16, -1)
+            return q * k + v
+
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32,
+                                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    cases = [
+        (nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), (torch.randn(2, 5, 16),),
+         "self_attn.in_proj_weight", "in_proj_weight (48 rows)"),
+        (gpt2, (torch.randint(0, 64, (2, 6)),), "h.0.attn.c_attn.weight", "computes 3 outputs with one GEMM"),
+        (HandFused(), (torch.randn(2, 5, 16),), "qkv.weight", "split into 3 parts"),
+    ]
+    for model, args, name, why in cases:
+        torch._dynamo.reset()
+        ref = copy.deepcopy(model)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+        out, ref_out = fn(*args), ref(*args)
+        out = out if isinstance(out, torch.Tensor) else out.last_hidden_state
+        ref_out = ref_out if isinstance(ref_out, torch.Tensor) else ref_out.last_hidden_state
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        recs = [r for r in wfpass.last_report().find("linear", "skipped") if name in r.params]
+        assert len(recs) == 1 and recs[0].reason.startswith("already fused") and why in recs[0].reason, str(wfpass.last_report())
+        assert recs[0].detail["already_fused"] is True
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        assert any(r.reason == recs[0].reason for r in wfpass.report(model))
