@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import wfpass
-from wfpass.config import PASS_NAMES
+from wfpass.passes import PASS_NAMES
 from models import QKV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,6 +35,36 @@ class Double(wfpass.ParamFormat):
 def test_builtins_are_registered_in_pipeline_order():
     names = [f.name for f in wfpass.registered_formats()]
     assert names[: len(PASS_NAMES)] == list(PASS_NAMES)
+
+
+def test_builtins_stay_and_ordering_constraints_are_checked():
+    from wfpass import pipeline
+    from wfpass.passes import BUILTIN_FORMATS
+
+    # Removing a built-in would change every later compile in the process.
+    with pytest.raises(ValueError, match=r"Config\(passes=\.\.\.\)"):
+        wfpass.unregister_format("fuse_rnn")
+    by_name = {f.name: f for f in BUILTIN_FORMATS}
+    for first, then in (("fuse_rnn", "fold_cells"), ("fold_batchnorm", "fp32_batchnorm")):
+        swapped = [by_name[then] if f.name == first else by_name[first] if f.name == then else f for f in BUILTIN_FORMATS]
+        with pytest.raises(ValueError, match="must run (before|after)"):
+            pipeline.check_order(swapped)
+
+    class Early(Double):
+        name = "early_for_test"
+        before = ("fuse_rnn",)  # a registered format runs after the built-ins
+
+    class Typo(Double):
+        name = "typo_for_test"
+        after = ("fp32_batchnorn",)
+
+    with pytest.raises(ValueError, match="must run before 'fuse_rnn'"):
+        wfpass.register_format(Early)
+    with pytest.raises(ValueError, match="'fp32_batchnorn', which is not registered"):
+        wfpass.register_format(Typo)
+    assert [f.name for f in wfpass.registered_formats()] == list(PASS_NAMES)
+    with pytest.raises(ValueError, match="unknown format names"):
+        wfpass.Config(passes=("fuse_rnn", "early_for_test"))
 
 
 def test_passes_option_selects_formats():

@@ -4,8 +4,8 @@ In the spirit of the weight-format proposal (shared/seeds/000): a format says
 how to move a layer's parameters into the backend's layout (``to_format``),
 how to undo it (``from_format``) and how to compute with it (the graph it
 leaves or the kernel it calls). wfpass's own formats, fused sibling linears,
-flat RNN weights and fp32 BatchNorm, are registered here the same way, as
-whole passes; the pipeline runs every registered format in order.
+flat RNN weights and fp32 BatchNorm, are the head of the same pipeline
+(``wfpass/pipeline.py``); a registered format is appended after them.
 
 A user format for one kind of node is a :class:`ParamFormat`::
 
@@ -18,48 +18,53 @@ A user format for one kind of node is a :class:`ParamFormat`::
         def to_format(self, t):   return t.contiguous(memory_format=torch.channels_last)
         def from_format(self, t): return t.contiguous()
 
-The registry does the rest the same way for every format: resolves the
-node's tensors to the model's Parameters, skips (with a reason) anything tied
-or shared, moves ``tensor.data`` once (same objects), records how
-``wfpass.restore`` undoes it, and writes one report record per decision.
+:class:`ParamFormat` does the rest the same way for every such format, in
+the pipeline's three steps: matches every call of a target, resolving its
+tensors to the model's Parameters; guards it (skips, with a reason, anything
+tied or shared, and what ``check`` refuses); applies it by moving
+``tensor.data`` once (same objects) and recording how ``wfpass.restore``
+undoes it. Every decision is one report record.
 See examples/channels_last_conv.py.
 """
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.fx as fx
 
-__all__ = ["Format", "ParamFormat", "register_format", "unregister_format", "registered_formats"]
+from . import pipeline
+from .graph import TensorRef
+from .pipeline import Format, Match
+from .storage import register_undo, sharing_problem, undo_registered, unmovable
+
+__all__ = ["Format", "ParamFormat", "PassFormat", "register_format", "unregister_format", "registered_formats"]
 
 log = logging.getLogger("wfpass")
 
 
-class Format:
-    """A registered format. ``name`` is what ``Config(passes=...)`` and the
-    report use. Subclasses implement ``run(gm, ctx) -> int`` (patterns
-    rewritten), writing their decisions into ``ctx.report``."""
-
-    name: str = ""
-    pattern: str = ""
-
-    def run(self, gm: fx.GraphModule, ctx) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 class PassFormat(Format):
-    """A built-in format implemented as a whole pass (see wfpass/passes/)."""
+    """A built-in format written as one pass function ``(gm, ctx) -> int``
+    (see wfpass/passes/)."""
 
-    def __init__(self, name: str, pattern: str, fn: Callable[[fx.GraphModule, object], int]):
+    def __init__(self, name: str, pattern: str, fn: Callable[[fx.GraphModule, object], int],
+                 before: Tuple[str, ...] = (), after: Tuple[str, ...] = ()):
+        super().__init__(before=before, after=after)
         self.name, self.pattern, self._fn = name, pattern, fn
 
     def run(self, gm, ctx) -> int:
         return self._fn(gm, ctx)
 
-    def __repr__(self) -> str:
-        return f"PassFormat({self.name!r})"
+
+class _Call(Match):
+    """A call of one of a ParamFormat's targets, its tensors resolved."""
+
+    def __init__(self, node: fx.Node, refs: Dict[str, object]):
+        super().__init__([r.name if isinstance(r, TensorRef) else str(r) for r in refs.values()],
+                         "would move to this format")
+        self.node, self.refs = node, refs
 
 
 class ParamFormat(Format):
@@ -89,10 +94,59 @@ class ParamFormat(Format):
     def check(self, node: fx.Node, tensors: Dict[str, torch.Tensor]) -> Optional[str]:
         return None
 
-    # -- the machinery every ParamFormat shares -----------------------------
-    def _tensors(self, node: fx.Node, ctx) -> Optional[Dict[str, object]]:
-        from .graph import TensorRef
+    def validate(self) -> None:
+        super().validate()
+        if not self.targets:
+            raise ValueError(f"{type(self).__name__}.targets is empty: name the functions or module classes it applies to")
+        for m in ("to_format", "from_format"):
+            if getattr(type(self), m) is getattr(ParamFormat, m):
+                raise TypeError(f"{type(self).__name__} must define {m}()")
 
+    # -- the pipeline's steps, the same for every ParamFormat -----------------
+    def matches(self, gm: fx.GraphModule, ctx) -> Iterator[_Call]:
+        for node in list(gm.graph.nodes):
+            refs = self._tensors(node, ctx)
+            if refs:
+                yield _Call(node, refs)
+
+    def guard(self, m: _Call, ctx) -> Optional[str]:
+        bad = [role for role, r in m.refs.items() if not (isinstance(r, TensorRef) and r.is_state)]
+        if bad:
+            return f"{', '.join(bad)} of {m.node.name} is not a Parameter or buffer of the model"
+        tensors = {role: r.tensor for role, r in m.refs.items()}
+        if all(undo_registered(t) for t in tensors.values()):
+            return "already in this format"
+        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        # unmovable first: a DTensor/FSDP2 tensor never reaches the format's own check.
+        return (
+            next((w for w in (unmovable(r.tensor, r.name) for r in m.refs.values()) if w), None)
+            or self.check(m.node, tensors)
+            or next((w for w in (sharing_problem(r.tensor, r.name, others) for r in m.refs.values()) if w), None)
+        )
+
+    def apply(self, m: _Call, ctx) -> None:
+        node = m.node
+        rec = ctx.report.add(self.pattern or self.name, "rewritten",
+                             f"moved to {self.name}" + (f"; calls {self.kernel.__name__}" if self.kernel else ""), m.params)
+        if self.kernel is not None and node.op == "call_function":
+            node.target = self.kernel
+
+        def move(ts=tuple(r.tensor for r in m.refs.values()), rec=rec) -> None:
+            for t in ts:
+                new = self.to_format(t.detach())
+                if new.shape != t.shape:
+                    raise ValueError(f"{type(self).__name__}.to_format changed the shape of a tensor from {tuple(t.shape)} to {tuple(new.shape)}")
+                with torch.no_grad():
+                    t.data = new
+                register_undo(t, lambda t: _set_data(t, self.from_format(t.detach())))
+            rec.bump("moved", len(ts))
+
+        # Formats may change strides or dtype: that must wait for the call.
+        ctx.defer(move, at_first_call=True)
+
+    def _tensors(self, node: fx.Node, ctx) -> Optional[Dict[str, object]]:
+        """The node's tensors by role (a TensorRef where the argument is one
+        of the model's tensors), or None if the node is not a target."""
         if node.op == "call_module":
             mod = ctx.module_of(node)
             if not any(isinstance(mod, t) for t in self.targets if isinstance(t, type)):
@@ -106,8 +160,6 @@ class ParamFormat(Format):
             return out
         if node.op != "call_function" or node.target not in self.targets:
             return None
-        import inspect
-
         try:
             sig = inspect.signature(node.target)
             bound = sig.bind_partial(*node.args, **node.kwargs).arguments
@@ -123,98 +175,30 @@ class ParamFormat(Format):
                 out[role] = ref if ref is not None else bound[role]
         return out
 
-    def run(self, gm: fx.GraphModule, ctx) -> int:
-        from .graph import TensorRef
-        from .storage import register_undo, sharing_problem, undo_registered, unmovable
-
-        pattern = self.pattern or self.name
-        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        done = 0
-        for node in list(gm.graph.nodes):
-            refs = self._tensors(node, ctx)
-            if not refs:
-                continue
-            names = [r.name if isinstance(r, TensorRef) else str(r) for r in refs.values()]
-            bad = [role for role, r in refs.items() if not (isinstance(r, TensorRef) and r.is_state)]
-            if bad:
-                ctx.report.add(pattern, "skipped", f"{', '.join(bad)} of {node.name} is not a Parameter or buffer of the model", names)
-                continue
-            tensors = {role: r.tensor for role, r in refs.items()}
-            if all(undo_registered(t) for t in tensors.values()):
-                ctx.report.add(pattern, "skipped", "already in this format", names)
-                continue
-            # unmovable first: a DTensor/FSDP2 tensor never reaches the format's own check.
-            why = (
-                next((w for w in (unmovable(r.tensor, r.name) for r in refs.values()) if w), None)
-                or self.check(node, tensors)
-                or next((w for w in (sharing_problem(r.tensor, r.name, others) for r in refs.values()) if w), None)
-            )
-            if why:
-                ctx.report.add(pattern, "skipped", why, names)
-                continue
-            if ctx.config.dry_run:
-                ctx.report.add(pattern, "rewritten", "would move to this format [dry run]", names)
-                done += 1
-                continue
-            rec = ctx.report.add(pattern, "rewritten", f"moved to {self.name}" + (f"; calls {self.kernel.__name__}" if self.kernel else ""), names)
-            if self.kernel is not None and node.op == "call_function":
-                node.target = self.kernel
-
-            def move(ts=tuple(tensors.values()), rec=rec) -> None:
-                for t in ts:
-                    new = self.to_format(t.detach())
-                    if new.shape != t.shape:
-                        raise ValueError(f"{type(self).__name__}.to_format changed the shape of a tensor from {tuple(t.shape)} to {tuple(new.shape)}")
-                    with torch.no_grad():
-                        t.data = new
-                    register_undo(t, lambda t: _set_data(t, self.from_format(t.detach())))
-                rec.bump("moved", len(ts))
-
-            # Formats may change strides or dtype: that must wait for the call.
-            ctx.defer(move, at_first_call=True)
-            done += 1
-        return done
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
-
 
 def _set_data(t: torch.Tensor, data: torch.Tensor) -> None:
     with torch.no_grad():
         t.data = data
 
 
-_REGISTRY: Dict[str, Format] = {}
-
-
 def register_format(fmt: Union[Format, Type[Format]]) -> Union[Format, Type[Format]]:
     """Register a format (an instance, or a class: used as a decorator). Its
-    ``name`` must be new. Returns its argument."""
+    ``name`` must be new; it runs after the built-in formats and those
+    registered before it. Returns its argument."""
     inst = fmt() if isinstance(fmt, type) else fmt
     if not isinstance(inst, Format):
         raise TypeError(f"register_format expects a wfpass.Format (sub)class or instance, got {type(inst).__name__}")
-    if not inst.name or not isinstance(inst.name, str):
-        raise ValueError(f"{type(inst).__name__} needs a non-empty string 'name'")
-    if inst.name in _REGISTRY:
-        raise ValueError(f"a format named {inst.name!r} is already registered ({_REGISTRY[inst.name]!r})")
-    if isinstance(inst, ParamFormat):
-        if not inst.targets:
-            raise ValueError(f"{type(inst).__name__}.targets is empty: name the functions or module classes it applies to")
-        for m in ("to_format", "from_format"):
-            if getattr(type(inst), m) is getattr(ParamFormat, m):
-                raise TypeError(f"{type(inst).__name__} must define {m}()")
-    _REGISTRY[inst.name] = inst
+    pipeline.append_format(inst)
     return fmt
 
 
 def unregister_format(name: str) -> None:
-    """Remove a format (built-in ones too; use ``Config(passes=...)`` to
-    switch one off for a single compile instead)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"no format named {name!r}; registered: {list(_REGISTRY)}")
-    del _REGISTRY[name]
+    """Remove a format you registered. The built-in ones cannot be removed
+    (that would change every compile in the process): use
+    ``Config(passes=...)`` to leave one out of a single compile."""
+    pipeline.remove_format(name)
 
 
 def registered_formats() -> List[Format]:
     """Every registered format, in the order the pipeline runs them."""
-    return list(_REGISTRY.values())
+    return pipeline.registered()

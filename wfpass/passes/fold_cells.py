@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -56,11 +56,11 @@ import torch.nn as nn
 
 from ..config import default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value
-from ..storage import unmovable
 from ..ops.rnn import RnnSpec, fused_path, measure_threshold, unfused_path
-from .fuse_rnn import _build_spec, _new_group, _site_of, _spec_problem
+from ..pipeline import Format, Match
+from .fuse_rnn import _new_group, _site_of, call_problem
 
-__all__ = ["fold_cells", "CELL_FUNCTIONS"]
+__all__ = ["FoldCells", "CELL_FUNCTIONS", "CellLoopCall"]
 
 #: Graph targets of one cell step -> RNN mode. ``torch.lstm_cell`` is what
 #: Dynamo records for ``nn.LSTMCell`` (``torch._VF.lstm_cell`` is the same builtin).
@@ -522,94 +522,85 @@ def _rewrite(ctx: PassContext, layers: List[_Chain], label: str, site=None) -> N
         raise RuntimeError(f"wfpass: folding {label} left steps {left} in the graph")
 
 
-def _check_rnn_call(ctx: PassContext, call: fx.Node) -> Optional[str]:
-    """fuse_rnn's own guards on the new call: if it would skip, so do we."""
-    s = _site_of(ctx, call)
-    if s is None:
-        return "internal: the folded call is not an RNN call"
-    if s.problem is None:
-        s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
-    if s.problem is None:
-        s.problem = _spec_problem(s)
-    if s.problem is None:
-        s.problem = _build_spec(s, ctx.config.seq_threshold)[1]
-    return s.problem
+class _Loop(Match):
+    """A stack of chains (one chain: a one-layer loop) to fold into one RNN call."""
+
+    def __init__(self, layers: List[_Chain], claimed: dict):
+        T = len(layers[0].cells)
+        self.label = _label(layers)
+        super().__init__(_params(layers), f"{self.label}: {T} cell steps -> one RNN call", steps=T)
+        self.layers, self.claimed = layers, claimed
 
 
-def fold_cells(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Fold every foldable cell loop in ``gm`` into one RNN call; returns how many."""
-    cells = [c for c in (_cell_of(ctx, n) for n in gm.graph.nodes) if c is not None]
-    if not cells:
-        return 0
-    chains = _chains(cells)
-    _stack(chains)
-    # Chains of the same cell that are not linked step to step although
-    # one's state is computed from another's: masking, resets, feedback.
-    by_key: Dict[Tuple, List[_Chain]] = {}
-    for ch in chains:
-        by_key.setdefault(ch.first.key, []).append(ch)
-    for key, group in by_key.items():
-        if len(group) < 2:
-            continue
-        dep = _depends(gm.graph, {c.node for ch in group for c in ch.cells})
-        if any(ch.problem is None and any(s in dep for s in ch.first.state) for ch in group):
-            why = ("the state passes through other operations between steps (masking, resets or feedback): "
-                   f"{len(group)} separate pieces of one loop, not folded")
-            for ch in group:
-                ch.problem = ch.problem or why
-    folded = 0
-    claimed: Dict[Tuple[int, ...], Any] = {}  # symbolic_trace: ids of a layer stack's weights -> its group
-    rnn_runs = ctx.config.runs("fuse_rnn")
-    for ch in chains:
-        if ch.below is not None:
-            continue  # folded with the layer below
-        layers = [ch]
-        while layers[-1].above is not None:
-            layers.append(layers[-1].above)
-        label = _label(layers)
-        params = _params(layers)
-        dep = _depends(gm.graph, {c.node for l in layers for c in l.cells})
-        why = _problem(ctx, layers, dep)
-        if why is None and not rnn_runs:
-            why = "folding hands the loop to the fuse_rnn format, which this config does not run"
-        if why is not None and len(layers) > 1 and not any(c.problem for l in layers for c in l.cells):
-            # Not as one stack: try each layer by itself, bottom first.
-            for l in layers:
-                l.below = l.above = None
-            for l in layers:
-                folded += _fold_one(ctx, [l], _depends(gm.graph, {c.node for c in l.cells}), claimed)
-            continue
+class FoldCells(Format):
+    """Fold every foldable cell loop into one RNN call."""
+
+    name, pattern = "fold_cells", "rnn"
+
+    def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[_Loop]:
+        cells = [c for c in (_cell_of(ctx, n) for n in gm.graph.nodes) if c is not None]
+        if not cells:
+            return
+        chains = _chains(cells)
+        _stack(chains)
+        # Chains of the same cell that are not linked step to step although
+        # one's state is computed from another's: masking, resets, feedback.
+        by_key: Dict[Tuple, List[_Chain]] = {}
+        for ch in chains:
+            by_key.setdefault(ch.first.key, []).append(ch)
+        for key, group in by_key.items():
+            if len(group) < 2:
+                continue
+            dep = _depends(gm.graph, {c.node for ch in group for c in ch.cells})
+            if any(ch.problem is None and any(s in dep for s in ch.first.state) for ch in group):
+                why = ("the state passes through other operations between steps (masking, resets or feedback): "
+                       f"{len(group)} separate pieces of one loop, not folded")
+                for ch in group:
+                    ch.problem = ch.problem or why
+        claimed: Dict[Tuple[int, ...], Any] = {}  # symbolic_trace: ids of a layer stack's weights -> its group
+        for ch in chains:
+            if ch.below is not None:
+                continue  # matched with the layer below
+            layers = [ch]
+            while layers[-1].above is not None:
+                layers.append(layers[-1].above)
+            if len(layers) > 1 and not any(c.problem for l in layers for c in l.cells) and _refusal(ctx, layers):
+                # Not as one stack: each layer by itself, bottom first.
+                for l in layers:
+                    l.below = l.above = None
+                for l in layers:
+                    yield _Loop([l], claimed)
+                continue
+            yield _Loop(layers, claimed)
+
+    def guard(self, loop: _Loop, ctx: PassContext) -> Optional[str]:
+        why = _refusal(ctx, loop.layers)
         if why is not None:
-            ctx.report.add("rnn", "skipped", f"{label}: {why}", params, steps=len(ch.cells))
-            continue
-        folded += _fold_one(ctx, layers, dep, claimed, checked=True)
-    return folded
+            return f"{loop.label}: {why}"
+        if ctx.is_dynamo:
+            # The RNN format's own guards, on the call the loop would become.
+            g = ctx.gm.graph
+            trial = _trial_call(ctx, loop.layers)
+            s = _site_of(ctx, trial)
+            why = call_problem(s, ctx) if s is not None else "internal: the folded call is not an RNN call"
+            g.erase_node(trial)
+            if why is not None:
+                return f"{loop.label}: the RNN format would not take it ({why})"
+        return None
+
+    def apply(self, loop: _Loop, ctx: PassContext) -> None:
+        if ctx.is_dynamo:
+            _rewrite(ctx, loop.layers, loop.label)
+        else:  # symbolic_trace graph: an eager call target, grouped here
+            _rewrite(ctx, loop.layers, loop.label, _module_group(ctx, loop.layers, loop.label, loop.claimed))
 
 
-def _fold_one(ctx: PassContext, layers: List[_Chain], dep: set, claimed: dict, checked: bool = False) -> int:
-    label, params = _label(layers), _params(layers)
-    T = len(layers[0].cells)
-    why = None if checked else _problem(ctx, layers, dep)
+def _refusal(ctx: PassContext, layers: List[_Chain]) -> Optional[str]:
+    """Why this stack of chains is not folded as it stands, or None."""
+    why = _problem(ctx, layers, _depends(ctx.gm.graph, {c.node for l in layers for c in l.cells}))
     if why is None and not ctx.config.runs("fuse_rnn"):
         why = "folding hands the loop to the fuse_rnn format, which this config does not run"
-    if why is not None:
-        ctx.report.add("rnn", "skipped", f"{label}: {why}", params, steps=T)
-        return 0
-    if ctx.config.dry_run:
-        ctx.report.add("rnn", "rewritten", f"{label}: {T} cell steps -> one RNN call", params, steps=T)
-        return 1
-    if not ctx.is_dynamo:  # symbolic_trace graph: an eager call target, grouped here
-        _rewrite(ctx, layers, label, _module_group(ctx, layers, label, claimed))
-        return 1
-    g = ctx.gm.graph
-    trial = _trial_call(ctx, layers)
-    why = _check_rnn_call(ctx, trial)
-    _erase_trial(g, trial)
-    if why is not None:
-        ctx.report.add("rnn", "skipped", f"{label}: the RNN format would not take it ({why})", params, steps=T)
-        return 0
-    _rewrite(ctx, layers, label)
-    return 1
+    return why
 
 
 def _trial_call(ctx: PassContext, layers: List[_Chain]) -> fx.Node:
@@ -625,10 +616,6 @@ def _trial_call(ctx: PassContext, layers: List[_Chain]) -> fx.Node:
         if isinstance(xv, torch.Tensor):
             n.meta["example_value"] = xv.unsqueeze(0)
     return n
-
-
-def _erase_trial(g: fx.Graph, n: fx.Node) -> None:
-    g.erase_node(n)
 
 
 def _module_group(ctx: PassContext, layers: List[_Chain], label: str, claimed: dict):
@@ -655,7 +642,7 @@ def _module_group(ctx: PassContext, layers: List[_Chain], label: str, claimed: d
     how = f"{label}: {T} cell steps -> one RNN call"
     detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers, steps=T, block_elements=acc)
     taken = {i for k in claimed for i in k}
-    site = _new_group(ctx, None, spec, ws, names, how, detail, overlap=any(i in taken for i in ids))
+    site = _new_group(ctx, spec, ws, names, how, detail, overlap=any(i in taken for i in ids))
     site.spec = spec
     claimed[ids] = site
     return site

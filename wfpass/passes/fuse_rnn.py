@@ -29,8 +29,9 @@ not moved (the kernels read them where they are), so ties stay tied.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -38,13 +39,13 @@ import torch.nn as nn
 
 from .. import _compat
 from ..config import default_seq_threshold
-from ..graph import PassContext, TensorRef, meta_value
-from ..graph import mutated_state
+from ..graph import PassContext, TensorRef, meta_value, mutated_state
+from ..pipeline import Format, Match
 from ..ops.rnn import GATES, RnnForward, RnnModuleCall, RnnSpec, choose_path, measure_threshold
 from ..runtime import GroupSite
 from ..storage import fuse, layout_of_set, refuse, sharing_problem, unmovable
 
-__all__ = ["fuse_rnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
+__all__ = ["FuseRnn", "call_problem", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
 # Let Dynamo put RNN modules into the graph for wformat backends only.
 _compat.install_rnn_capture()
@@ -62,11 +63,22 @@ _CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
 
 
 
-class _Site:
+@dataclasses.dataclass
+class _Run:
+    """What the sites of one run of the format share."""
+
+    claimed: Dict[int, Tuple[Tuple[int, ...], GroupSite]]  # id(weight) -> (ids of its set, its group)
+    written: Dict[fx.Node, str]  # weights written in place in the graph -> by what
+
+
+class _Site(Match):
     """One RNN call, in either flavour, with what the rewrite needs."""
 
     def __init__(self, node: fx.Node, mode: str):
+        super().__init__()
         self.node, self.mode = node, mode
+        self.spec: Optional[RnnSpec] = None  # set by the guards when they pass
+        self.run: Optional[_Run] = None
         self.problem: Optional[str] = None
         self.x: Optional[fx.Node] = None
         self.hx: Optional[List[fx.Node]] = None  # Dynamo flavour: the state nodes
@@ -269,37 +281,56 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
     return RnnSpec(offsets=tuple(offsets), numel=acc, **spec), None
 
 
-def fuse_rnn(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Rewrite every RNN call in ``gm``; returns how many were rewritten."""
-    rewritten = 0
-    claimed: Dict[int, Tuple[Tuple[int, ...], GroupSite]] = {}  # id(weight) -> (ids of its set, site)
-    written = mutated_state(gm)
-    for node in list(gm.graph.nodes):
-        s = _site_of(ctx, node)
-        if s is None:
-            continue
-        params = [r.name for r in s.weights]
-        if s.problem is None:
-            # A DTensor/FSDP2 weight: not even the fallback op may run on it.
-            s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
+class FuseRnn(Format):
+    """The RNN format: match every RNN call, guard it, rewrite it."""
+
+    name, pattern = "fuse_rnn", "rnn"
+
+    def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[_Site]:
+        # What this run's sites share: the weight sets already grouped (the
+        # same RNN called twice is one group), the weights written in place.
+        run = _Run(claimed={}, written=mutated_state(gm))
+        for node in list(gm.graph.nodes):
+            s = _site_of(ctx, node)
+            if s is not None:
+                s.params, s.run = [r.name for r in s.weights], run
+                yield s
+
+    def guard(self, s: _Site, ctx: PassContext) -> Optional[str]:
+        why = call_problem(s, ctx)
+        if why is not None:
+            return f"{s.name or s.node.name}: {why}"
+        spec = s.spec
+        s.plan = f"{spec.name}: {_describe(spec)}"
+        s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
+                        bidirectional=spec.bidirectional, block_elements=spec.numel)
+        return None
+
+    def apply(self, s: _Site, ctx: PassContext) -> None:
+        _rewrite(ctx.gm, ctx, s)
         # A weight written in place inside the graph (a hook, ``clamp_`` in
-        # forward) needs no skip here: the rewritten call reads every weight
-        # as a graph value, after the write, never the block. Noted below.
-        if s.problem is None:
-            s.problem = _spec_problem(s)
-        spec = None
-        if s.problem is None:
-            spec, s.problem = _build_spec(s, ctx.config.seq_threshold)
-        if s.problem is not None:
-            ctx.report.add("rnn", "skipped", f"{s.name or node.name}: {s.problem}", params)
-            continue
-        _rewrite(gm, ctx, s, spec, claimed)
+        # forward) needs no guard: the rewritten call reads every weight as
+        # a graph value, after the write, never the block. The record says so.
+        written = s.run.written
         w = next((r for r in s.weights if r.node is not None and r.node in written), None)
-        if w is not None and not ctx.config.dry_run:
-            rec = claimed[id(s.weights[0].tensor)][1].record
+        if w is not None:
+            rec = s.run.claimed[id(s.weights[0].tensor)][1].record
             rec.detail["written_in_graph"] = f"{w.name} by {written[w.node]}: the kernels read it after the write"
-        rewritten += 1
-    return rewritten
+
+
+def call_problem(s: _Site, ctx: PassContext) -> Optional[str]:
+    """The RNN format's guards, in order, on one matched call: what the
+    matcher found, a distributed weight, the weights' dtype and device, the
+    layer layout. None when the call can be rewritten (``s.spec`` is then
+    its spec). ``fold_cells`` asks the same of the call a loop would become."""
+    if s.problem is None:
+        # A DTensor/FSDP2 weight: not even the fallback op may run on it.
+        s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
+    if s.problem is None:
+        s.problem = _spec_problem(s)
+    if s.problem is None:
+        s.spec, s.problem = _build_spec(s, ctx.config.seq_threshold)
+    return s.problem
 
 
 def _describe(spec: RnnSpec) -> str:
@@ -380,16 +411,11 @@ def _is_zero_state(h: fx.Node, spec: RnnSpec, x_val: Any, which: int) -> bool:
         return False
 
 
-def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, claimed) -> None:
+def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site) -> None:
+    spec, claimed = s.spec, s.run.claimed
     ws = [r.tensor for r in s.weights]
     names = [r.name for r in s.weights]
     ids = tuple(id(w) for w in ws)
-    detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
-                  bidirectional=spec.bidirectional, block_elements=spec.numel)
-    how = f"{spec.name}: {_describe(spec)}"
-    if ctx.config.dry_run:
-        ctx.report.add("rnn", "rewritten", how + " [dry run]", names, **detail)
-        return
 
     # The same RNN called twice in this graph: one group, one block.
     prior = claimed.get(ids[0])
@@ -398,7 +424,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
         if spec.name not in site.record.reason:  # e.g. a cell loop over an nn.LSTM's own weights
             site.record.reason += f"; also called as {spec.name}"
     else:
-        site = _new_group(ctx, s, spec, ws, names, how, detail, overlap=any(i in claimed for i in ids))
+        site = _new_group(ctx, spec, ws, names, s.plan, s.detail, overlap=any(i in claimed for i in ids))
         for i in ids:
             claimed[i] = (ids, site)
     record = site.record
@@ -439,7 +465,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext, s: _Site, spec: RnnSpec, clai
     g.erase_node(node)
 
 
-def _new_group(ctx: PassContext, s: _Site, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
+def _new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
     key = ("rnn", spec.offsets, tuple(tuple(w.shape) for w in ws))
     # Intact (a recompile, an idempotent re-run) or lost (a cast and back:
     # re-fused below, on its record).
