@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 
 import pytest
 import torch
@@ -133,12 +134,11 @@ def test_forward_backward_equal_eager(variant, where):
 
 
 @pytest.mark.parametrize("variant", ["lstm-proj", "lstm-nobias", "gru-2layer-bi", "rnn-relu-nobias", "lstm-bi-batch_first"])
-def test_python_loop_unfused_path_equal_eager(variant, monkeypatch):
+def test_python_loop_unfused_path_equal_eager(variant):
     """The per-step loop the unfused path uses off the CPU, checked on the CPU."""
-    monkeypatch.setattr(rnn_ops, "UNFUSED_IMPL", "loop")
     cls, kw = VARIANTS[variant]
     model = Net(cls, **kw)
-    assert_same_fwd_bwd(model, wformat(), make_inputs(cls, kw, 3, state=True))
+    assert_same_fwd_bwd(model, wformat(rnn=wfpass.RnnOptions(unfused_impl="loop")), make_inputs(cls, kw, 3, state=True))
     assert rnn_record().stats["unfused_calls"] == 1
 
 
@@ -600,14 +600,14 @@ def test_tied_weights_are_left_in_place():
 # -- seq_threshold="auto" ---------------------------------------------------------
 
 
-def test_auto_threshold_measures_once_per_shape(monkeypatch):
-    monkeypatch.setattr(rnn_ops, "AUTO_LENGTHS", (1, 2, 4))
+def test_auto_threshold_measures_once_per_shape():
     rnn_ops.auto_threshold_cache().clear()
     model = Net(nn.LSTM)
     ref = copy.deepcopy(model)
     # Static shapes: each length compiles its graph, and the path is chosen
     # at compile time from a measurement made once per shape (T aside).
-    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", seq_threshold="auto"))
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", seq_threshold="auto",
+                                                     rnn=wfpass.RnnOptions(auto_lengths=(1, 2, 4))))
     with torch.no_grad():
         for T in (3, 9, 5):
             x = torch.randn(T, 4, 5)
@@ -619,17 +619,36 @@ def test_auto_threshold_measures_once_per_shape(monkeypatch):
     assert n in (0, 1, 2, 4)
 
 
+@pytest.mark.parametrize("rnn, exc, words", [
+    (dict(unfused_impl="fast"), ValueError, "'rnn.unfused_impl'"),
+    (dict(auto_lengths=(4, 2)), ValueError, "'rnn.auto_lengths'"),
+    (dict(auto_lengths=(0, 1)), ValueError, "'rnn.auto_lengths'"),
+    (dict(auto_lengths=[1, 2.5]), TypeError, "'rnn.auto_lengths'"),
+    (dict(auto_length=(1,)), ValueError, "'rnn.auto_length'"),
+    ("loop", TypeError, "'rnn'"),
+])
+def test_rnn_options_are_checked_naming_the_option(rnn, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        wfpass.backend(rnn=rnn)
+
+
+def test_rnn_options_reach_the_rnn_call_of_the_graph():
+    rec = Recorder(inner="eager", seq_threshold=N, rnn={"unfused_impl": "loop", "auto_lengths": [1, 3]})
+    torch.compile(Net(nn.LSTM), backend=rec.backend)(torch.randn(7, 3, 5))
+    (fn,) = [n.target for g in rec.graphs for n in g.graph.nodes if isinstance(n.target, rnn_ops.RnnForward)]
+    assert fn.spec.options == wfpass.RnnOptions(unfused_impl="loop", auto_lengths=(1, 3))
+
+
 def test_auto_threshold_skips_measuring_when_paths_share_a_kernel():
     model = Net(nn.GRU)
     wformat(seq_threshold="auto")(model)(torch.randn(7, 3, 5))
     assert "auto_measurements" not in rnn_record().stats
 
 
-def test_auto_with_dropout_keeps_callers_random_stream(monkeypatch):
-    monkeypatch.setattr(rnn_ops, "AUTO_LENGTHS", (1, 8))
+def test_auto_with_dropout_keeps_callers_random_stream():
     model = Net(nn.LSTM, num_layers=2, dropout=0.3).train()
     ref = copy.deepcopy(model)
-    fn = wformat(seq_threshold="auto")(model)
+    fn = wformat(seq_threshold="auto", rnn=wfpass.RnnOptions(auto_lengths=(1, 8)))(model)
     x = torch.randn(7, 3, 5)
     torch.manual_seed(5)
     out = fn(x)

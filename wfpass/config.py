@@ -7,9 +7,12 @@ typo fails at ``torch.compile`` time instead of deep inside a kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
-__all__ = ["Config", "INNER_BACKENDS", "LINEAR_PATHS", "PASS_NAMES", "DEFAULT_SEQ_THRESHOLD", "default_seq_threshold"]
+from . import pipeline
+
+__all__ = ["Config", "RnnOptions", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
+           "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
 #: ``(gm, example_inputs) -> callable`` is accepted too.
@@ -29,8 +32,6 @@ def default_seq_threshold(device_type: str) -> int:
     """``DEFAULT_SEQ_THRESHOLD`` for a device type; devices never measured get
     the CPU's value."""
     return DEFAULT_SEQ_THRESHOLD.get(device_type, DEFAULT_SEQ_THRESHOLD["cpu"])
-#: Every pass wfpass knows, in the order the pipeline runs them.
-PASS_NAMES = ("fuse_linears", "fold_cells", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -40,6 +41,42 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"wfpass option {name!r} must be >= {minimum}, got {value}")
 
 
+#: How the RNN format's unfused path runs where it is called eagerly
+#: (``wfpass.apply`` graphs, the ``seq_threshold="auto"`` measurement).
+UNFUSED_IMPLS = ("auto", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class RnnOptions:
+    """Options of the RNN format: ``Config(rnn=RnnOptions(...))``, or a dict
+    of these fields (``wfpass.backend(rnn={"unfused_impl": "loop"})``).
+
+    unfused_impl:  the unfused path (T <= ``seq_threshold``) where it runs
+                   eagerly: ``"auto"``: on the CPU ATen's own kernel (one
+                   call for all steps; oneDNN switched off for an LSTM),
+                   elsewhere the per-step loop in PyTorch ops; ``"loop"``:
+                   that loop everywhere (it is what compiled graphs trace).
+    auto_lengths:  the sequence lengths ``seq_threshold="auto"`` times, in
+                   increasing order; it stops after the fused kernel wins at
+                   two lengths in a row.
+    """
+
+    unfused_impl: str = "auto"
+    auto_lengths: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def __post_init__(self) -> None:
+        if self.unfused_impl not in UNFUSED_IMPLS:
+            raise ValueError(f"wfpass option 'rnn.unfused_impl' must be one of {UNFUSED_IMPLS}, got {self.unfused_impl!r}")
+        lengths = self.auto_lengths
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (tuple, list)):
+            raise TypeError(f"wfpass option 'rnn.auto_lengths' must be a tuple of ints, got {lengths!r}")
+        for n in lengths:
+            _check_int("rnn.auto_lengths", n, 1)
+        if not lengths or any(a >= b for a, b in zip(lengths, lengths[1:])):
+            raise ValueError(f"wfpass option 'rnn.auto_lengths' must be a non-empty, increasing tuple of lengths, got {lengths!r}")
+        object.__setattr__(self, "auto_lengths", tuple(lengths))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """All wfpass options. Build with keywords; every field is checked.
@@ -47,7 +84,8 @@ class Config:
     inner:            compiler the rewritten graph goes to: one of
                       ``INNER_BACKENDS`` or a backend callable.
     passes:           names of the formats to run (``None``: every registered
-                      one; the built-ins are ``PASS_NAMES``).
+                      one, in pipeline order: ``wfpass/passes/__init__.py``
+                      lists the built-ins, users' formats follow).
     linear_path:      ``"auto"`` picks per group from the static row count M
                       (``fused`` when M <= ``fused_max_rows``), or force one.
     fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
@@ -58,6 +96,8 @@ class Config:
                       device, ``DEFAULT_SEQ_THRESHOLD`` (docs/rnn.md).
     fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
                       (inference only).
+    rnn:              the RNN format's other options (:class:`RnnOptions`,
+                      or a dict of its fields).
     dry_run:          decide and report, change nothing (used by ``explain``).
     """
 
@@ -68,6 +108,7 @@ class Config:
     min_group_size: int = 2
     seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     fold_batchnorm: bool = False
+    rnn: RnnOptions = RnnOptions()
     dry_run: bool = False
 
     def __post_init__(self) -> None:
@@ -81,9 +122,7 @@ class Config:
                 f"wfpass option 'inner' must be a string {INNER_BACKENDS} or a callable, got {type(self.inner).__name__}"
             )
         if self.passes is not None:
-            from .formats import registered_formats
-
-            known = tuple(f.name for f in registered_formats()) or PASS_NAMES
+            known = pipeline.registered_names()
             if isinstance(self.passes, str) or not isinstance(self.passes, (tuple, list)):
                 raise TypeError(f"wfpass option 'passes' must be a tuple of format names from {known}, got {self.passes!r}")
             unknown = [p for p in self.passes if p not in known]
@@ -98,6 +137,16 @@ class Config:
             if isinstance(self.seq_threshold, str):
                 raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0, 'auto' or None, got {self.seq_threshold!r}")
             _check_int("seq_threshold", self.seq_threshold, 0)
+        if isinstance(self.rnn, dict):
+            fields = {f.name for f in dataclasses.fields(RnnOptions)}
+            unknown = sorted(set(self.rnn) - fields)
+            if unknown:
+                raise ValueError(f"unknown wfpass option(s) {['rnn.' + k for k in unknown]}; allowed: "
+                                 f"{sorted('rnn.' + k for k in fields)}")
+            object.__setattr__(self, "rnn", RnnOptions(**self.rnn))
+        elif not isinstance(self.rnn, RnnOptions):
+            raise TypeError(f"wfpass option 'rnn' must be a wfpass.RnnOptions or a dict of its fields, got "
+                            f"{type(self.rnn).__name__}")
         for flag in ("fold_batchnorm", "dry_run"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")

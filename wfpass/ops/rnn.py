@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from ..config import RnnOptions
 
 __all__ = [
     "RnnSpec", "GATES", "RnnForward", "RnnModuleCall", "paths_differ", "choose_path",
@@ -60,12 +61,6 @@ __all__ = [
 #: Gates per mode: rows of ``weight_ih`` = GATES[mode] * hidden_size.
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 _CLASS = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN", "RNN_RELU": "RNN"}
-
-#: Implementation of the unfused path in eager (``wfpass.apply``) calls:
-#: "auto" = ATen native on the CPU, the Python loop elsewhere. Tests set
-#: "loop" to check the loop on the CPU.
-UNFUSED_IMPL = "auto"
-
 
 @dataclasses.dataclass(frozen=True)
 class RnnSpec:
@@ -84,6 +79,7 @@ class RnnSpec:
     threshold: Union[int, str]
     offsets: Tuple[int, ...]  # element offset of each weight in the block
     numel: int  # elements in the block
+    options: RnnOptions = RnnOptions()  # Config.rnn of the compile that made this spec
 
     @property
     def directions(self) -> int:
@@ -115,7 +111,7 @@ def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
 
 def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     """Input projection for all steps as one GEMM, then per-step recurrent GEMMs."""
-    if x.device.type == "cpu" and UNFUSED_IMPL != "loop":
+    if x.device.type == "cpu" and spec.options.unfused_impl != "loop":
         # ATen's native CPU kernel is this algorithm (it precomputes
         # ``linear_ih`` over the whole sequence) without Python per step;
         # only the LSTM has a oneDNN kernel to switch off.
@@ -291,7 +287,7 @@ class RnnForward:
 def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
     """Do the two paths run different kernels for this input? On the CPU only
     an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
-    if x.device.type != "cpu" or UNFUSED_IMPL == "loop":
+    if x.device.type != "cpu" or spec.options.unfused_impl == "loop":
         return True
     return spec.mode == "LSTM" and spec.proj_size == 0 and _compat.mkldnn_rnn_dtype(x.dtype)
 
@@ -299,8 +295,6 @@ def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
 # -- seq_threshold="auto" -----------------------------------------------------
 
 _AUTO: Dict[tuple, int] = {}
-#: Lengths "auto" measures, in order; it stops after the fused kernel wins twice in a row.
-AUTO_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def auto_threshold_cache() -> Dict[tuple, int]:
@@ -311,7 +305,7 @@ def auto_threshold_cache() -> Dict[tuple, int]:
 def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool, p: float) -> tuple:
     batch = x.shape[0] if spec.batch_first else x.shape[1]
     return (x.device.type, x.dtype, int(batch), spec.hidden_size, spec.num_layers, spec.mode, spec.input_size,
-            spec.proj_size, spec.bidirectional, need_grad, bool(train and p > 0))
+            spec.proj_size, spec.bidirectional, need_grad, bool(train and p > 0), spec.options)
 
 
 def _median_time(fn, reps: int = 3, device: Optional[torch.device] = None) -> float:
@@ -333,7 +327,7 @@ def _measure_threshold(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: fl
     batch = x.shape[0] if spec.batch_first else x.shape[1]
     n, fused_wins = 0, 0
     with torch.random.fork_rng(devices=[]):  # leave the caller's dropout stream alone
-        for T in AUTO_LENGTHS:
+        for T in spec.options.auto_lengths:
             shape = (batch, T, spec.input_size) if spec.batch_first else (T, batch, spec.input_size)
             xt = torch.randn(shape, dtype=x.dtype, device=x.device)
             if need_grad:

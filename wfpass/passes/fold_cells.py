@@ -637,7 +637,7 @@ def _module_group(ctx: PassContext, layers: List[_Chain], label: str, claimed: d
                    num_layers=len(layers), bidirectional=False, batch_first=False,
                    has_biases=len(first.weight_nodes) == 4, dropout=0.0,
                    threshold=default_seq_threshold(ws[0].device.type) if thr is None else thr,
-                   offsets=tuple(offsets), numel=acc)
+                   offsets=tuple(offsets), numel=acc, options=ctx.config.rnn)
     T = len(layers[0].cells)
     how = f"{label}: {T} cell steps -> one RNN call"
     detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers, steps=T, block_elements=acc)

@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import _compat
-from ..config import default_seq_threshold
+from ..config import Config, default_seq_threshold
 from ..graph import PassContext, TensorRef, meta_value, mutated_state
 from ..pipeline import Format, Match
 from ..ops.rnn import GATES, RnnForward, RnnModuleCall, RnnSpec, choose_path, measure_threshold
@@ -243,7 +243,7 @@ def _spec_problem(s: _Site) -> Optional[str]:
     return None
 
 
-def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
+def _build_spec(s: _Site, config: Config) -> Tuple[Optional[RnnSpec], Optional[str]]:
     has_biases, num_layers, dropout, train, bidirectional, batch_first = s.consts
     ws = [r.tensor for r in s.weights]
     D = 2 if bidirectional else 1
@@ -263,7 +263,8 @@ def _build_spec(s: _Site, threshold) -> Tuple[Optional[RnnSpec], Optional[str]]:
         name=s.name, mode=s.mode, input_size=ws[0].shape[1], hidden_size=hidden, proj_size=proj_size,
         num_layers=int(num_layers), bidirectional=bool(bidirectional), batch_first=bool(batch_first),
         has_biases=bool(has_biases), dropout=float(dropout),
-        threshold=default_seq_threshold(ws[0].device.type) if threshold is None else threshold,
+        threshold=default_seq_threshold(ws[0].device.type) if config.seq_threshold is None else config.seq_threshold,
+        options=config.rnn,
     )
     offsets, acc = [], 0
     layout = None
@@ -329,7 +330,7 @@ def call_problem(s: _Site, ctx: PassContext) -> Optional[str]:
     if s.problem is None:
         s.problem = _spec_problem(s)
     if s.problem is None:
-        s.spec, s.problem = _build_spec(s, ctx.config.seq_threshold)
+        s.spec, s.problem = _build_spec(s, ctx.config)
     return s.problem
 
 
