@@ -370,11 +370,28 @@ def _name_rnn_being_wrapped() -> Optional[torch.nn.Module]:
             return None
         from .passes.fuse_rnn import name_errors
 
-        name_errors(module, module_name_from_source(name) if isinstance(name, str) else "")
+        path = module_name_from_source(name) if isinstance(name, str) else ""
+        name_errors(module, path)
         _refresh_flat_weight_refs(module)
+        _note_rnn_seen(module, path)
         return module
     except Exception:  # never break a trace over this
         return None
+
+
+def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
+    """File a provisional record for an RNN Dynamo is about to inline for a
+    wformat backend. If the call reaches a graph, the pass's own record
+    replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
+    on ``pack_padded_sequence`` and again inside ``forward``, and no backend
+    is called for that code), ``wfpass.report(model)`` still says so."""
+    from .runtime import note_provisional
+
+    names = [f"{path}.{n}" if path else n for n in module._flat_weights_names]
+    label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
+    note_provisional(
+        "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence input, or a graph "
+        "break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in module._flat_weights_names])
 
 
 def _refresh_flat_weight_refs(module: torch.nn.RNNBase) -> None:

@@ -206,6 +206,7 @@ def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.
             if n not in record.params:
                 record.params.append(n)
     sig = (record.pattern, record.action, record.reason, tuple(record.params))
+    provisional = record.detail.get("_provisional", False)
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
@@ -214,8 +215,19 @@ def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.
             _NOTES[t] = recs = []
         if any(r is record for r in recs):
             continue
-        recs[:] = [r for r in recs if (r.pattern, r.action, r.reason, tuple(r.params)) != sig]
+        recs[:] = [r for r in recs if (r.pattern, r.action, r.reason, tuple(r.params)) != sig
+                   and not (r.detail.get("_provisional") and r.pattern == record.pattern and not provisional)]
         recs.append(record)
+
+
+def note_provisional(pattern: str, reason: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """A skip record that stands until a pass files a real one for the same
+    tensors and pattern (``note`` drops it then): for calls Dynamo saw but
+    may never hand to a backend. Not filed where a record already exists."""
+    if any(any(r.pattern == pattern for r in _NOTES.get(t, ())) for t in tensors if isinstance(t, torch.Tensor)):
+        return
+    rec = Record(pattern, "skipped", reason, list(names), detail={"_provisional": True})
+    note(rec, names, tensors)
 
 
 def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:

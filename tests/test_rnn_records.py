@@ -1,0 +1,78 @@
+"""Every RNN wfpass meets gets a record, including the ones Dynamo never
+hands to a backend (packed sequences) and cell loops that cannot be folded
+(an attention decoder in the style of Tacotron2)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import wfpass
+
+
+class PackedEncoder(nn.Module):
+    """Tacotron2's encoder shape: a packed LSTM, next to an RNN that is captured."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
+        self.post = nn.GRU(16, 8)
+
+    def forward(self, x, lengths):
+        p = pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(p)
+        y, _ = pad_packed_sequence(out, batch_first=True)
+        return self.post(y.transpose(0, 1))[0]
+
+
+class AttentionDecoder(nn.Module):
+    """Two decoder cells fed by attention over the encoder output and by the
+    previous frame: every step depends on the one before."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.attention_rnn = nn.LSTMCell(2 * d, d)
+        self.decoder_rnn = nn.LSTMCell(2 * d, d)
+        self.query, self.proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, memory, steps: int = 4):
+        B, _, d = memory.shape
+        h1 = c1 = h2 = c2 = memory.new_zeros(B, d)
+        frame = memory.new_zeros(B, d)
+        frames = []
+        for _ in range(steps):
+            score = torch.softmax((memory @ self.query(h1).unsqueeze(-1)).squeeze(-1), -1)
+            context = (score.unsqueeze(-1) * memory).sum(1)
+            h1, c1 = self.attention_rnn(torch.cat([frame, context], -1), (h1, c1))
+            h2, c2 = self.decoder_rnn(torch.cat([h1, context], -1), (h2, c2))
+            frame = self.proj(h2)
+            frames.append(frame)
+        return torch.stack(frames, 1)
+
+
+def test_packed_sequence_rnn_gets_a_record_and_stays_right():
+    m = PackedEncoder()
+    ref = copy.deepcopy(m)
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 4])
+    out = torch.compile(m, backend="wformat")(x, lengths)
+    torch.testing.assert_close(out, ref(x, lengths), rtol=1e-5, atol=1e-6)
+    recs = {r.params[0].split(".")[0]: r for r in wfpass.report(m).records if r.pattern == "rnn"}
+    assert recs["lstm"].action == "skipped" and "PackedSequence" in recs["lstm"].reason
+    assert len(recs["lstm"].params) == 8  # both directions
+    # The captured GRU's record replaced its provisional one.
+    assert recs["post"].action == "rewritten"
+
+
+def test_attention_decoder_cells_are_reported_not_folded():
+    m = AttentionDecoder()
+    ref = copy.deepcopy(m)
+    mem = torch.randn(2, 6, 8)
+    out = torch.compile(m, backend="wformat")(mem)
+    torch.testing.assert_close(out, ref(mem), rtol=1e-5, atol=1e-6)
+    recs = [r for r in wfpass.report(m).records if r.pattern == "rnn"]
+    named = {p.split(".")[0] for r in recs for p in r.params}
+    assert named == {"attention_rnn", "decoder_rnn"}
+    assert all(r.action == "skipped" and "depends on an earlier step" in r.reason for r in recs), [r.reason for r in recs]
