@@ -76,3 +76,29 @@ def test_attention_decoder_cells_are_reported_not_folded():
     named = {p.split(".")[0] for r in recs for p in r.params}
     assert named == {"attention_rnn", "decoder_rnn"}
     assert all(r.action == "skipped" and "depends on an earlier step" in r.reason for r in recs), [r.reason for r in recs]
+
+
+def test_frozen_graph_every_module_has_a_record(monkeypatch):
+    """Inductor's ``freezing=True``: Dynamo keeps the parameters as graph
+    attributes. The sibling linears are skipped with the reason, the LSTM is
+    lowered, and both appear in the model's report under its own names."""
+    monkeypatch.setattr(torch._inductor.config, "freezing", True)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.rnn = nn.LSTM(8, 8)
+
+        def forward(self, x):
+            return self.rnn(self.q(x) + self.k(x) * self.v(x))[0]
+
+    m = M().eval()
+    ref = copy.deepcopy(m)
+    x = torch.randn(5, 2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, backend="wformat")(x), ref(x), rtol=1e-5, atol=1e-6)
+    recs = {r.pattern: r for r in wfpass.report(m).records}
+    assert recs["linear"].action == "skipped" and "freezing=True" in recs["linear"].reason
+    assert recs["linear"].params == ["q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias"]
+    assert recs["rnn"].action == "rewritten"

@@ -118,7 +118,11 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
     run_in_bodies(gm, ctx)
     if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
         _set_last(report, *_compat.compile_origin())
-        file_report(report, {r.name: r.tensor for r in ctx.state_tensors()})
+        # Parameters Dynamo kept as graph attributes (Inductor's freezing=True)
+        # are not inputs; their records are filed under them too.
+        attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in gm.graph.nodes if n.op == "get_attr")
+                 if r is not None and r.is_state}
+        file_report(report, {**attrs, **{r.name: r.tensor for r in ctx.state_tensors()}})
     inner = _resolve_inner(config.inner)
     compiled = inner(gm, ctx.compile_inputs())
     ctx.run_deferred()

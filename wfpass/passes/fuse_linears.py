@@ -347,7 +347,8 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         # arguments; a parameter baked into the graph as an attribute
         # (torch._dynamo.config.inline_inbuilt_nn_modules=False) has none.
         ctx.report.add("linear", "skipped", "parameters are attributes of the Dynamo graph, not inputs "
-                       "(inline_inbuilt_nn_modules=False): the per-call layout check cannot see them", params)
+                       "(Inductor's freezing=True, or inline_inbuilt_nn_modules=False): the per-call layout check "
+                       "cannot see them", params)
         return False
 
     fs = _reuse(weights, layout.weight_key)
