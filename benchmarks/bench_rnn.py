@@ -42,7 +42,9 @@ import torch.nn as nn
 
 import wfpass
 from wfpass.config import Config, default_seq_threshold
-from wfpass.ops import rnn as rnn_ops
+from wfpass.rnn.auto import auto_threshold_cache
+from wfpass.rnn.paths import fused_path, unfused_path
+from wfpass.rnn.spec import RnnSpec
 
 LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 VARIANTS = ("eager", "inductor", "unfused", "fused", "default", "auto")
@@ -253,7 +255,7 @@ def markdown(results, compile_res, args, elapsed: float) -> str:
         lines.append("")
     lines += ["## Targets", ""] + targets(results, compile_res, args) + [""]
     lines += ["## seq_threshold=\"auto\": measured N per shape", ""]
-    for key, n in rnn_ops.auto_threshold_cache().items():
+    for key, n in auto_threshold_cache().items():
         lines.append(f"- batch={key[2]}, hidden={key[3]}, {key[1]}, grad={key[9]}: N = {n}")
     return "\n".join(lines) + "\n"
 
@@ -336,7 +338,7 @@ def kernel_crossover(shapes, lengths, log) -> List[str]:
             for T in lengths:
                 x = torch.randn(T, batch, hidden)
                 h = torch.zeros(1, batch, hidden)
-                spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
+                spec = RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
 
                 def run(path):
                     if train:
@@ -347,9 +349,9 @@ def kernel_crossover(shapes, lengths, log) -> List[str]:
                             path(spec, x, [h, h], ws, True, False, 0.0)
                 reps = 21 if batch * hidden * T < 2e5 else 7
                 t_u, t_f = [], []
-                run(rnn_ops.unfused_path), run(rnn_ops.fused_path)
+                run(unfused_path), run(fused_path)
                 for _ in range(reps):  # interleaved: both see the same machine load
-                    for path, acc in ((rnn_ops.unfused_path, t_u), (rnn_ops.fused_path, t_f)):
+                    for path, acc in ((unfused_path, t_u), (fused_path, t_f)):
                         t0 = time.perf_counter()
                         run(path)
                         acc.append(time.perf_counter() - t0)

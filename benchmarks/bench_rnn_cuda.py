@@ -11,7 +11,7 @@ Variants (one-layer ``nn.LSTM(hidden, hidden)``, input ``[T, batch, hidden]``):
 
 Each cell: median of interleaved rounds, each round timing a block of calls
 between two ``torch.cuda.synchronize()``. The crossover table calls the two
-paths of ``wfpass.ops.rnn`` directly (no compile, no per-call overhead).
+paths of ``wfpass.rnn.paths`` directly (no compile, no per-call overhead).
 
     python benchmarks/bench_rnn_cuda.py --out docs/rnn_cuda_results.md
 """
@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.ops import rnn as rnn_ops
+from wfpass.rnn.paths import fused_path, unfused_path
+from wfpass.rnn.spec import RnnSpec
 
 VARIANTS = {"wf-unfused": 10**6, "wf-fused": 0, "wf-N=2": 2, "wf-auto": "auto"}
 
@@ -81,7 +82,7 @@ def crossover(batch, hidden, lengths, train, rounds):
     torch.manual_seed(0)
     lstm = nn.LSTM(hidden, hidden).cuda()
     ws = [p.detach().requires_grad_(train) for p in lstm._flat_weights]
-    spec = rnn_ops.RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
+    spec = RnnSpec("lstm", "LSTM", hidden, hidden, 0, 1, False, False, True, 0.0, 0, (), 0)
     h = torch.zeros(1, batch, hidden, device="cuda")
     ratios = []
     for T in lengths:
@@ -97,7 +98,7 @@ def crossover(batch, hidden, lengths, train, rounds):
                         path(spec, x, [h, h], ws, True, False, 0.0)
             return go
 
-        fns = {"unfused": run(rnn_ops.unfused_path), "fused": run(rnn_ops.fused_path)}
+        fns = {"unfused": run(unfused_path), "fused": run(fused_path)}
         for f in fns.values():
             f(), f()
         t = _timed(fns, rounds, 20 if T < 256 else 5)

@@ -1,4 +1,4 @@
-"""Python loops of RNN cells folded into one RNN call (passes/fold_cells.py).
+"""Python loops of RNN cells folded into one RNN call (passes/fold_cells.py, rnn/cells_*.py).
 
 Every form is checked against eager on a deep copy (forward, input and
 parameter grads), and by counting the ops of the graph the inner compiler
@@ -14,8 +14,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import wfpass
-from wfpass.ops.rnn import RnnForward
-from wfpass.passes.fold_cells import CELL_FUNCTIONS, CellLoopCall
+from wfpass.rnn.cells_match import CELL_FUNCTIONS
+from wfpass.rnn.eager import CellLoopCall
+from wfpass.rnn.paths import RnnForward
 
 from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
 

@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import wfpass
-from wfpass.ops import rnn as rnn_ops
+from wfpass.rnn import paths as rnn_ops
+from wfpass.rnn.auto import auto_threshold_cache
 from wfpass.storage import fused_storage_of
 from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
 
@@ -601,7 +602,7 @@ def test_tied_weights_are_left_in_place():
 
 
 def test_auto_threshold_measures_once_per_shape():
-    rnn_ops.auto_threshold_cache().clear()
+    auto_threshold_cache().clear()
     model = Net(nn.LSTM)
     ref = copy.deepcopy(model)
     # Static shapes: each length compiles its graph, and the path is chosen
@@ -615,7 +616,7 @@ def test_auto_threshold_measures_once_per_shape():
     rec = wfpass.last_report().find("rnn")[0]
     assert rec.stats["auto_measurements"] == 1
     assert rec.detail["threshold"] == "auto" and len(rec.detail["auto_thresholds"]) == 1
-    n = next(iter(rnn_ops.auto_threshold_cache().values()))
+    n = next(iter(auto_threshold_cache().values()))
     assert n in (0, 1, 2, 4)
 
 

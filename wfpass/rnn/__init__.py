@@ -1,0 +1,31 @@
+"""The RNN format, side by side: ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` calls
+and Python loops of their cells, with every weight in one flat block and a
+call the compiler sees whole.
+
+Where each piece is (the pipeline entries are ``wfpass/passes/fuse_rnn.py``
+and ``wfpass/passes/fold_cells.py``, which run these steps):
+
+========================  =====================================================
+``spec.py``               ``RnnSpec``: the static facts of one RNN, names, zero state
+``capture.py``            what happens when Dynamo captures an RNN: its errors name it
+``match.py``              matcher: RNN calls in Dynamo and ``symbolic_trace`` graphs
+``guards.py``             guards and layout: why a call is left alone, or its spec
+                          (the offsets of its weights in the flat block)
+``rewrite.py``            the rewrite: the group and its block, the graph's new call
+``paths.py``              the kernels: ``fused`` / ``loop`` / ``mkldnn`` / ``aten``
+                          paths, which one a call takes, ``RnnForward``
+``lstm_layer.py``         the ``wfpass::lstm_layer`` op (oneDNN's LSTM layer, trainable
+                          under AOTAutograd)
+``auto.py``               ``seq_threshold="auto"``: the paths timed once per shape
+``eager.py``              the calls of ``wfpass.apply`` graphs, which run eagerly:
+                          ``RnnModuleCall``, ``CellLoopCall``
+``cells_match.py``        cell loops: steps, chains of steps, stacked layers
+``cells_guards.py``       why a loop is not folded
+``cells_rewrite.py``      a loop replaced by one RNN call
+========================  =====================================================
+
+The flat block: every Parameter of the RNN is a view into one buffer (same
+objects), in PyTorch's ``_flat_weights`` order. The CPU kernels read each
+weight by itself, so the graph passes the parameters, not the block, and a
+lost layout never changes a result (the backend re-fuses it, counted).
+"""

@@ -1,0 +1,50 @@
+"""When Dynamo captures an RNN for a wformat backend: its argument errors
+name it. (Whether Dynamo captures it at all is decided in ``_compat``, the
+``allow_rnn`` hook.)"""
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+
+from .spec import display_name, rnn_mode
+
+__all__ = ["name_errors", "unname_errors"]
+
+
+def _named_check_forward_args(module: nn.Module, name: str, input, hx, batch_sizes) -> None:
+    """``nn.RNNBase.check_forward_args`` with the RNN's name in its errors:
+    same exception type, message ``"'enc' (nn.LSTM): <eager's message>"``."""
+    try:
+        type(module).check_forward_args(module, input, hx, batch_sizes)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise type(e)(f"{name}: {e}") from None
+
+
+def name_errors(module: nn.Module, path: str) -> None:
+    """Make ``module``'s argument-check errors name it (wrong input size,
+    hidden state shape, dtype).
+
+    Why an instance attribute: under ``torch.compile`` a bad input makes the
+    check raise while Dynamo traces ``nn.LSTM.forward``; Dynamo then runs the
+    frame eagerly and eager's check raises, before any graph (or this pass)
+    is involved. The ``forward`` of ``nn.LSTM/GRU/RNN`` looks the check up
+    as ``self.check_forward_args``, so an instance attribute is the one
+    place both Dynamo's trace and that eager run read. It is a
+    ``functools.partial`` of a module-level function, so ``copy.deepcopy``
+    and pickling keep working; ``wfpass.restore`` removes it.
+    ``_compat`` calls this when Dynamo first wraps the RNN for a wformat
+    backend, i.e. before the first call's checks run."""
+    mode = rnn_mode(module)
+    if mode is None or "check_forward_args" in module.__dict__:
+        return
+    module.__dict__["check_forward_args"] = functools.partial(_named_check_forward_args, module, display_name(path, mode))
+
+
+def unname_errors(module: nn.Module) -> bool:
+    """Undo ``name_errors``; True if there was something to undo."""
+    f = module.__dict__.get("check_forward_args")
+    if isinstance(f, functools.partial) and f.func is _named_check_forward_args:
+        del module.__dict__["check_forward_args"]
+        return True
+    return False

@@ -1,0 +1,101 @@
+"""The RNN format's guards, and the layout of its flat block.
+
+Each guard is a skip record when it fails (the call is left as it was):
+not a PackedSequence call; every weight a Parameter/buffer of the model and
+not a distributed tensor; one floating dtype and device, the input's too;
+no autocast; no weight twice; the weights add up to the layers and
+directions the call declares. (A weight written in place inside the graph
+is fine: the call reads it as a graph value.) Weights that share storage
+with other tensors are not moved but still rewritten (``rewrite.new_group``:
+the kernels read them where they are), so ties stay tied.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _compat
+from ..config import Config, default_seq_threshold
+from ..graph import PassContext, meta_value
+from ..storage import unmovable
+from .match import RnnCall
+from .spec import GATES, RnnSpec
+
+__all__ = ["call_problem"]
+
+
+def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
+    """The RNN format's guards, in order, on one matched call: what the
+    matcher found, a distributed weight, the weights' dtype and device, the
+    layer layout. None when the call can be rewritten (``s.spec`` is then
+    its spec). ``fold_cells`` asks the same of the call a loop would become."""
+    if s.problem is None:
+        # A DTensor/FSDP2 weight: not even the fallback op may run on it.
+        s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
+    if s.problem is None:
+        s.problem = _weights_problem(s)
+    if s.problem is None:
+        s.spec, s.problem = _build_spec(s, ctx.config)
+    return s.problem
+
+
+def _weights_problem(s: RnnCall) -> Optional[str]:
+    """One floating dtype and device for the weights and the input; no
+    autocast; no weight twice."""
+    ws = [r.tensor for r in s.weights]
+    if len({(w.dtype, w.device) for w in ws}) != 1:
+        return "weights differ in dtype or device"
+    if not ws[0].is_floating_point():
+        return f"weights are {ws[0].dtype}, not floating point"
+    x_val = meta_value(s.x)
+    if isinstance(x_val, torch.Tensor) and (x_val.dtype != ws[0].dtype or x_val.device != ws[0].device):
+        return f"input is {x_val.dtype}/{x_val.device}, weights {ws[0].dtype}/{ws[0].device}"
+    if torch.is_autocast_enabled(ws[0].device.type):
+        return "autocast is enabled: left to the inner compiler"
+    if len({id(w) for w in ws}) != len(ws):
+        return "the same tensor appears twice among the weights"
+    return None
+
+
+def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional[str]]:
+    """The call's spec, with the layout of its flat block (each weight's
+    offset: cuDNN's own layout on CUDA, the weights one after another
+    elsewhere), or the reason the weights do not make the RNN the call
+    declares."""
+    has_biases, num_layers, dropout, train, bidirectional, batch_first = s.consts
+    ws = [r.tensor for r in s.weights]
+    D = 2 if bidirectional else 1
+    if num_layers < 1 or len(ws) % (num_layers * D):
+        return None, f"{len(ws)} weights do not split into {num_layers} layer(s) x {D} direction(s)"
+    per = len(ws) // (num_layers * D)
+    proj = per - (4 if has_biases else 2)
+    if proj not in (0, 1) or (proj and s.mode != "LSTM"):
+        return None, f"{per} weights per layer do not match mode {s.mode} (bias={has_biases})"
+    gates = GATES[s.mode]
+    g = ws[0].shape[0]
+    if ws[0].dim() != 2 or g % gates:
+        return None, "weight_ih_l0 is not [gates * hidden, input]"
+    hidden = g // gates
+    proj_size = ws[per - 1].shape[0] if proj else 0
+    spec = dict(
+        name=s.name, mode=s.mode, input_size=ws[0].shape[1], hidden_size=hidden, proj_size=proj_size,
+        num_layers=int(num_layers), bidirectional=bool(bidirectional), batch_first=bool(batch_first),
+        has_biases=bool(has_biases), dropout=float(dropout),
+        threshold=default_seq_threshold(ws[0].device.type) if config.seq_threshold is None else config.seq_threshold,
+        options=config.rnn,
+    )
+    offsets, acc = [], 0
+    layout = None
+    if ws[0].device.type == "cuda":
+        layout = _compat.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
+                                           bool(batch_first), bool(bidirectional))
+    if layout is not None:
+        offsets, acc = layout
+    else:
+        for k in range(num_layers * D):
+            chunk = ws[k * per : (k + 1) * per]
+            for w in chunk:
+                offsets.append(acc)
+                acc += w.numel()
+    return RnnSpec(offsets=tuple(offsets), numel=acc, **spec), None

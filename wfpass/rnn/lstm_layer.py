@@ -1,0 +1,142 @@
+"""The ``wfpass::lstm_layer`` op: oneDNN's LSTM layer as an op AOTAutograd
+can train through.
+
+``aten.mkldnn_rnn_layer`` returns the workspace its backward formula needs
+only while grad mode is on (checked on torch 2.13.0); AOTAutograd runs the
+compiled forward with grad mode off, so the traced op would hand its
+backward an undefined workspace. ``wfpass::lstm_layer`` is the same kernel
+with the workspace always produced when ``train`` asks for it: a functional
+op (fresh outputs, nothing hidden), whose autograd formula is ATen's own
+``mkldnn_rnn_layer_backward`` over the op's saved inputs and outputs.
+The workspace's size is oneDNN's business, so the fake implementation
+measures it once per shape (``workspace_numel``).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .. import _compat
+
+__all__ = ["workspace_numel"]
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_LIB.define(
+    "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
+    "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
+    "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
+    "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _zero_hx(input, hx, hidden_size):
+    """``None`` -> the zero state ``[1, B, H]``. Made here, inside the op,
+    rather than in the graph: a zeros tensor in the graph is a kernel
+    Inductor must generate and compile (seconds of C++ compile on a cold
+    cache, measured), for a value the op can fill itself."""
+    return input.new_zeros((1, input.shape[1], hidden_size)) if hx is None else hx
+
+
+def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
+    with torch.enable_grad() if train else torch.no_grad():
+        y, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer.default(
+            input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1, has_biases, False, False, train)
+    if ws is None or not train:
+        ws = input.new_empty(0, dtype=torch.uint8)
+    return y, hy, cy, ws
+
+
+_WORKSPACE: Dict[tuple, int] = {}
+
+
+def workspace_numel(T: int, B: int, I: int, H: int, dtype: torch.dtype, has_biases: bool) -> int:
+    """Bytes of oneDNN's training workspace for one LSTM layer of this shape.
+    oneDNN rounds its parts to pages, so the size is no formula of T the
+    compiler could carry: it is measured once per shape, on zeros, and cached
+    (a few shapes per model)."""
+    key = (T, B, I, H, dtype, has_biases)
+    n = _WORKSPACE.get(key)
+    if n is None:
+        with _compat.outside_fake_mode(), torch.enable_grad():
+            x = torch.zeros(T, B, I, dtype=dtype)
+            w_ih, w_hh = torch.zeros(4 * H, I, dtype=dtype), torch.zeros(4 * H, H, dtype=dtype)
+            b, h = torch.zeros(4 * H, dtype=dtype), torch.zeros(1, B, H, dtype=dtype)
+            ws = torch.ops.aten.mkldnn_rnn_layer.default(x, w_ih, w_hh, b, b, h, h, False, [], 2, H, 1, has_biases,
+                                                         False, False, True)[3]
+        n = _WORKSPACE[key] = int(ws.numel()) if ws is not None else 0
+    return n
+
+
+def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
+    T, B = input.shape[0], input.shape[1]
+    n = 0
+    if train:
+        # Static shapes only: the pass takes this op for a symbolic T only without grad.
+        n = workspace_numel(int(T), int(B), int(input.shape[2]), hidden_size, input.dtype, has_biases)
+    state = (1, B, hidden_size)
+    return (input.new_empty((T, B, hidden_size)), input.new_empty(state), input.new_empty(state),
+            input.new_empty((n,), dtype=torch.uint8))
+
+
+def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
+                         reverse, hidden_size, has_biases, workspace):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
+    grads = torch.ops.aten.mkldnn_rnn_layer_backward.default(
+        input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
+        hidden_size, 1, has_biases, True, False, [], False, workspace)
+    # An op may not return aliases of its inputs or of each other, and its
+    # outputs must have the strides its fake promises (``empty_like``): copy
+    # a gradient only where the kernel's answer breaks either rule.
+    refs = (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
+    taken = {t.untyped_storage().data_ptr() for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy,
+                                                       grad_output, grad_hy, grad_cy, workspace)
+             if t is not None and t.numel()}
+    out = []
+    for g, ref in zip(grads, refs):
+        if g is None:
+            g = torch.zeros_like(ref)
+        elif g.stride() != ref.stride() or (g.numel() and g.untyped_storage().data_ptr() in taken):
+            g = torch.empty_like(ref).copy_(g)
+        if g.numel():
+            taken.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return tuple(out)
+
+
+def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
+                              reverse, hidden_size, has_biases, workspace):
+    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
+    return tuple(torch.empty_like(t) for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx))
+
+
+_LIB.impl("lstm_layer", _lstm_layer, "CompositeExplicitAutograd")
+_LIB.impl("lstm_layer_backward", _lstm_layer_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::lstm_layer", _lstm_layer_fake, lib=_LIB)
+torch.library.register_fake("wfpass::lstm_layer_backward", _lstm_layer_backward_fake, lib=_LIB)
+
+
+def _lstm_layer_setup(ctx, inputs, output):
+    input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train = inputs
+    y, hy, cy, ws = output
+    ctx.save_for_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, ws)
+    ctx.static = (reverse, hidden_size, has_biases, train)
+    ctx.set_materialize_grads(False)
+
+
+def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
+    input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, ws = ctx.saved_tensors
+    reverse, hidden_size, has_biases, train = ctx.static
+    if not train:
+        raise RuntimeError("wfpass: an LSTM layer run without grad was differentiated")
+    grads = list(torch.ops.wfpass.lstm_layer_backward.default(
+        input, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gy, ghy, gcy, reverse, hidden_size, has_biases, ws))
+    grads[5:7] = [g if h is not None else None for g, h in zip(grads[5:7], (hx, cx))]  # no grad for a state made inside
+    return (*grads, None, None, None, None)
+
+
+torch.library.register_autograd("wfpass::lstm_layer", _lstm_layer_grad, setup_context=_lstm_layer_setup, lib=_LIB)

@@ -1,0 +1,241 @@
+"""The RNN format's kernels: the paths an RNN call can take, and which one it takes.
+
+Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM`` on the CPU,
+T > ``seq_threshold``)::
+
+    out, h_n, c_n = rnn_forward[mkldnn](x, [h0, c0], w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)
+
+``rnn_forward`` is a callable object holding the RNN's spec and the path the
+pass chose; AOTAutograd traces it like any Python function, into ATen ops
+that carry their own derivative formulas:
+
+* ``mkldnn``: ``aten.mkldnn_rnn_layer`` per layer and direction, the kernel
+  eager PyTorch runs for a CPU LSTM (oneDNN), whose backward is
+  ``mkldnn_rnn_layer_backward``. The graph holds one op per layer whatever
+  the length T, so compile time does not grow with T.
+* ``loop``: the unfused path, for T <= ``seq_threshold``: the input
+  projection of all steps as one GEMM, then one recurrent GEMM and the gate
+  math per step (T is small here, so the unrolled graph is too).
+  GRUs, plain RNNs (no fused CPU kernel in PyTorch) and LSTMs oneDNN does
+  not take (``proj_size``, some dtypes) take this path at every static T.
+* ``aten``: the same ``torch.lstm`` / ``gru`` / ``rnn_tanh`` call as eager,
+  which AOTAutograd decomposes into ATen ops as it would without wfpass;
+  only for a symbolic T where the two paths above cannot run (training
+  through oneDNN needs a static shape; the loop needs a static T).
+
+No state is kept between the forward and the backward that AOTAutograd
+does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
+included, are outputs of traced ops, saved and freed by AOTAutograd.
+
+The path is chosen when the graph is compiled, from the static length T
+(``T <= seq_threshold``: ``loop``). RNNs off the CPU are not captured at all
+(``_compat``): they graph-break and run eagerly, as without wfpass. ``seq_threshold="auto"`` measures the two paths
+once per shape at compile time (with the model's weights; ``auto.py``).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
+from .spec import RnnSpec, zero_state
+
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "choose_path", "paths_differ", "RnnForward"]
+
+
+def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
+    """The state as ``torch._VF`` takes it: ``[h, c]`` for an LSTM, ``h`` otherwise."""
+    return list(hx) if spec.mode == "LSTM" else hx[0]
+
+
+def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+    """``torch._VF.<mode>`` as PyTorch dispatches it: oneDNN (CPU LSTM), cuDNN (CUDA)."""
+    return _compat.rnn_kernel(spec.mode)(
+        x, _hx_arg(spec, hx), ws, has_b, spec.num_layers, p, train, spec.bidirectional, spec.batch_first
+    )
+
+
+def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+    """Input projection for all steps as one GEMM, then per-step recurrent GEMMs."""
+    if x.device.type == "cpu" and spec.options.unfused_impl != "loop":
+        # ATen's native CPU kernel is this algorithm (it precomputes
+        # ``linear_ih`` over the whole sequence) without Python per step;
+        # only the LSTM has a oneDNN kernel to switch off.
+        if spec.mode != "LSTM" or not _compat.get_mkldnn_enabled():
+            return fused_path(spec, x, hx, ws, has_b, train, p)
+        _compat.set_mkldnn_enabled(False)
+        try:
+            return fused_path(spec, x, hx, ws, has_b, train, p)
+        finally:
+            _compat.set_mkldnn_enabled(True)
+    return _loop(spec, x, hx, ws, has_b, train, p)
+
+
+def _layers(spec: RnnSpec, x, train: bool, p: float, direction):
+    """The layer and direction structure every path shares, as ``nn.LSTM``
+    has it: ``direction(layer_in, k, reverse) -> (y, final_state)`` for
+    each layer and direction ``k``, directions concatenated, dropout between
+    layers in training, batch-first in and out. Returns the output and the
+    final states in ``k`` order."""
+    if spec.batch_first:
+        x = x.transpose(0, 1)
+    finals = []
+    layer_in = x
+    for layer in range(spec.num_layers):
+        outs = []
+        for d in range(spec.directions):
+            y, final = direction(layer_in, layer * spec.directions + d, d == 1)
+            outs.append(y)
+            finals.append(final)
+        layer_out = outs[0] if spec.directions == 1 else torch.cat(outs, 2)
+        if p > 0 and train and layer < spec.num_layers - 1:
+            layer_out = F.dropout(layer_out, p, True)
+        layer_in = layer_out
+    return (layer_in.transpose(0, 1) if spec.batch_first else layer_in), finals
+
+
+def _loop(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+    """The unfused path in PyTorch ops, with ATen's native cell formulas and
+    dropout placement: the input projection of all steps as one GEMM, then
+    one recurrent GEMM and the gate math per step."""
+    per = (4 if has_b else 2) + (1 if spec.proj_size > 0 else 0)
+    lstm = spec.mode == "LSTM"
+    h0 = hx[0]
+    c0 = hx[1] if lstm else None
+
+    def direction(layer_in, k, reverse):
+        T = layer_in.shape[0]
+        w = ws[k * per : (k + 1) * per]
+        w_ih, w_hh = w[0], w[1]
+        b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
+        w_hr = w[-1] if spec.proj_size > 0 else None
+        xw = F.linear(layer_in, w_ih, b_ih)  # all steps: one GEMM
+        h = h0[k]
+        c = c0[k] if lstm else None
+        ys: List[Optional[torch.Tensor]] = [None] * T
+        for t in (range(T - 1, -1, -1) if reverse else range(T)):
+            if lstm:
+                gates = F.linear(h, w_hh, b_hh).add(xw[t])
+                i, f, g, o = gates.chunk(4, 1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                if w_hr is not None:
+                    h = F.linear(h, w_hr)
+            elif spec.mode == "GRU":
+                gh = F.linear(h, w_hh, b_hh)
+                ir, iz, in_ = xw[t].chunk(3, 1)
+                hr, hz, hn = gh.chunk(3, 1)
+                r = torch.sigmoid(ir + hr)
+                z = torch.sigmoid(iz + hz)
+                n = torch.tanh(in_ + r * hn)
+                h = (h - n) * z + n
+            elif spec.mode == "RNN_TANH":
+                h = torch.tanh(F.linear(h, w_hh, b_hh).add(xw[t]))
+            else:
+                h = torch.relu(F.linear(h, w_hh, b_hh).add(xw[t]))
+            ys[t] = h
+        return torch.stack(ys, 0), (h, c)
+
+    out, finals = _layers(spec, x, train, p, direction)
+    hy = torch.stack([h for h, _ in finals], 0)
+    if lstm:
+        return out, hy, torch.stack([c for _, c in finals], 0)
+    return out, hy
+
+
+def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
+    """A CPU LSTM as oneDNN LSTM layer calls (``wfpass::lstm_layer``, i.e.
+    ``aten.mkldnn_rnn_layer``), one per layer and direction, as ATen's own
+    oneDNN LSTM runs it, with dropout between layers like ``nn.LSTM``.
+    ``need_grad``: ask the kernel for the workspace its backward formula reads."""
+    per = spec.weights_per_layer
+    h0, c0 = hx[0], hx[1]
+
+    def direction(layer_in, k, reverse):
+        w = ws[k * per : (k + 1) * per]
+        w0, w1 = w[0], w[1]
+        w2, w3 = (w[2], w[3]) if has_b else (w0.new_zeros(w0.shape[0]),) * 2
+        y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
+            layer_in.contiguous(), w0, w1, w2, w3, None if h0 is None else h0[k : k + 1].contiguous(),
+            None if c0 is None else c0[k : k + 1].contiguous(), reverse, spec.hidden_size, has_b, need_grad,
+        )
+        return y, (hy, cy)
+
+    out, finals = _layers(spec, x, train, p, direction)
+    return out, torch.cat([h for h, _ in finals], 0), torch.cat([c for _, c in finals], 0)
+
+
+def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, need_grad: bool,
+                static_batch: bool = True) -> str:
+    """The path for a call of ``steps`` time steps (None: symbolic, unknown
+    until run time): ``loop`` at or below the threshold, else the fused
+    kernel where PyTorch has one for this RNN (``mkldnn``), else ``aten``.
+    Training through oneDNN needs static shapes (its workspace size is
+    measured per shape), so a symbolic shape with grad takes ``aten``."""
+    if steps is not None and steps <= threshold and paths_differ(spec, x):
+        return "loop"
+    if (x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0
+            and _compat.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
+        return "mkldnn"
+    if steps is not None:
+        # No fused kernel for this RNN: the per-step ops, written out here.
+        # Not ATen's decomposition of torch.gru/rnn_tanh, which drops the
+        # dropout between layers (torch/_decomp/decompositions.py
+        # ``_rnn_helper``, torch 2.13.0) and gave wrong h_n gradients for a
+        # one-layer nn.RNN whose h_n is read (seen under Inductor).
+        return "loop"
+    return "aten"
+
+
+def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
+    """Do the two paths run different kernels for this input? On the CPU only
+    an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
+    if x.device.type != "cpu" or spec.options.unfused_impl == "loop":
+        return True
+    return spec.mode == "LSTM" and spec.proj_size == 0 and _compat.mkldnn_rnn_dtype(x.dtype)
+
+
+class RnnForward:
+    """The graph's call of one RNN (Dynamo flavour): ``(x, hx, *weights) ->
+    (out, h_n, c_n)`` on the path chosen at compile time. A callable object,
+    so the graph carries its spec without any global table."""
+
+    def __init__(self, spec: RnnSpec, path: str, train: bool):
+        self.spec, self.path, self.train = spec, path, train
+        self.__name__ = self.__qualname__ = f"rnn_{path}"
+
+    __module__ = __name__
+
+    def __call__(self, x, hx, *weights):
+        spec = self.spec
+        p = spec.dropout
+        ws, has_b = weights, spec.has_biases
+        if self.path != "mkldnn" and any(h is None for h in hx):
+            # A zero state (None): the oneDNN op fills its own; the others get it here.
+            hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
+        if self.path == "mkldnn":
+            need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
+            out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif self.path == "loop":
+            outs = _loop(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
+        elif spec.mode == "LSTM":
+            # ATen's decomposition of torch.lstm (torch/_decomp/decompositions.py,
+            # torch 2.13.0) picks aten.mkldnn_rnn_layer in inference mode
+            # whenever oneDNN is on and the input needs no grad: without the
+            # workspace its backward needs (weights that need grad), and in a
+            # form Inductor's lowering fails on. Traced with oneDNN off it
+            # unrolls the plain cell math, which AOTAutograd differentiates.
+            with _compat.mkldnn_disabled():
+                outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], outs[2]
+        else:
+            outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
+            out, hy, cy = outs[0], outs[1], None
+        return (out, hy, cy) if spec.mode == "LSTM" else (out, hy)
+
+    def __repr__(self) -> str:
+        return f"RnnForward({self.spec.name}, path={self.path!r})"

@@ -1,0 +1,219 @@
+"""The RNN format's rewrite: one group (record, flat block) per weight set,
+and the graph's call replaced by one that reads the weights as graph values.
+
+Dynamo flavour: ``torch.lstm(...)`` becomes ``RnnForward(spec, path)(x, hx,
+*weights)`` (``paths.py``), its path chosen here from the static length;
+a zero initial state is left to the op. ``symbolic_trace`` flavour:
+``call_module`` becomes ``RnnModuleCall(x, hx, *weights)`` (``eager.py``),
+which picks the path per call. The weights move into the block after the
+inner compiler has run (``ctx.defer``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..config import default_seq_threshold
+from ..graph import PassContext, meta_value
+from ..runtime import GroupSite
+from ..runtime import note as file_note
+from ..storage import fuse, layout_of_set, refuse, sharing_problem
+from .auto import measure_threshold
+from .eager import RnnModuleCall
+from .match import RnnCall
+from .paths import RnnForward, choose_path
+from .spec import RnnSpec, zero_state
+
+__all__ = ["rewrite_call", "new_group"]
+
+
+def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
+    """Replace the call ``s`` (its guards passed: ``s.spec`` is set) with the
+    format's call, in the group of its weight set."""
+    spec, claimed = s.spec, s.run.claimed
+    ws = [r.tensor for r in s.weights]
+    names = [r.name for r in s.weights]
+    ids = tuple(id(w) for w in ws)
+
+    # The same RNN called twice in this graph: one group, one block.
+    prior = claimed.get(ids[0])
+    if prior is not None and prior[0] == ids:
+        site = prior[1]
+        if spec.name not in site.record.reason:  # e.g. a cell loop over an nn.LSTM's own weights
+            site.record.reason += f"; also called as {spec.name}"
+    else:
+        site = new_group(ctx, spec, ws, names, s.plan, s.detail, overlap=any(i in claimed for i in ids))
+        for i in ids:
+            claimed[i] = (ids, site)
+    record = site.record
+
+    g = ctx.gm.graph
+    node = s.node
+    if s.module is None:  # Dynamo flavour: weights are graph inputs
+        w_nodes = [r.node for r in s.weights]
+        steps = _static_steps(s)
+        v = meta_value(s.x)
+        n = _compile_threshold(ctx, s, spec, record)
+        need_grad = torch.is_grad_enabled() and (
+            any(w.requires_grad for w in ws) or (isinstance(v, torch.Tensor) and v.requires_grad))
+        static_batch = isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
+        path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n, need_grad, static_batch)
+        # Counted by length, as the report's threshold reads: GRUs and plain
+        # RNNs run the same kernels on both sides of N on the CPU.
+        counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
+        record.stats.setdefault("fused_calls", 0)
+        record.stats.setdefault("unfused_calls", 0)
+        record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
+        if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
+            site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
+            site.counter = (counter,)
+            ctx.add_site(site)
+        hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
+        if hx != list(s.hx):
+            record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
+        with g.inserting_before(node):
+            new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
+    else:
+        with g.inserting_before(node):
+            w_nodes = [g.get_attr(n) for n in names]
+            hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+            new = g.call_function(RnnModuleCall(spec, site, s.module), (s.x, hx, *w_nodes))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    # A weight written in place inside the graph (a hook, ``clamp_`` in
+    # forward) needs no guard: the new call reads every weight as a graph
+    # value, after the write, never the block. The record says so.
+    written = s.run.written
+    w = next((r for r in s.weights if r.node is not None and r.node in written), None)
+    if w is not None:
+        record.detail["written_in_graph"] = f"{w.name} by {written[w.node]}: the kernels read it after the write"
+
+
+def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
+    """The group of one weight set: its record (``how``: the record's
+    reason; one record per parameter set, shared with other graphs that
+    rewrote it) and its flat block, moved after the inner compile; weights
+    tied to other tensors (or to another RNN of this graph: ``overlap``)
+    stay where they are, and the record says why."""
+    key = ("rnn", spec.offsets, tuple(tuple(w.shape) for w in ws))
+    # Intact (a recompile, an idempotent re-run) or lost (a cast and back:
+    # re-fused below, on its record).
+    existing = layout_of_set(ws, key)
+    why = None
+    if overlap:
+        why = "a weight also belongs to another RNN of this graph"
+    else:
+        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        for n, w in zip(names, ws):
+            # The RNN's own weights may already share one buffer (CUDA:
+            # PyTorch's flatten_parameters): that is not a tie.
+            why = sharing_problem(w, n, others, allowed=ws)
+            if why:
+                break
+    if existing is not None and existing.record is not None and why is None:
+        record = existing.record  # the same parameters in another graph: one record
+        ctx.report.records.append(record)
+        if not existing.holds(ws):
+            # Lost (a cast and back): re-fused after the inner compile, which
+            # sees the storage offsets Dynamo traced.
+            def re_fuse_later(fs=existing) -> None:
+                if refuse(fs, ws):
+                    fs.record.bump("refused")
+
+            ctx.defer(re_fuse_later)
+    else:
+        if why:
+            note = f"weights left where they are ({why}); the kernels read them as they are"
+        elif existing is not None:
+            note = "weights already in one flat block (idempotent re-run)"
+        else:
+            note = f"weights moved into one flat block of {spec.numel} elements"
+        record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
+    for k in ("fallback_calls", "refused"):
+        record.stats.setdefault(k, 0)
+    kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
+    site = GroupSite(kind, key, (), names, spec.offsets, spec.numel, record, (), reads_block=False)
+    if why is None:
+        if existing is not None:
+            existing.record = record
+            site.adopt(existing, ws)
+        else:
+            # The graph reads each weight by itself, never the block: the
+            # move waits until the inner compiler has run on the examples
+            # Dynamo fakified (their storage offsets are those of before).
+            def move() -> None:
+                fs = fuse(kind, names, ws, spec.offsets, spec.numel, key=key, record=record)
+                site.adopt(fs, ws)
+
+            ctx.defer(move)
+    else:
+        file_note(record, names, ws)
+    return site
+
+
+def _static_steps(s: RnnCall) -> Optional[int]:
+    """The static length T of this call, or None when it is symbolic."""
+    v = meta_value(s.x)
+    if not isinstance(v, torch.Tensor):
+        return None
+    batch_first = bool(s.consts[5])
+    t = v.shape[1 if batch_first else 0] if v.dim() == 3 else v.shape[0]
+    try:
+        return int(t)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _compile_threshold(ctx: PassContext, s: RnnCall, spec: RnnSpec, record) -> int:
+    """N for this graph: the configured one, or ``"auto"`` measured now with
+    the model's weights on a random input of this call's shape."""
+    if spec.threshold != "auto":
+        return spec.threshold
+    v = meta_value(s.x)
+    if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape) or v.dim() != 3:
+        return default_seq_threshold(v.device.type if isinstance(v, torch.Tensor) else "cpu")
+    x = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+    ws = [r.tensor.detach() for r in s.weights]
+    hx = zero_state(spec, x)
+    need_grad = torch.is_grad_enabled() and any(r.tensor.requires_grad for r in s.weights)
+    return measure_threshold(spec, record, x, hx, ws, spec.has_biases, bool(s.consts[3]), spec.dropout, need_grad)
+
+
+# A zero initial state made in the graph (``torch.zeros`` and what only
+# reshapes or stacks it) is left to the RNN op, which fills its own.
+_ZEROS = {torch.zeros, torch.zeros_like, torch.ops.aten.zeros.default}
+_SHAPE_OPS = {torch.stack, torch.cat, torch.unsqueeze, "unsqueeze", "expand", "contiguous", "view", "reshape"}
+
+
+def _zeros_node(n: Any) -> bool:
+    """Is ``n`` all zeros by construction (``torch.zeros``, ``zeros_like``,
+    ``new_zeros``, or stacked / reshaped from such)?"""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return False
+    if n.target in _ZEROS or n.target == "new_zeros":
+        return True
+    if n.target in _SHAPE_OPS and n.args:
+        first = n.args[0]
+        parts = first if isinstance(first, (list, tuple)) else [first]
+        return bool(parts) and all(_zeros_node(p) for p in parts)
+    return False
+
+
+def _is_zero_state(h: fx.Node, spec: RnnSpec, x_val: Any, which: int) -> bool:
+    """A state argument the RNN op can make itself: zeros of exactly the
+    shape and dtype ``nn.LSTM/GRU/RNN`` would build (only the oneDNN op
+    and the loops read ``None`` as that)."""
+    v = meta_value(h)
+    if not (_zeros_node(h) and isinstance(v, torch.Tensor) and isinstance(x_val, torch.Tensor)):
+        return False
+    if v.dtype != x_val.dtype or v.device != x_val.device or v.requires_grad:
+        return False
+    batch = x_val.shape[0 if spec.batch_first else 1] if x_val.dim() == 3 else None
+    want = (spec.num_layers * spec.directions, batch, spec.out_hidden if which == 0 else spec.hidden_size)
+    try:
+        return batch is not None and v.dim() == 3 and tuple(int(d) for d in v.shape) == tuple(int(d) for d in want)
+    except (TypeError, ValueError, RuntimeError):
+        return False
