@@ -29,7 +29,6 @@ See examples/channels_last_conv.py.
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
@@ -41,9 +40,6 @@ from .pipeline import Format, Match
 from .storage import register_undo, sharing_problem, undo_registered, unmovable
 
 __all__ = ["Format", "ParamFormat", "PassFormat", "register_format", "unregister_format", "registered_formats"]
-
-log = logging.getLogger("wfpass")
-
 
 class PassFormat(Format):
     """A built-in format written as one pass function ``(gm, ctx) -> int``

@@ -39,7 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 __all__ = ["Format", "Match", "drive", "run_passes", "cleanup", "check_order", "install_builtins", "append_format", "remove_format",
-           "registered", "registered_names", "builtin_names"]
+           "registered", "registered_names"]
 
 log = logging.getLogger("wfpass")
 
@@ -199,12 +199,8 @@ def registered() -> List[Format]:
 
 
 def registered_names() -> Tuple[str, ...]:
+    """Every format's name, in pipeline order (what ``Config(passes=...)`` accepts)."""
     return tuple(f.name for f in _FORMATS)
-
-
-def builtin_names() -> Tuple[str, ...]:
-    """The built-in formats' names, in pipeline order."""
-    return tuple(f.name for f in _FORMATS if f.name in _BUILTIN)
 
 
 # -- running it ----------------------------------------------------------------

@@ -24,6 +24,7 @@ def auto_threshold_cache() -> Dict[tuple, int]:
 
 
 def _auto_key(spec: RnnSpec, x: torch.Tensor, need_grad: bool, train: bool, p: float) -> tuple:
+    """What a measured N depends on: the shape, the mode, grad and dropout, the options."""
     batch = x.shape[0] if spec.batch_first else x.shape[1]
     return (x.device.type, x.dtype, int(batch), spec.hidden_size, spec.num_layers, spec.mode, spec.input_size,
             spec.proj_size, spec.bidirectional, need_grad, bool(train and p > 0), spec.options)

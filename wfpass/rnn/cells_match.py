@@ -36,7 +36,7 @@ CELL_CLASS = {"LSTM": "LSTMCell", "GRU": "GRUCell", "RNN_TANH": "RNNCell", "RNN_
 
 @dataclasses.dataclass
 class Cell:
-    """One cell step in a Dynamo graph."""
+    """One cell step (``torch.lstm_cell(...)`` or a ``call_module`` of a cell)."""
 
     node: fx.Node
     mode: str
@@ -48,7 +48,6 @@ class Cell:
     c_outs: List[fx.Node]  # (LSTM) nodes that are this step's c
     problem: Optional[str] = None
     state_whole: Optional[fx.Node] = None  # symbolic_trace: an LSTM step's (h, c) passed on as one value
-    module: Optional[nn.Module] = None  # symbolic_trace: the cell module
 
     @property
     def key(self) -> Tuple:
@@ -57,6 +56,8 @@ class Cell:
 
 @dataclasses.dataclass
 class Chain:
+    """Steps of one cell, each step's state the previous step's output."""
+
     cells: List[Cell]
     problem: Optional[str] = None
     below: Optional["Chain"] = None  # the layer this one reads (stacked cells)
@@ -68,6 +69,7 @@ class Chain:
 
 
 def loop_label(chains: Sequence[Chain]) -> str:
+    """How records name a loop: ``'dec.cell' (nn.LSTMCell loop, 6 steps)``."""
     c = chains[0].first
     names = [module_path(ch.first.refs[0].name) if ch.first.refs[0] is not None else "?" for ch in chains]
     what = f"nn.{CELL_CLASS[c.mode]}"
@@ -77,10 +79,12 @@ def loop_label(chains: Sequence[Chain]) -> str:
 
 
 def loop_params(chains: Sequence[Chain]) -> List[str]:
+    """The weights' names, layer by layer: the record's parameters."""
     return [r.name for ch in chains for r in ch.first.refs if r is not None]
 
 
 def cell_mode(mod: nn.Module) -> Optional[str]:
+    """The RNN mode of an ``nn.LSTMCell`` / ``nn.GRUCell`` / ``nn.RNNCell`` (not a subclass), else None."""
     if type(mod) is nn.LSTMCell:
         return "LSTM"
     if type(mod) is nn.GRUCell:
@@ -103,7 +107,7 @@ def _module_cell_of(ctx: PassContext, node: fx.Node) -> Optional[Cell]:
     attrs = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ())
     names = tuple(f"{node.target}.{a}" for a in attrs)
     refs = [TensorRef(n, getattr(mod, a), "parameter", None) for n, a in zip(names, attrs)]
-    c = Cell(node, mode, x, (), names, refs, [], [], module=mod)
+    c = Cell(node, mode, x, (), names, refs, [], [])
     if len(args) > 2 or set(kw) - {"input", "hx"} or not isinstance(x, fx.Node):
         c.problem = "unexpected call form of the cell"
     if mode == "LSTM" and isinstance(hx, fx.Node):
@@ -124,6 +128,7 @@ def _module_cell_of(ctx: PassContext, node: fx.Node) -> Optional[Cell]:
 
 
 def match_cell(ctx: PassContext, node: fx.Node) -> Optional[Cell]:
+    """The cell step ``node`` is, or None if it is none."""
     if node.op == "call_module":
         return _module_cell_of(ctx, node)
     mode = CELL_FUNCTIONS.get(node.target) if node.op == "call_function" else None

@@ -90,6 +90,7 @@ def match_call(ctx: PassContext, node: fx.Node) -> Optional[RnnCall]:
 
 
 def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
+    """``torch.lstm(x, hx, weights, *flags)`` and the like (the ``.input`` overloads)."""
     s = RnnCall(node, mode)
     args = node.args
     if node.kwargs or len(args) != 9:
@@ -129,6 +130,7 @@ def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
 
 
 def _module_call(ctx: PassContext, node: fx.Node, mod: nn.Module, mode: str) -> RnnCall:
+    """``rnn(x)`` / ``rnn(x, hx)`` of a ``call_module`` node; the weights are the module's own."""
     s = RnnCall(node, mode)
     s.module = mod
     s.name = display_name(node.target, mode)

@@ -43,10 +43,6 @@ class RnnSpec:
         return 2 if self.bidirectional else 1
 
     @property
-    def gate_size(self) -> int:
-        return GATES[self.mode] * self.hidden_size
-
-    @property
     def out_hidden(self) -> int:
         return self.proj_size if self.proj_size > 0 else self.hidden_size
 
