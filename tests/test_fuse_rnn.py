@@ -876,3 +876,31 @@ def test_cpu_default_threshold_is_the_measured_two():
         fn(torch.randn(T, 3, 5))
     recs = wfpass.last_report().find("rnn", "rewritten")
     assert recs[0].detail["threshold"] == 2 == wfpass.config.DEFAULT_SEQ_THRESHOLD["cpu"]
+
+
+def test_bf16_linear_then_lstm_trains_like_eager():
+    """oneDNN hands back some bf16 LSTM gradients in float32; the op's
+    backward must give them the dtype its fake promised, or the bf16 GEMM
+    before the LSTM fails in the backward (seen under aot_eager and Inductor)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.rnn = nn.Linear(4, 8), nn.LSTM(8, 8, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(self.lin(x))[0]
+
+    torch.manual_seed(0)
+    m = M().to(torch.bfloat16)
+    ref = copy.deepcopy(m)
+    fn = torch.compile(m, backend=wfpass.backend(inner="aot_eager"))
+    for n, s in [(2, 5), (3, 6)]:
+        x = torch.randn(n, s, 4, dtype=torch.bfloat16)
+        R = torch.randn(n, s, 8, dtype=torch.bfloat16)
+        (fn(x) * R).float().sum().backward()
+        (ref(x) * R).float().sum().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16
+        err = (p.grad.float() - q.grad.float()).abs().max() / q.grad.float().abs().max()
+        assert err < 3e-2, (name, err)

@@ -90,8 +90,11 @@ def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, 
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
         hidden_size, 1, has_biases, True, False, [], False, workspace)
     # An op may not return aliases of its inputs or of each other, and its
-    # outputs must have the strides its fake promises (``empty_like``): copy
-    # a gradient only where the kernel's answer breaks either rule.
+    # outputs must have the strides and dtype its fake promises
+    # (``empty_like``): copy a gradient only where the kernel's answer breaks
+    # a rule. oneDNN returns some bf16 gradients in float32 (seen for the
+    # input's, torch 2.13.0): a bf16 linear before the LSTM then failed in
+    # the backward with "expected m1 and m2 to have the same dtype".
     refs = (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
     taken = {t.untyped_storage().data_ptr() for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy,
                                                        grad_output, grad_hy, grad_cy, workspace)
@@ -100,7 +103,8 @@ def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, 
     for g, ref in zip(grads, refs):
         if g is None:
             g = torch.zeros_like(ref)
-        elif g.stride() != ref.stride() or (g.numel() and g.untyped_storage().data_ptr() in taken):
+        elif (g.dtype != ref.dtype or g.stride() != ref.stride()
+              or (g.numel() and g.untyped_storage().data_ptr() in taken)):
             g = torch.empty_like(ref).copy_(g)
         if g.numel():
             taken.add(g.untyped_storage().data_ptr())
