@@ -245,7 +245,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8", help="RNN LM batch sizes")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decoder, rnn")
     ap.add_argument("--out", default=None, help="write the markdown tables here")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (default: torch's); 1 is steadiest on a shared machine")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     t0 = time.time()
     lines = []
 
