@@ -78,11 +78,10 @@ def test_attention_decoder_cells_are_reported_not_folded():
     assert all(r.action == "skipped" and "depends on an earlier step" in r.reason for r in recs), [r.reason for r in recs]
 
 
-def test_frozen_graph_every_module_has_a_record(monkeypatch):
+def test_frozen_graph_every_module_has_a_record():
     """Inductor's ``freezing=True``: Dynamo keeps the parameters as graph
     attributes. The sibling linears are skipped with the reason, the LSTM is
     lowered, and both appear in the model's report under its own names."""
-    monkeypatch.setattr(torch._inductor.config, "freezing", True)
 
     class M(nn.Module):
         def __init__(self):
@@ -96,7 +95,9 @@ def test_frozen_graph_every_module_has_a_record(monkeypatch):
     m = M().eval()
     ref = copy.deepcopy(m)
     x = torch.randn(5, 2, 8)
-    with torch.no_grad():
+    # Inductor's own patch context: monkeypatch.setattr leaves the config
+    # module without the attribute afterwards.
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
         torch.testing.assert_close(torch.compile(m, backend="wformat")(x), ref(x), rtol=1e-5, atol=1e-6)
     recs = {r.pattern: r for r in wfpass.report(m).records}
     assert recs["linear"].action == "skipped" and "freezing=True" in recs["linear"].reason

@@ -6,7 +6,7 @@ torch upgrade breaks here, loudly, and nowhere else.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -320,12 +320,16 @@ class _AllowRnnUnderWformat(int):
         except Exception:  # never break a trace over this
             return False
         if wanted:
-            module = _name_rnn_being_wrapped()
+            module, path = _name_rnn_being_wrapped()
             if module is not None and not _on_cpu(module):
                 # Off the CPU the RNN graph-breaks and runs eagerly, as without
                 # wfpass: PyTorch's cuDNN path keeps its own flat weight buffer,
                 # and wfpass's ATen lowering of RNNs is checked on the CPU only.
                 return False
+            if module is not None:
+                config = wformat_config(getattr(getattr(tx, "output", None), "compiler_fn", None))
+                if config is not None and not config.dry_run:  # explain() files nothing
+                    _note_rnn_seen(module, path)
         return wanted
 
     def __repr__(self) -> str:
@@ -345,7 +349,7 @@ def _on_cpu(module: torch.nn.Module) -> bool:
     return all(p.device.type == "cpu" for p in module.parameters())
 
 
-def _name_rnn_being_wrapped() -> Optional[torch.nn.Module]:
+def _name_rnn_being_wrapped() -> Tuple[Optional[torch.nn.Module], str]:
     """Give the RNN that Dynamo is wrapping right now errors that name it
     (``fuse_rnn.name_errors``) and fresh flat-weight references
     (``_refresh_flat_weight_refs``). The module and where it came from are the
@@ -361,22 +365,21 @@ def _name_rnn_being_wrapped() -> Optional[torch.nn.Module]:
                 break
             frame = frame.f_back
         if frame is None or frame.f_code.co_name != "wrap_module":
-            return None
+            return None, ""
         module = frame.f_locals.get("value")
         source = getattr(frame.f_locals.get("self"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name
         if not isinstance(module, torch.nn.RNNBase):
-            return None
+            return None, ""
         from .passes.fuse_rnn import name_errors
 
         path = module_name_from_source(name) if isinstance(name, str) else ""
         name_errors(module, path)
         _refresh_flat_weight_refs(module)
-        _note_rnn_seen(module, path)
-        return module
+        return module, path
     except Exception:  # never break a trace over this
-        return None
+        return None, ""
 
 
 def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
