@@ -126,9 +126,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.warm_cache:
-        from wfpass import _compat
+        from wfpass._torch import aot as _torch_aot
 
-        _compat.disable_compile_caches()
+        _torch_aot.disable_compile_caches()
 
     base = build(args)
     n_bn = len(bns(base))

@@ -19,12 +19,13 @@ from typing import Any, Callable, List, Sequence
 
 import torch.fx as fx
 
-from . import _compat
+from . import capture as _capture
+from ._torch import aot as _aot, dynamo as _dynamo
 from .config import Config
 from .graph import BodyContext, PassContext, hop_bodies
 from .passes import run_passes
 from .report import Report, print_at_exit_if_asked
-from .runtime import file_report, guarded_call
+from .runtime import _UNCOMPILED, file_report, guarded_call
 
 __all__ = ["backend", "wformat", "last_report"]
 
@@ -33,9 +34,6 @@ log = logging.getLogger("wfpass")
 _LAST: List[Report] = []
 _LAST_ORIGIN: List[Any] = [None]
 _LAST_CALL: List[Any] = [[]]
-# Records of graph breaks that may leave nothing compiled (``note_uncompiled``),
-# newer than the last compile.
-_UNCOMPILED: List[Any] = []
 
 
 def last_report() -> Report:
@@ -84,23 +82,13 @@ def _set_last(report: Report, origin: Any = None, continues: bool = False, call:
     print_at_exit_if_asked(report)  # WFPASS_REPORT=1
 
 
-def note_uncompiled(record: Any) -> None:
-    """A record about a graph break that may leave nothing compiled
-    (``fp32_batchnorm.note_item_break``): ``last_report()`` shows it until
-    the next graph is compiled."""
-    _UNCOMPILED.append(record)
-
-
 def _resolve_inner(inner: Any) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+        return _aot.inductor_compile_fx()
 
-        return compile_fx
-    from torch._dynamo.backends.registry import lookup_backend
-
-    return lookup_backend(inner)
+    return _dynamo.lookup_backend(inner)
 
 
 def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -110,14 +98,14 @@ def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) 
 def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]):
     # The graph as Dynamo traced it: the fallback for a call whose parameters
     # cannot be laid out for a group the rewritten graph reads as one block.
-    original = _compat.clone_dynamo_graph(gm)
-    gm = _compat.clone_dynamo_graph(gm)
+    original = _dynamo.clone_dynamo_graph(gm)
+    gm = _dynamo.clone_dynamo_graph(gm)
     report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)", dry_run=config.dry_run)
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
     run_in_bodies(gm, ctx)
     if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
-        _set_last(report, *_compat.compile_origin())
+        _set_last(report, *_dynamo.compile_origin())
         # Parameters Dynamo kept as graph attributes (Inductor's freezing=True)
         # are not inputs; their records are filed under them too.
         attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in gm.graph.nodes if n.op == "get_attr")
@@ -249,3 +237,5 @@ def wformat(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
 
 
 _DEFAULT = Config()
+# ``wformat`` carries no ``.config``: tell the capture policy which Config it runs.
+_capture.register_default_backend(wformat, _DEFAULT)

@@ -655,7 +655,7 @@ def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] =
     import wfpass
 
     wfpass._load_api()  # registers the backend's passes
-    from ._compat import disable_compile_caches
+    from ._torch.aot import disable_compile_caches
 
     # First calls are cold compiles, not reads of an earlier run's cache.
     disable_compile_caches()

@@ -21,14 +21,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import _compat
+from ._torch import aot as _aot, distributed as _distributed, dynamo as _dynamo
+from ._torch.kernels import HigherOrderOperator, OpOverload, linear as _aten_linear
 from .config import Config
 from .report import Report
 
 __all__ = ["PassContext", "BodyContext", "HopBody", "hop_bodies", "TensorRef", "LinearSite", "linear_sites", "meta_value",
            "rows_of"]
 
-LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+LINEAR_TARGETS = (_aten_linear, F.linear, torch.ops.aten.linear.default)
 
 
 @dataclasses.dataclass
@@ -98,11 +99,11 @@ class PassContext:
         ``value`` is fakified with the input's own symbols (``same_layout``:
         its sizes, strides and offset are those Dynamo saw) or with static
         sizes, never with fresh symbols that no input binds
-        (``_compat.static_example``)."""
+        (``_torch.aot.static_example``)."""
         if isinstance(value, torch.Tensor):
             i = self._placeholders.index(placeholder)
             like = self.example_inputs[i] if same_layout and self.example_inputs is not None and i < len(self.example_inputs) else None
-            _compat.static_example(value, placeholder.name, like if isinstance(like, torch.Tensor) else None)
+            _aot.static_example(value, placeholder.name, like if isinstance(like, torch.Tensor) else None)
         self._compile_examples[self._placeholders.index(placeholder)] = value
 
     def compile_inputs(self) -> List[Any]:
@@ -164,8 +165,8 @@ class PassContext:
             t = self.example_inputs[idx]
             if not isinstance(t, torch.Tensor):
                 return None
-            src = _compat.dynamo_source_name(arg)
-            qual = _compat.qualified_name_from_source(src) if src else None
+            src = _dynamo.dynamo_source_name(arg)
+            qual = _dynamo.qualified_name_from_source(src) if src else None
             if qual is not None:
                 qual = self._model_name(t, src) or qual
             if isinstance(t, torch.nn.Parameter):
@@ -189,13 +190,13 @@ class PassContext:
         compiles): the ``state_dict()`` key. The source path itself is not
         always one: a wrapper that keeps the model in its ``__dict__`` (PEFT's
         ``PeftModel``/``LoraModel``) gives ``__dict__.__dict__.encoder...``."""
-        key = _compat.source_root_key(source)
+        key = _dynamo.source_root_key(source)
         if key is None:
             return None
         names = self._root_names.get(key)
         if names is None:
-            root = _compat.source_root(source)
-            ddp = _compat.active_ddp()
+            root = _dynamo.source_root(source)
+            ddp = _distributed.active_ddp()
             if ddp is not None and isinstance(root, torch.nn.Module) and ddp.module is root:
                 # Dynamo compiles the module DDP wraps; the model the user
                 # compiled is the DDP, whose names start with ``module.``.
@@ -335,7 +336,7 @@ def _target_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target)
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return t._schema.name.split("::")[-1]
     return getattr(t, "__name__", str(t))
 
@@ -349,7 +350,7 @@ def _written_args(node: fx.Node) -> List[Any]:
         return []
     out: List[Any] = []
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         for i, a in enumerate(t._schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 out.append(node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
@@ -413,7 +414,7 @@ class HopBody:
 
 
 def _hop_name(node: fx.Node) -> Optional[str]:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+    if node.op != "call_function" or not isinstance(node.target, HigherOrderOperator):
         return None
     return node.target.name()
 

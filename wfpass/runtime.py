@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _compat
+from ._torch import distributed as _distributed, tensors as _tensors
 from .report import Record, Report
 from .storage import FusedStorage, _OWNER, fuse, layout_of, layout_of_set, refuse, sharing_problem
 
@@ -190,7 +190,20 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
 # -- records, by the tensors they concern ---------------------------------------
 
 # tensor -> the records that concern it. Weak keys: a deleted model's records go with it.
-_NOTES = _compat.weak_id_key_dict()
+# Records of graph breaks that may leave nothing compiled (``note_uncompiled``),
+# newer than the last compile; ``backend.last_report`` shows them and clears
+# them when the next graph compiles.
+_UNCOMPILED: List[Any] = []
+
+
+def note_uncompiled(record: Any) -> None:
+    """A record about a graph break that may leave nothing compiled
+    (``fp32_batchnorm.note_item_break``): ``last_report()`` shows it until
+    the next graph is compiled."""
+    _UNCOMPILED.append(record)
+
+
+_NOTES = _tensors.weak_id_key_dict()
 
 
 def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
@@ -235,12 +248,12 @@ def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
     (``tensors``: name -> tensor of the graph's parameters and buffers), so
     ``wfpass.report(model)`` shows skips and rewrites of every format."""
     sharded = {}
-    if _compat.fsdp2_modules():
+    if _distributed.fsdp2_modules():
         # FSDP2: the graph saw the unsharded Parameters, which FSDP frees
         # after the forward; file the records under the sharded ones too,
         # which ``model.named_parameters()`` holds.
         for n, t in tensors.items():
-            s = _compat.fsdp2_sharded_of(t)
+            s = _distributed.fsdp2_sharded_of(t)
             if s is not None:
                 sharded[n] = s
     for rec in report.records:

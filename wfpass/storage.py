@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _compat
+from ._torch import distributed as _distributed, tensors as _tensors
 
 __all__ = [
     "FusedStorage", "fuse", "refuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
@@ -49,11 +49,11 @@ def _fsdp_owner(t: torch.Tensor) -> Optional[torch.nn.Module]:
     it frees and re-allocates every step: a plain tensor on the outside, but
     FSDP owns its storage. ``fully_shard`` swaps the module's class to a
     subclass of ``FSDPModule`` and records its state in torch.distributed's
-    registry of composable-API modules (``_compat.fsdp2_modules``): that
+    registry of composable-API modules (``_torch.distributed.fsdp2_modules``): that
     registry is the one place reachable from a tensor alone.
     Where it is missing, the DTensor check and ``sharing_problem``'s
     storage-use count (the all-gather buffer holds the storage too) still skip it."""
-    modules = _compat.fsdp2_modules()
+    modules = _distributed.fsdp2_modules()
     for m in modules:
         if any(p is t for p in m.parameters()):
             return m
@@ -295,7 +295,7 @@ def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
 # Formats that change a tensor in some other way (a dtype cast, say) register
 # how to undo it here; ``wfpass.restore`` runs it. Weak keys: no leak.
 # Identity-keyed: a WeakKeyDictionary compares tensor keys with == (elementwise).
-_UNDO = _compat.weak_id_key_dict()
+_UNDO = _tensors.weak_id_key_dict()
 
 
 def undo_registered(t: torch.Tensor) -> bool:
@@ -344,7 +344,7 @@ def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torc
             continue
         if overlaps(t, o):
             return f"{name} shares storage with {oname} (tied weights); moving it would untie them"
-    uses = _compat.storage_use_count(t)
+    uses = _tensors.storage_use_count(t)
     ptr = t.untyped_storage().data_ptr()
     expected = 1 + sum(1 for a in allowed if a is not t and type(a) in _PLAIN and a.untyped_storage().data_ptr() == ptr)
     own = layout_of(t)

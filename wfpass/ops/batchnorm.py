@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import _compat
+from .._torch import kernels as _kernels, tensors as _tensors
 from ..storage import register_undo, sharing_problem
 
 __all__ = [
@@ -47,7 +47,7 @@ ROLES = ("running_mean", "running_var", "weight", "bias")
 
 # Tensors wfpass holds in fp32, and the dtype the model gave them. Weak keys:
 # a deleted model is not kept alive.
-_HELD = _compat.weak_id_key_dict()
+_HELD = _tensors.weak_id_key_dict()
 
 
 def held_in_fp32(t: torch.Tensor) -> bool:
@@ -91,7 +91,7 @@ def to_fp32(t: torch.Tensor) -> bool:
 # wfpass changed is cast to the parameter's dtype: the policy
 # ``Optimizer.load_state_dict`` applies (floating state follows the
 # parameter, ``step`` is left alone). Public hook API, installed once.
-_TOUCHED = _compat.weak_id_key_dict()
+_TOUCHED = _tensors.weak_id_key_dict()
 _HOOK: List[Any] = []
 
 
@@ -190,7 +190,7 @@ def _key_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
     (in-place updates: optimizer steps, ``load_state_dict``). Cheap: no storage
     objects are created; this runs on every call."""
     try:
-        return tuple(None if t is None else (id(t), t.data_ptr(), t.dtype, t._version) for t in ts)
+        return tuple(None if t is None else (id(t), t.data_ptr(), t.dtype, _tensors.version(t)) for t in ts)
     except RuntimeError:  # inference tensors keep no version counter: do not cache
         return None
 
@@ -268,4 +268,4 @@ def fold_module_call(g, x: torch.Tensor) -> torch.Tensor:
     wf, bf = _folded(g, conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias)
     if spec.kind == "linear":
         return F.linear(x, wf, bf)
-    return conv._conv_forward(x, wf, bf)
+    return _kernels.conv_forward(conv, x, wf, bf)

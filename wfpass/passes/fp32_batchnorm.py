@@ -38,7 +38,7 @@ BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in
 training mode is not in any graph: Dynamo (torch 2.13.0) graph-breaks on
 ``float(self.num_batches_tracked)`` and calls that module eagerly. While the
 backend compiles a graph of the same frame, the pass finds such modules among
-the modules the frame can reach (``_compat.traced_frame_modules``), moves
+the modules the frame can reach (``_torch.dynamo.traced_frame_modules``), moves
 their half tensors to fp32 (eager's BatchNorm then runs the mixed kernel with
 fp32 statistics, as in the graphs) and adds a forward pre-hook that keeps the
 format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
@@ -55,18 +55,17 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..graph import PassContext, TensorRef, meta_value
-from .. import _compat
+from .. import capture as _capture
+from .._torch import distributed as _distributed, dynamo as _dynamo
+from .._torch.kernels import BatchNorm as _BatchNorm
 from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
 from ..report import Record as _Record
-from ..runtime import Bound, Group, note, unnote
+from ..runtime import Bound, Group, note, note_uncompiled, unnote
 from ..storage import sharing_problem
 
 __all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook", "note_item_break"]
-
-_compat.install_item_break_probe()
 
 
 # Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
@@ -224,7 +223,7 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
 
 def _ddp_problem(tensors: List[torch.Tensor], held: set) -> Optional[str]:
     """Why these tensors' dtype must stay, if they belong to the
-    DistributedDataParallel being compiled (``held``: ``_compat.ddp_tensors()``,
+    DistributedDataParallel being compiled (``held``: ``_distributed.ddp_tensors()``,
     read once per pass)."""
     if not any(id(t) in held for t in tensors):
         return None
@@ -239,7 +238,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
     batch norms were rewritten."""
     rewritten = 0
     others = None
-    ddp_held = _compat.ddp_tensors()  # once per pass, not per BatchNorm
+    ddp_held = _distributed.ddp_tensors()  # once per pass, not per BatchNorm
     sites = batchnorm_sites(ctx)
     bn_nodes = {site.node for site in sites}
     for site in sites:
@@ -366,8 +365,8 @@ def _eager_batchnorms(ctx: PassContext) -> int:
     in_graph = {id(r.tensor) for r in ctx.state_tensors()}
     done = set()
     n = 0
-    ddp_held = _compat.ddp_tensors()
-    for root in _compat.traced_frame_modules():
+    ddp_held = _distributed.ddp_tensors()
+    for root in _dynamo.traced_frame_modules():
         state = None
         for name, mod in root.named_modules():
             if id(mod) in done or not _is_module_bn(mod) or mod in _EAGER_HOOKS or not _graph_breaking(mod):
@@ -435,7 +434,7 @@ _BREAK_NOTED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKe
 def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
     """Dynamo is about to graph-break inside ``mod``'s forward on
     ``float(num_batches_tracked)`` (``momentum=None`` in training) while
-    compiling for a wformat backend (``_compat._ItemBreakProbe``). Where the
+    compiling for a wformat backend (``wfpass.capture.install_item_break_probe``). Where the
     break leaves graphs on both sides, those graphs' compiles convert the
     module (``_eager_batchnorms``); inside a loop (``nn.Sequential``) Dynamo
     runs the whole frame eagerly and no backend is called. Either way, the
@@ -445,8 +444,6 @@ def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
     under the module's tensors."""
     if mod in _BREAK_NOTED or config.dry_run:
         return
-    from ..backend import note_uncompiled
-
     label = name or type(mod).__name__
     tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
     half = any(t.dtype in HALF for t in tensors.values())
@@ -462,3 +459,6 @@ def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
 
     logging.getLogger("wfpass").warning("wfpass: %s", why)
     note_uncompiled(record)
+
+
+_capture.install_item_break_probe(note_item_break)

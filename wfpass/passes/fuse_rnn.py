@@ -1,7 +1,7 @@
 """RNN weight format: one flat buffer, and the RNN call lowered to ATen.
 
 Before (Dynamo flavour; ``torch.compile`` normally graph-breaks here, see
-``_compat.install_rnn_capture``)::
+``wfpass.capture.install_rnn_capture``)::
 
     h0 = zeros(2, B, 8); c0 = zeros(2, B, 8)
     lstm = torch.lstm(x, (h0, c0), [w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, ...], True, 2, 0.0, True, False, False)
@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch.fx as fx
 
-from .. import _compat
+from .. import capture as _capture
 from ..graph import PassContext, mutated_state
 from ..pipeline import Format
 from ..rnn.capture import name_errors, unname_errors
@@ -41,11 +41,11 @@ from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
 from ..rnn.rewrite import rewrite_call
 
 # ``name_errors`` / ``unname_errors`` / ``RNN_FUNCTIONS`` are imported from
-# here by ``_compat``, ``api`` and ``backend``.
+# here by ``wfpass.capture``, ``api`` and ``backend``.
 __all__ = ["FuseRnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
 # Let Dynamo put RNN modules into the graph for wformat backends only.
-_compat.install_rnn_capture()
+_capture.install_rnn_capture(name_errors)
 
 
 class FuseRnn(Format):

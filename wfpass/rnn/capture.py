@@ -1,5 +1,5 @@
 """When Dynamo captures an RNN for a wformat backend: its argument errors
-name it. (Whether Dynamo captures it at all is decided in ``_compat``, the
+name it. (Whether Dynamo captures it at all is decided in ``wfpass.capture``, the
 ``allow_rnn`` hook.)"""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def name_errors(module: nn.Module, path: str) -> None:
     place both Dynamo's trace and that eager run read. It is a
     ``functools.partial`` of a module-level function, so ``copy.deepcopy``
     and pickling keep working; ``wfpass.restore`` removes it.
-    ``_compat`` calls this when Dynamo first wraps the RNN for a wformat
+    ``wfpass.capture`` calls this when Dynamo first wraps the RNN for a wformat
     backend, i.e. before the first call's checks run."""
     mode = rnn_mode(module)
     if mode is None or "check_forward_args" in module.__dict__:

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _compat
+from .._torch import kernels as _kernels
 from ..config import Config, default_seq_threshold
 from ..graph import PassContext, meta_value
 from ..storage import unmovable
@@ -88,7 +88,7 @@ def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional
     offsets, acc = [], 0
     layout = None
     if ws[0].device.type == "cuda":
-        layout = _compat.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
+        layout = _kernels.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
                                            bool(batch_first), bool(bidirectional))
     if layout is not None:
         offsets, acc = layout

@@ -17,7 +17,7 @@ from typing import Dict
 
 import torch
 
-from .. import _compat
+from .._torch import aot as _aot
 
 __all__ = ["workspace_numel"]
 
@@ -62,7 +62,7 @@ def workspace_numel(T: int, B: int, I: int, H: int, dtype: torch.dtype, has_bias
     key = (T, B, I, H, dtype, has_biases)
     n = _WORKSPACE.get(key)
     if n is None:
-        with _compat.outside_fake_mode(), torch.enable_grad():
+        with _aot.outside_fake_mode(), torch.enable_grad():
             x = torch.zeros(T, B, I, dtype=dtype)
             w_ih, w_hh = torch.zeros(4 * H, I, dtype=dtype), torch.zeros(4 * H, H, dtype=dtype)
             b, h = torch.zeros(4 * H, dtype=dtype), torch.zeros(1, B, H, dtype=dtype)

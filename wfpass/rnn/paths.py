@@ -29,7 +29,7 @@ included, are outputs of traced ops, saved and freed by AOTAutograd.
 
 The path is chosen when the graph is compiled, from the static length T
 (``T <= seq_threshold``: ``loop``). RNNs off the CPU are not captured at all
-(``_compat``): they graph-break and run eagerly, as without wfpass. ``seq_threshold="auto"`` measures the two paths
+(``wfpass.capture``): they graph-break and run eagerly, as without wfpass. ``seq_threshold="auto"`` measures the two paths
 once per shape at compile time (with the model's weights; ``auto.py``).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import _compat
+from .._torch import kernels as _kernels
 from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
 from .spec import RnnSpec, zero_state
 
@@ -53,7 +53,7 @@ def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
 
 def fused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     """``torch._VF.<mode>`` as PyTorch dispatches it: oneDNN (CPU LSTM), cuDNN (CUDA)."""
-    return _compat.rnn_kernel(spec.mode)(
+    return _kernels.rnn_kernel(spec.mode)(
         x, _hx_arg(spec, hx), ws, has_b, spec.num_layers, p, train, spec.bidirectional, spec.batch_first
     )
 
@@ -64,13 +64,13 @@ def unfused_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
         # ATen's native CPU kernel is this algorithm (it precomputes
         # ``linear_ih`` over the whole sequence) without Python per step;
         # only the LSTM has a oneDNN kernel to switch off.
-        if spec.mode != "LSTM" or not _compat.get_mkldnn_enabled():
+        if spec.mode != "LSTM" or not _kernels.get_mkldnn_enabled():
             return fused_path(spec, x, hx, ws, has_b, train, p)
-        _compat.set_mkldnn_enabled(False)
+        _kernels.set_mkldnn_enabled(False)
         try:
             return fused_path(spec, x, hx, ws, has_b, train, p)
         finally:
-            _compat.set_mkldnn_enabled(True)
+            _kernels.set_mkldnn_enabled(True)
     return _loop(spec, x, hx, ws, has_b, train, p)
 
 
@@ -178,7 +178,7 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
     if steps is not None and steps <= threshold and paths_differ(spec, x):
         return "loop"
     if (x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0
-            and _compat.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
+            and _kernels.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
         return "mkldnn"
     if steps is not None:
         # No fused kernel for this RNN: the per-step ops, written out here.
@@ -195,7 +195,7 @@ def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
     an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
     if x.device.type != "cpu" or spec.options.unfused_impl == "loop":
         return True
-    return spec.mode == "LSTM" and spec.proj_size == 0 and _compat.mkldnn_rnn_dtype(x.dtype)
+    return spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype)
 
 
 class RnnForward:
@@ -229,7 +229,7 @@ class RnnForward:
             # workspace its backward needs (weights that need grad), and in a
             # form Inductor's lowering fails on. Traced with oneDNN off it
             # unrolls the plain cell math, which AOTAutograd differentiates.
-            with _compat.mkldnn_disabled():
+            with _kernels.mkldnn_disabled():
                 outs = fused_path(spec, x, hx, ws, has_b, self.train, p)
             out, hy, cy = outs[0], outs[1], outs[2]
         else:

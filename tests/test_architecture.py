@@ -1,0 +1,192 @@
+"""The package's layering, checked on its source (docs/architecture.md).
+
+The import graph counts every ``import`` / ``from ... import`` anywhere in a
+module (inside functions too) and ``importlib.import_module("...")`` string
+literals; ``from . import x`` where ``x`` is a submodule is an edge to that
+submodule. Three rules: no import cycle among wfpass modules; the private
+PyTorch layer (``wfpass/_torch/``) imports nothing from wfpass; private torch
+attributes are touched only in that layer.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "wfpass"
+PRIVATE_LAYER = "wfpass._torch"
+
+
+def _modules():
+    mods = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, is_pkg)
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str):
+    """The wfpass module ``name`` names (a module, or a package's __init__), or None."""
+    return name if name in MODULES else None
+
+
+def _edges(mod: str):
+    path, is_pkg = MODULES[mod]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = mod if is_pkg else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("wfpass"):
+                    # ``import a.b.c`` imports a, a.b and a.b.c.
+                    parts = alias.name.split(".")
+                    for i in range(1, len(parts) + 1):
+                        target = _resolve(".".join(parts[:i]))
+                        if target:
+                            out.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                if node.level > 1:
+                    base = base[: len(base) - (node.level - 1)]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if not base.startswith("wfpass"):
+                continue
+            parents = base.split(".")
+            for i in range(1, len(parents) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
+                target = _resolve(".".join(parents[:i]))
+                if target and target != base:
+                    out.add(target)
+            for alias in node.names:
+                sub = _resolve(f"{base}.{alias.name}")
+                if sub:
+                    out.add(sub)  # ``from . import x``: the submodule x
+                elif _resolve(base):
+                    out.add(base)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if fname == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+                name = node.args[0].value
+                if isinstance(name, str) and name.startswith("wfpass"):
+                    target = _resolve(name)
+                    if target:
+                        out.add(target)
+    out.discard(mod)
+    # A package's __init__ importing its own submodules, and a submodule
+    # importing its parent package, are both edges; the parent packages a
+    # submodule's import runs first are not counted against a cycle here:
+    # Python runs them before the submodule, and they may import it.
+    return {t for t in out if not mod.startswith(t + ".")}
+
+
+GRAPH = {m: _edges(m) for m in MODULES}
+
+
+def _cycles(graph):
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def test_graph_finds_imports_inside_functions():
+    # The checker itself: ``backend.run_in_bodies`` imports wfpass.formats
+    # inside a function; ``from . import capture as _capture`` is an edge to
+    # the submodule, not to the package.
+    assert "wfpass.formats" in GRAPH["wfpass.backend"]
+    assert "wfpass.capture" in GRAPH["wfpass.backend"] and "wfpass" not in GRAPH["wfpass.backend"]
+    assert PRIVATE_LAYER in MODULES
+
+
+def test_cycle_detector_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    assert _cycles(GRAPH) == []
+
+
+def test_private_layer_imports_nothing_from_wfpass():
+    for mod, deps in GRAPH.items():
+        if mod == PRIVATE_LAYER or mod.startswith(PRIVATE_LAYER + "."):
+            outside = {d for d in deps if not (d == PRIVATE_LAYER or d.startswith(PRIVATE_LAYER + "."))}
+            assert not outside, f"{mod} imports {sorted(outside)}"
+
+
+# ``torch._x`` attribute access, ``_C.``, ``import torch._x``, ``from torch.a._b
+# import ...``, ``from torch.a import _b`` and ``torch.nn.modules.x._Y``.
+_PRIVATE = re.compile(
+    r"\btorch\._[a-zA-Z]|\b_C\.|\b_VF\b|import torch(\.\w+)*\._|from torch(\.\w+)*\._"
+    r"|from torch(\.\w+)* import .*\b_[a-zA-Z]|\bmodules\.\w+\._[a-zA-Z]")
+
+
+def _code_lines(path):
+    """Source lines without comments and docstrings (which name private API on purpose)."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    doc_lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            doc_lines.update(range(node.lineno, node.end_lineno + 1))
+    for i, line in enumerate(src.splitlines(), 1):
+        if i in doc_lines:
+            continue
+        yield i, line.split("#", 1)[0]
+
+
+def test_private_torch_api_only_in_private_layer():
+    found = []
+    for mod, (path, _) in MODULES.items():
+        if mod == PRIVATE_LAYER or mod.startswith(PRIVATE_LAYER + "."):
+            continue
+        for i, line in _code_lines(path):
+            if _PRIVATE.search(line):
+                found.append(f"{path.relative_to(ROOT.parent)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "import torch._dynamo", "torch._C._nn.linear(x, w)", "from torch._inductor import config",
+    "from torch.nn.modules.batchnorm import _BatchNorm", "x = torch._VF.lstm",
+])
+def test_private_pattern_matches(line):
+    assert _PRIVATE.search(line)

@@ -1,0 +1,88 @@
+"""AOTAutograd and Inductor private API (torch 2.13.0): how a new tensor is
+fakified, real tensors inside a fake implementation, the compile caches,
+Inductor's compiler entry point. Imports nothing from wfpass."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def inductor_compile_fx():
+    """Inductor's compiler function (``torch._inductor.compile_fx.compile_fx``,
+    private module; torch 2.13.0)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx
+
+
+def disable_compile_caches() -> None:
+    """Turn off Inductor's FX-graph cache and AOTAutograd's cache
+    (``torch._inductor.config.fx_graph_cache``,
+    ``torch._functorch.config.enable_autograd_cache``; private, torch 2.13.0),
+    so a benchmark's first-call times are cold compiles."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+
+
+def outside_fake_mode():
+    """A context in which tensors are real even while a fake implementation
+    runs (``torch._subclasses.fake_tensor.unset_fake_temporarily``, private;
+    torch 2.13.0). ``wfpass.rnn.lstm_layer.workspace_numel`` measures oneDNN's workspace
+    size on real zeros from inside ``wfpass::lstm_layer``'s fake."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def static_example(alias: torch.Tensor, name: str, like: Optional[torch.Tensor] = None) -> None:
+    """Tell AOTAutograd how to fakify ``alias``, a new tensor the backend
+    hands the inner compiler in place of a graph input (a parameter moved
+    into a block, a BatchNorm tensor cast to fp32).
+
+    Why it matters: a tensor Dynamo never saw, with no context, is fakified
+    with fresh duck-sized symbols that no graph input binds. A guard on such
+    a symbol cannot be built (``AssertionError: sources must not be empty for
+    symbol s..`` in ``produce_guards``), and duck sizing can silently tie it
+    to an input's symbol of the same value (the batch size equal to a channel
+    count), specialising that input or breaking Inductor's indexing
+    (``TypeError: Cannot convert expression to float`` under
+    ``dynamic=True``, measured). So:
+
+    * ``like`` given (the tensor ``alias`` stands for), with the same sizes,
+      strides and offset, and Dynamo fakified it with a context (a buffer
+      whose size Dynamo made dynamic): reuse that context, so the new fake
+      has exactly the input's symbols, bound by the input's own source;
+    * otherwise static sizes, strides and storage offset, as Dynamo treats
+      parameters (a moved member's offset changed, so the cached symbols of
+      the old tensor would be stale).
+
+    The context goes into ``TracingContext.tensor_to_context``, which
+    AOTAutograd's ``process_inputs`` reads
+    (torch/_functorch/_aot_autograd/frontend_utils.py;
+    ``StatefulSymbolicContext``, ``DimDynamic`` and ``ConstantSource`` are
+    private; torch 2.13.0)."""
+    from torch._guards import TracingContext
+
+    tc = TracingContext.try_get()
+    if tc is None or not hasattr(tc, "tensor_to_context"):
+        return
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatefulSymbolicContext
+
+    if like is not None and like.shape == alias.shape and like.stride() == alias.stride() and (
+            like.storage_offset() == alias.storage_offset()):
+        ctx = tc.tensor_to_context.get(like)
+        if isinstance(ctx, StatefulSymbolicContext):
+            tc.tensor_to_context[alias] = ctx
+            return
+    d = alias.dim()
+    tc.tensor_to_context[alias] = StatefulSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC] * d, dynamic_strides=[DimDynamic.INFER_STRIDE] * d,
+        constraint_sizes=[None] * d, constraint_strides=[None] * d,
+        tensor_source=ConstantSource(f"wfpass_block_member_{name}"), shape_env_to_source_to_symbol_cache={},
+    )
+

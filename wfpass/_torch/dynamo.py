@@ -1,0 +1,402 @@
+"""Dynamo's private API (torch 2.13.0): where graph inputs came from, the
+frame being compiled, the compile in progress, and two config values that
+call back into wfpass while Dynamo traces.
+
+This layer imports nothing from wfpass. Where Dynamo must ask wfpass a
+question while it traces (may this RNN be put into the graph? which
+BatchNorm is about to graph-break?), wfpass installs a function here
+(``install_rnn_capture`` / ``install_item_break_probe``, called by
+``wfpass.capture``) and the value Dynamo reads calls it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable, Optional, Tuple
+
+import torch
+
+def dynamo_source_name(node: torch.fx.Node) -> Optional[str]:
+    """Dynamo records where a placeholder came from in ``node.meta['grapharg']``
+    (``GraphArg.source``, private; torch 2.13.0), e.g.
+    ``L['self']._modules['q']._parameters['weight']``."""
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    if src is None:
+        return None
+    try:
+        return src.name() if callable(getattr(src, "name", None)) else str(src.name)
+    except Exception:  # pragma: no cover
+        return None
+
+
+_PART = re.compile(r"\.(?:_modules|_parameters|_buffers)\[['\"]([^'\"]+)['\"]\]|\.(\w+)|\[(\d+)\]")
+
+
+def _source_parts(source: str) -> list:
+    """The attribute names after the root object of a Dynamo source name:
+    ``L['self']._modules['enc']._modules['0']._parameters['weight']`` ->
+    ``['enc', '0', 'weight']`` (the ``_modules`` / ``_parameters`` /
+    ``_buffers`` dicts of ``nn.Module`` dropped)."""
+    head = source.find("]")  # drop the L['self'] / L['model'] root
+    parts = [a or b or c for a, b, c in _PART.findall(source[head + 1 :])]
+    return [p for p in parts if p not in ("_modules", "_parameters", "_buffers")]
+
+
+def qualified_name_from_source(source: str) -> Optional[str]:
+    """``L['self']._modules['enc']._modules['0']._parameters['weight']`` -> ``enc.0.weight``.
+
+    Returns None for sources that are not attributes of a module (plain inputs).
+    """
+    if "_parameters[" not in source and "_buffers[" not in source:
+        return None
+    return ".".join(_source_parts(source)) or None
+
+
+def module_name_from_source(source: str) -> str:
+    """``L['self']._modules['enc']._modules['0']`` -> ``enc.0``; ``""`` for
+    the root object itself (``L['rnn']``)."""
+    return ".".join(_source_parts(source))
+
+
+_ROOT = re.compile(r"^([LG])\[['\"]([^'\"]+)['\"]\]")
+
+
+def source_root(source: str):
+    """The object a Dynamo source starts from: ``L['self']`` -> the frame's
+    local ``self`` (the module being compiled), ``G['model']`` -> a global.
+    Read from ``InstructionTranslator.current_tx()``'s ``f_locals`` /
+    ``f_globals`` (private; torch 2.13.0), set while the backend runs; None
+    anywhere else or when the source has another form."""
+    m = _ROOT.match(source or "")
+    if m is None:
+        return None
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return None
+    if tx is None:
+        return None
+    scope = getattr(tx, "f_locals", None) if m.group(1) == "L" else getattr(tx, "f_globals", None)
+    return (scope or {}).get(m.group(2))
+
+
+def source_root_key(source: str) -> Optional[str]:
+    """``L['self']`` of ``L['self']._modules['q']._parameters['weight']``."""
+    m = _ROOT.match(source or "")
+    return m.group(0) if m else None
+
+
+def traced_frame_modules() -> list:
+    """The ``nn.Module`` objects the frame Dynamo is compiling can reach: its
+    locals (``self`` of a ``forward``), the globals its code names and the
+    module whose call runs it. For
+    modules Dynamo did not put into the graph (a graph break runs them
+    eagerly). ``InstructionTranslator.current_tx()`` and its ``f_locals`` /
+    ``f_globals`` / ``f_code`` (private; torch 2.13.0) are set while the
+    backend runs; anywhere else this returns ``[]``."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return []
+    if tx is None:
+        return []
+    found, seen = [], set()
+    values = list(getattr(tx, "f_locals", {}).values())
+    # A resume function (the rest of a frame after a graph break) holds only
+    # stack values; the module whose forward it continues is the ``self`` of
+    # the nearest ``nn.Module._call_impl`` on the Python stack
+    # (torch/nn/modules/module.py, torch 2.13.0), which also holds for a
+    # first compile: Dynamo compiles ``forward`` as ``_call_impl`` calls it.
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            values.append(frame.f_locals["self"])
+            break
+        frame = frame.f_back
+    del frame
+    f_globals = getattr(tx, "f_globals", {}) or {}
+    values += [f_globals[n] for n in getattr(getattr(tx, "f_code", None), "co_names", ()) if n in f_globals]
+    for v in values:
+        if isinstance(v, torch.nn.Module) and id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+    return found
+
+
+def compile_origin() -> tuple:
+    """((compile context, attempt), does this compile continue a call already under way?) of
+    the Dynamo compile in progress, so ``last_report`` can hold every graph of
+    one model call. DDPOptimizer compiles several subgraphs under one compile
+    id. A graph break runs part of a frame eagerly: Dynamo then compiles
+    nested frames it calls and a resume function for the rest, each while the
+    user's frame is executing. A first compile of a call has only
+    ``nn.Module`` call plumbing between Dynamo's ``compile_wrapper``
+    (torch/_dynamo/eval_frame.py) and its frame callback
+    (torch/_dynamo/convert_frame.py); a continuation has the user's code
+    there. (Those file and function names, and ``CompileContext.
+    current_compile_id``, are private; torch 2.13.0.) Third: the call's
+    tensor arguments, to check that a continuation belongs to the same call
+    as the graphs before it. ``(None, False, ())`` outside Dynamo."""
+    import sys
+
+    try:
+        from torch._guards import CompileContext
+
+        # The context object, not its id string: ids restart at "0/0" after
+        # torch._dynamo.reset(). The caller keeps it, so it cannot be reused.
+        cid = CompileContext.try_get()
+    except Exception:
+        return None, False, ()
+    frame, seen_callback, continues, call = sys._getframe(1), False, False, ()
+    while frame is not None:
+        fname = frame.f_code.co_filename.replace("\\", "/")
+        if fname.endswith("torch/_dynamo/convert_frame.py"):
+            seen_callback, continues = True, False
+        elif seen_callback:
+            if fname.endswith("torch/_dynamo/eval_frame.py") and frame.f_code.co_name == "compile_wrapper":
+                # The call's tensor arguments tell two calls apart (frame
+                # objects are not weak-referenceable and their ids are reused).
+                args = frame.f_locals.get("args") or ()
+                call = tuple(a for a in args if isinstance(a, torch.Tensor))
+                break
+            if not fname.endswith("torch/nn/modules/module.py"):
+                continues = True
+        frame = frame.f_back
+    else:
+        continues = False  # no compile_wrapper: not a torch.compile call we can place
+    del frame
+    # A restarted analysis (attempt + 1) compiles the same graph again: a new
+    # report, not a second graph of the call.
+    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues, call
+
+
+def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of Dynamo's GraphModule that the passes may rewrite.
+
+    Dynamo reads its own graph again after the backend returns (it iterates
+    the placeholders' ``meta['grapharg']``), so rewriting it in place breaks
+    Dynamo. The copy must keep what AOTAutograd reads from Dynamo graphs
+    (torch 2.13.0): ``gm.meta`` (``dynamo_compile_id``), the
+    ``_param_name_to_source`` attribute and each placeholder's
+    ``_dynamo_source``."""
+    graph = torch.fx.Graph()
+    env = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    new_gm = torch.fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new_gm._param_name_to_source = gm._param_name_to_source
+    # Higher-order ops' bodies (activation checkpointing, wrap) are
+    # submodules the new GraphModule shares with Dynamo's: copy them too, so
+    # a rewrite inside a body changes neither Dynamo's graph nor the fallback.
+    copied = set()
+    for node in new_gm.graph.nodes:
+        if node.op == "get_attr" and "." not in node.target and node.target not in copied:
+            sub = getattr(new_gm, node.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                copied.add(node.target)
+                setattr(new_gm, node.target, clone_dynamo_graph(sub))
+    return new_gm
+
+
+def current_tx():
+    """The translator of the frame Dynamo is tracing now
+    (``InstructionTranslator.current_tx()``, private; torch 2.13.0), or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx()
+    except Exception:
+        return None
+
+
+def compiler_fn_of(tx):
+    """The backend the trace ``tx`` compiles for, as Dynamo holds it
+    (``tx.output.compiler_fn``, private; torch 2.13.0)."""
+    return getattr(getattr(tx, "output", None), "compiler_fn", None)
+
+
+def lookup_backend(name):
+    """A ``torch.compile`` backend by name (``torch._dynamo.backends.registry.
+    lookup_backend``, private; torch 2.13.0)."""
+    from torch._dynamo.backends.registry import lookup_backend as _lookup
+
+    return _lookup(name)
+
+
+# -- RNN capture ----------------------------------------------------------------
+
+#: The function wfpass installed to decide RNN capture (``install_rnn_capture``):
+#: called as ``policy(compiler_fn, module, source_name)`` -> bool.
+_RNN_POLICY: list = [None]
+
+
+class _AllowRnnUnderWformat(int):
+    """Stands in for ``torch._dynamo.config.allow_rnn = False``: falsy except
+    where the installed policy says yes (wfpass: while Dynamo traces a frame
+    for a wformat backend that runs ``fuse_rnn``).
+
+    Dynamo refuses ``nn.RNN/GRU/LSTM`` with ``if ... and not config.allow_rnn``
+    (``VariableBuilder.wrap_module``, torch/_dynamo/variables/builder.py,
+    torch 2.13.0), evaluated while tracing. There is no per-backend switch:
+    ``torch.compile`` wraps every non-Inductor backend in
+    ``_TorchCompileWrapper``, which drops a ``backend_ctx_ctor`` attribute, so
+    the truthiness of this value is the narrowest hook. It finds the backend
+    of the trace in progress through ``InstructionTranslator.current_tx()
+    .output.compiler_fn`` (private). ``repr`` / ``to_jsonable`` keep Dynamo's
+    config hashing, logging and repro scripts working: they see ``False``.
+    It is an ``int`` (0) so that torch versions that ``json.dumps`` the config
+    for their compile metrics (2.11 does) can serialise it too."""
+
+    def __bool__(self) -> bool:
+        policy = _RNN_POLICY[0]
+        tx = current_tx()
+        if policy is None or tx is None:
+            return False
+        try:
+            module, name = _rnn_being_wrapped()
+            return bool(policy(compiler_fn_of(tx), module, name))
+        except Exception:  # never break a trace over this
+            return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+    def to_jsonable(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (_AllowRnnUnderWformat, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _rnn_being_wrapped() -> Tuple[Optional[torch.nn.Module], str]:
+    """The RNN that Dynamo is wrapping right now and the name of its source.
+    They are the locals ``value`` and ``self.source`` of
+    ``VariableBuilder.wrap_module`` (torch/_dynamo/variables/builder.py,
+    torch 2.13.0), the frame that asks ``not config.allow_rnn``. Anything
+    unexpected: ``(None, "")``."""
+    try:
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None or frame.f_code.co_name == "wrap_module":
+                break
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_name != "wrap_module":
+            return None, ""
+        module = frame.f_locals.get("value")
+        source = getattr(frame.f_locals.get("self"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if not isinstance(module, torch.nn.RNNBase):
+            return None, ""
+        return module, name if isinstance(name, str) else ""
+    except Exception:  # never break a trace over this
+        return None, ""
+
+
+def refresh_flat_weight_refs(module: torch.nn.RNNBase) -> None:
+    """Run, before Dynamo inlines ``forward``, the first thing ``forward``
+    does: ``if self._weights_have_changed(): self._init_flat_weights()``
+    (torch/nn/modules/rnn.py, torch 2.13.0).
+
+    Why: after ``load_state_dict(assign=True)`` (or any new Parameter object)
+    ``_flat_weight_refs`` still holds weak references to the old Parameters.
+    Dynamo traces ``ref()`` and guards on its result; when the old Parameter
+    is freed between the trace and the building of the guards, Dynamo fails
+    with ``InternalTorchDynamoError: TypeError: _dispatch_keys(): incompatible
+    function arguments ... Invoked with: None`` (reproduced with plain
+    ``allow_rnn=True`` and the eager backend, without wfpass: a torch bug,
+    intermittent because it depends on when the old object dies; Dynamo
+    traces weakref calls since pytorch/pytorch#125720). Refreshed
+    here, the references point at the module's live Parameters."""
+    if module._weights_have_changed():
+        module._init_flat_weights()
+
+
+
+def install_rnn_capture(policy: Callable) -> None:
+    """Let Dynamo put ``nn.RNN/GRU/LSTM`` into the graph where
+    ``policy(compiler_fn, module, source_name)`` says so (see
+    ``_AllowRnnUnderWformat``). A user's own ``allow_rnn = True`` is left
+    alone; every other backend still graph-breaks on RNNs."""
+    import torch._dynamo.config as dynamo_config
+
+    _RNN_POLICY[0] = policy
+    if dynamo_config.allow_rnn is False:
+        dynamo_config.allow_rnn = _AllowRnnUnderWformat()
+
+
+# -- BatchNorm(momentum=None): tell the user which module stopped the compile --
+
+#: Called as ``hook(module, source_name, compiler_fn)`` (``install_item_break_probe``).
+_ITEM_BREAK_HOOK: list = [None]
+
+
+class _ItemBreakProbe(int):
+    """Stands in for ``torch._dynamo.config.capture_scalar_outputs = False``
+    and stays falsy: Dynamo behaves exactly as before. What it adds: when
+    Dynamo is about to graph-break on ``Tensor.item()`` (``float(t)``) inside
+    a BatchNorm's ``forward`` (``momentum=None`` in training reads
+    ``float(self.num_batches_tracked)``), it calls the installed hook with
+    the module (wfpass then tells the user which module it is). In an
+    ``nn.Sequential`` that break makes Dynamo run the whole model eagerly and
+    call no backend at all, so without this the user sees "nothing compiled
+    yet".
+
+    Dynamo reads the flag in ``TensorVariable.method_item(self, tx, ...)``
+    (torch/_dynamo/variables/tensor.py, torch 2.13.0): the caller's ``tx`` is
+    the translator of the frame being traced, whose ``symbolic_locals['self']``
+    holds the module and its source (private). Setting the flag to ``True``
+    instead does not help: the break moves to ``F.batch_norm``, which does not
+    take a traced float momentum."""
+
+    def __bool__(self) -> bool:
+        try:
+            hook = _ITEM_BREAK_HOOK[0]
+            frame = sys._getframe(1)
+            if hook is not None and frame.f_code.co_name == "method_item":
+                tx = frame.f_locals.get("tx")
+                var = getattr(tx, "symbolic_locals", {}).get("self")
+                module = getattr(var, "value", None)
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                    src = getattr(var, "source", None)
+                    name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")
+                    hook(module, name if isinstance(name, str) else "", compiler_fn_of(current_tx()))
+        except Exception:  # never break a trace over this
+            pass
+        return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+    def to_jsonable(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (_ItemBreakProbe, ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def install_item_break_probe(hook: Callable) -> None:
+    """See ``_ItemBreakProbe``; a user's own ``capture_scalar_outputs = True`` is left alone."""
+    import torch._dynamo.config as dynamo_config
+
+    _ITEM_BREAK_HOOK[0] = hook
+    if dynamo_config.capture_scalar_outputs is False:
+        dynamo_config.capture_scalar_outputs = _ItemBreakProbe()

@@ -1,0 +1,114 @@
+"""ATen kernels and switches (torch 2.13.0): the fused RNN entry points,
+oneDNN's on/off switch and dtype support, cuDNN's flat RNN weight layout,
+the functional linear and conv kernels, BatchNorm's base class and FX's op
+types. Imports nothing from wfpass."""
+from __future__ import annotations
+
+import torch
+
+#: ``torch._C._nn.linear`` is what ``F.linear`` calls and what Dynamo
+#: records for ``nn.Linear`` (private; torch 2.13.0).
+linear = torch._C._nn.linear
+
+#: The base class of ``nn.BatchNorm1d/2d/3d`` (private name; torch 2.13.0).
+BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+#: FX call targets: ATen op overloads and higher-order operators
+#: (``torch._ops``, private module; torch 2.13.0).
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+def conv_forward(conv: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias):
+    """``nn.ConvNd._conv_forward`` (private; torch 2.13.0): the module's
+    convolution with its padding mode, on a given weight and bias."""
+    return conv._conv_forward(x, weight, bias)
+
+
+class mkldnn_disabled:
+    """Run a CPU RNN call on ATen's native kernel instead of oneDNN's
+    (``torch._C._get_mkldnn_enabled`` / ``_set_mkldnn_enabled``, private;
+    torch 2.13.0; ``torch.backends.mkldnn.flags`` also resets TF32 settings
+    and warns). The flag is process-global: another thread's CPU RNN call
+    during the window also takes the native kernel, which only costs speed."""
+
+    def __enter__(self):
+        self._prev = torch._C._get_mkldnn_enabled()
+        if self._prev:
+            torch._C._set_mkldnn_enabled(False)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev:
+            torch._C._set_mkldnn_enabled(True)
+        return False
+
+
+_RNN_KERNELS: dict = {}
+
+
+def rnn_kernel(mode: str):
+    """The fused multi-layer RNN entry point for ``mode`` (``torch._VF.lstm``
+    etc., private module; torch 2.13.0). On CPU it dispatches to oneDNN
+    (LSTM) or ATen's native loop; on CUDA to cuDNN."""
+    fn = _RNN_KERNELS.get(mode)
+    if fn is None:
+        from torch import _VF
+
+        fn = _RNN_KERNELS[mode] = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}[mode]
+    return fn
+
+
+#: Read / set ATen's oneDNN switch without a context-manager object, for the
+#: per-call hot path (same private functions as ``mkldnn_disabled``).
+get_mkldnn_enabled = torch._C._get_mkldnn_enabled
+set_mkldnn_enabled = torch._C._set_mkldnn_enabled
+
+
+_CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}
+
+
+def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: str, hidden_size: int,
+                      proj_size: int, num_layers: int, batch_first: bool, bidirectional: bool):
+    """Element offsets of each weight inside cuDNN's flat weight buffer and
+    the buffer's size, or None where cuDNN cannot take these weights.
+
+    ``torch._cudnn_rnn_flatten_weight`` (private; torch 2.13.0) builds the
+    buffer in the layout of the installed cuDNN and ``set_``s its inputs to
+    views of it; it runs on clones so the model is not touched, and
+    ``storage.fuse`` then moves the real parameters to the same offsets."""
+    if not weights or not weights[0].is_cuda or not torch.backends.cudnn.is_acceptable(weights[0]):
+        return None
+    if not torch._use_cudnn_rnn_flatten_weight():
+        return None
+    with torch.no_grad():
+        clones = [w.detach().clone() for w in weights]
+        buf = torch._cudnn_rnn_flatten_weight(
+            clones, weights_per_layer, input_size, _CUDNN_MODES[mode], hidden_size, proj_size,
+            num_layers, batch_first, bidirectional,
+        )
+    ptr = buf.untyped_storage().data_ptr()
+    if any(c.untyped_storage().data_ptr() != ptr for c in clones):
+        return None
+    base = buf.storage_offset()
+    return [c.storage_offset() - base for c in clones], buf.numel()
+
+
+def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
+    """Does ATen send a CPU LSTM of this dtype to oneDNN? float32 always (when
+    oneDNN is built in); bf16/fp16 only on CPUs with the instructions
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_``, private;
+    torch 2.13.0)."""
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
+        return False
+    if dtype == torch.float32:
+        return True
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return False
+

@@ -1,0 +1,140 @@
+"""What Dynamo puts into the graph for a wformat backend: wfpass's decisions,
+installed into the private-PyTorch layer (``wfpass._torch.dynamo``), which
+calls them while Dynamo traces.
+
+* **RNN capture**: Dynamo graph-breaks on ``nn.RNN/GRU/LSTM`` unless
+  ``allow_rnn``; for a wformat backend whose config runs ``fuse_rnn``, on
+  CPU modules, wfpass lets it in (``install_rnn_capture``, called when the
+  ``fuse_rnn`` format is imported).
+* **BatchNorm graph breaks**: which BatchNorm (``momentum=None``) is about to
+  stop the compile (``install_item_break_probe``, called by
+  ``fp32_batchnorm``).
+* **Which backend is ours**: ``wformat_config`` finds the ``Config`` of a
+  wformat backend through Dynamo's wrappers. The registered ``wformat``
+  function registers itself here (``register_default_backend``), so this
+  module never imports ``wfpass.backend``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ._torch import dynamo as _dynamo
+from .config import Config
+from .runtime import note_provisional
+
+# The registered ``"wformat"`` backend function and its Config
+# (``register_default_backend``).
+_DEFAULT_BACKEND: list = [None, None]
+
+
+def register_default_backend(fn: Callable, config: Config) -> None:
+    """``wfpass.backend`` calls this for its ``wformat`` function, which runs
+    with ``config`` and carries no ``.config`` of its own."""
+    _DEFAULT_BACKEND[:] = [fn, config]
+
+
+def wformat_config(compiler_fn) -> Optional[Config]:
+    """The ``Config`` of the wformat backend ``compiler_fn`` is, or None.
+    Dynamo holds a backend wrapped (``WrapBackendDebug`` around
+    ``_TorchCompileWrapper`` around ours, torch 2.13.0); backends built by
+    ``wfpass.backend(...)`` carry their ``Config`` as ``.config`` (kept by
+    ``functools.wraps`` wrappers)."""
+    fn = compiler_fn
+    for _ in range(8):
+        if fn is None:
+            return None
+        cfg = getattr(fn, "config", None)
+        if isinstance(cfg, Config):
+            return cfg
+        if fn is _DEFAULT_BACKEND[0]:
+            return _DEFAULT_BACKEND[1]
+        fn = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "__wrapped__", None)
+            # DistributedDataParallel: Dynamo compiles through the bound method
+            # DDPOptimizer.compile_fn, whose object holds our backend as
+            # ``backend_compile_fn`` (torch/_dynamo/backends/distributed.py, 2.13.0).
+            or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+            # A plain function wrapping a wformat backend (``wfpass.explain``'s
+            # collector): the backend it closes over.
+            or _closed_over_backend(fn)
+        )
+    return None
+
+
+def rnn_capture_wanted(compiler_fn) -> bool:
+    """Is ``compiler_fn`` a wformat backend whose config runs ``fuse_rnn``?"""
+    cfg = wformat_config(compiler_fn)
+    return cfg is not None and cfg.runs("fuse_rnn")
+
+
+def _closed_over_backend(fn):
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            c = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(c) and isinstance(getattr(c, "config", None), Config):
+            return c
+    return None
+
+
+def _on_cpu(module: torch.nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in module.parameters())
+
+
+def install_rnn_capture(name_errors: Callable) -> None:
+    """Let Dynamo put RNNs into the graph for wformat backends that run
+    ``fuse_rnn``. ``name_errors(module, path)`` gives the RNN Dynamo is
+    wrapping errors that name it (``wfpass.rnn.capture.name_errors``)."""
+
+    def policy(compiler_fn, module, source_name: str) -> bool:
+        wanted = rnn_capture_wanted(compiler_fn)
+        if not wanted or module is None:
+            return wanted
+        path = _dynamo.module_name_from_source(source_name) if source_name else ""
+        try:
+            name_errors(module, path)
+            _dynamo.refresh_flat_weight_refs(module)
+        except Exception:  # never break a trace over this: capture it unnamed
+            return wanted
+        if not _on_cpu(module):
+            # Off the CPU the RNN graph-breaks and runs eagerly, as without
+            # wfpass: PyTorch's cuDNN path keeps its own flat weight buffer,
+            # and wfpass's ATen lowering of RNNs is checked on the CPU only.
+            return False
+        config = wformat_config(compiler_fn)
+        if config is not None and not config.dry_run:  # explain() files nothing
+            _note_rnn_seen(module, path)
+        return wanted
+
+    _dynamo.install_rnn_capture(policy)
+
+
+def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
+    """File a provisional record for an RNN Dynamo is about to inline for a
+    wformat backend. If the call reaches a graph, the pass's own record
+    replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
+    on ``pack_padded_sequence`` and again inside ``forward``, and no backend
+    is called for that code), ``wfpass.report(model)`` still says so."""
+    names = [f"{path}.{n}" if path else n for n in module._flat_weights_names]
+    label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
+    note_provisional(
+        "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence input, or a graph "
+        "break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in module._flat_weights_names])
+
+
+def install_item_break_probe(note_item_break: Callable) -> None:
+    """Tell the user which BatchNorm (``momentum=None``) stops a compile for
+    a wformat backend: ``note_item_break(module, path, config)``
+    (``fp32_batchnorm.note_item_break``)."""
+
+    def hook(module, source_name: str, compiler_fn) -> None:
+        config = wformat_config(compiler_fn)
+        if config is not None:
+            note_item_break(module, _dynamo.module_name_from_source(source_name) if source_name else "", config)
+
+    _dynamo.install_item_break_probe(hook)
