@@ -237,9 +237,6 @@ class PassContext:
             self._state_cache = out
         return self._state_cache
 
-    def invalidate(self) -> None:
-        self._state_cache = None
-
     def written_state(self) -> Dict[fx.Node, str]:
         """Graph inputs and attributes this graph writes in place (``mutated_state``)."""
         return mutated_state(self.gm)
@@ -285,7 +282,6 @@ class LinearSite:
     weight: Optional[TensorRef]
     bias: Optional[TensorRef]
     has_bias: bool
-    module_name: Optional[str] = None  # call_module flavour only
 
     @property
     def out_features(self) -> int:
@@ -312,7 +308,7 @@ def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
             if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
                 w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
                 b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
-                yield LinearSite(node, node.args[0], w, b, mod.bias is not None, module_name=node.target)
+                yield LinearSite(node, node.args[0], w, b, mod.bias is not None)
 
 
 # -- in-graph mutation of parameters ----------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 from ._torch import distributed as _distributed, tensors as _tensors
 from .report import Record, Report
-from .storage import FusedStorage, _OWNER, fuse, layout_of, layout_of_set, refuse, sharing_problem
+from .storage import FusedStorage, _OWNER, fuse, layout_of, layout_of_set, re_fuse, sharing_problem
 
 __all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]
 
@@ -78,7 +78,7 @@ class GroupSite:
             if fs.holds(members):
                 return fs
             # Our own layout, lost: ``param.data = ...``, ``.to()`` and back.
-            if self._movable(members, others) is None and refuse(fs, members):
+            if self._movable(members, others) is None and re_fuse(fs, members):
                 fs.record.bump("refused")
                 return fs
             return None

@@ -21,7 +21,7 @@ import torch
 from ._torch import distributed as _distributed, tensors as _tensors
 
 __all__ = [
-    "FusedStorage", "fuse", "refuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
+    "FusedStorage", "fuse", "re_fuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent", "unmovable",
 ]
 
@@ -278,7 +278,7 @@ def _copy_into_block(members: Sequence[torch.Tensor], offsets: Sequence[int], nu
     return block
 
 
-def refuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
+def re_fuse(fs: FusedStorage, members: Sequence[torch.Tensor]) -> bool:
     """Bring a layout that was lost back into one buffer. ``members`` are the
     tensors in use now (they may be new objects after
     ``load_state_dict(assign=True)``); they must agree on dtype and device and

@@ -42,7 +42,7 @@ from ..graph import LINEAR_TARGETS, LinearSite, PassContext, linear_sites, rows_
 LINEAR_TARGETS_SET = frozenset(LINEAR_TARGETS)
 from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from ..runtime import GroupSite, note
-from ..storage import FusedStorage, fuse, fused_storage_of, layout_of_set, refuse, sharing_problem
+from ..storage import FusedStorage, fuse, fused_storage_of, layout_of_set, re_fuse, sharing_problem
 
 __all__ = ["fuse_linears"]
 
@@ -288,7 +288,7 @@ def _reuse(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
     fs = layout_of_set(tensors, key)
     if fs is None or fs.intact():
         return fs
-    if fs.holds(tensors) or not refuse(fs, tensors):
+    if fs.holds(tensors) or not re_fuse(fs, tensors):
         return None
     if fs.record is not None:
         fs.record.bump("refused")

@@ -19,7 +19,7 @@ from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value
 from ..runtime import GroupSite
 from ..runtime import note as file_note
-from ..storage import fuse, layout_of_set, refuse, sharing_problem
+from ..storage import fuse, layout_of_set, re_fuse, sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
@@ -120,7 +120,7 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
             # Lost (a cast and back): re-fused after the inner compile, which
             # sees the storage offsets Dynamo traced.
             def re_fuse_later(fs=existing) -> None:
-                if refuse(fs, ws):
+                if re_fuse(fs, ws):
                     fs.record.bump("refused")
 
             ctx.defer(re_fuse_later)
