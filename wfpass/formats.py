@@ -37,7 +37,7 @@ import torch.fx as fx
 from . import pipeline
 from .graph import TensorRef
 from .pipeline import Format, Match
-from .storage import register_undo, sharing_problem, undo_registered, unmovable
+from .storage import move_problem, register_undo, undo_registered
 
 __all__ = ["Format", "ParamFormat", "PassFormat", "register_format", "unregister_format", "registered_formats"]
 
@@ -114,11 +114,7 @@ class ParamFormat(Format):
             return "already in this format"
         others = [(r.name, r.tensor) for r in ctx.state_tensors()]
         # unmovable first: a DTensor/FSDP2 tensor never reaches the format's own check.
-        return (
-            next((w for w in (unmovable(r.tensor, r.name) for r in m.refs.values()) if w), None)
-            or self.check(m.node, tensors)
-            or next((w for w in (sharing_problem(r.tensor, r.name, others) for r in m.refs.values()) if w), None)
-        )
+        return move_problem([(r.name, r.tensor) for r in m.refs.values()], others, lambda: self.check(m.node, tensors))
 
     def apply(self, m: _Call, ctx) -> None:
         node = m.node

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,7 @@ from ._torch import distributed as _distributed, tensors as _tensors
 __all__ = [
     "FusedStorage", "fuse", "re_fuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent", "unmovable",
+    "first_unmovable", "first_sharing_problem", "move_problem",
 ]
 
 # -- tensors wfpass must not move ---------------------------------------------
@@ -353,3 +354,29 @@ def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torc
     if uses is not None and uses > expected:
         return f"{name}'s storage is also held by {uses - expected} other tensor(s) outside this graph; moving it would untie them"
     return None
+
+
+# -- the guard sequence every format runs before it moves tensors --------------
+#
+# ``unmovable`` first, over all the tensors: a DTensor or FSDP2 tensor never
+# reaches a format's own check (which may read its data). Then the format's
+# own check, then ``sharing_problem`` over all of them. Each returns the first
+# reason, which becomes the ``skipped`` row of the report.
+
+
+def first_unmovable(named: Iterable[Tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
+    """The first ``unmovable`` reason among ``(name, tensor)`` pairs (None tensors skipped)."""
+    return next((w for w in (unmovable(t, n) for n, t in named if t is not None) if w), None)
+
+
+def first_sharing_problem(named: Iterable[Tuple[str, Optional[torch.Tensor]]], others: Sequence[Tuple[str, torch.Tensor]],
+                          allowed: Sequence[torch.Tensor] = ()) -> Optional[str]:
+    """The first ``sharing_problem`` among ``(name, tensor)`` pairs (None tensors skipped)."""
+    return next((w for w in (sharing_problem(t, n, others, allowed) for n, t in named if t is not None) if w), None)
+
+
+def move_problem(named: Sequence[Tuple[str, Optional[torch.Tensor]]], others: Sequence[Tuple[str, torch.Tensor]],
+                 check: Optional[Callable[[], Optional[str]]] = None) -> Optional[str]:
+    """The whole sequence: ``first_unmovable``, then ``check()`` (the format's
+    own), then ``first_sharing_problem``; the first reason, or None."""
+    return first_unmovable(named) or (check() if check is not None else None) or first_sharing_problem(named, others)

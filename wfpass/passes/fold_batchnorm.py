@@ -48,7 +48,7 @@ import torch.fx as fx
 from ..graph import LINEAR_TARGETS, PassContext, meta_value
 from ..ops.batchnorm import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight, folded_params
 from ..runtime import Bound, Group, note
-from ..storage import sharing_problem, unmovable
+from ..storage import first_sharing_problem, first_unmovable, sharing_problem
 from .fp32_batchnorm import BNSite, batchnorm_sites, unwrap
 
 __all__ = ["fold_batchnorm"]
@@ -209,7 +209,7 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
         # never folded (the fold would compute on one rank's shard).
         checked = [(w_name, w_t), (b_name, b_t)] + [
             (site.refs[r].name, site.refs[r].tensor) for r in ("running_mean", "running_var", "weight", "bias") if site.present[r]]
-        problem = next((why for why in (unmovable(t, n) for n, t in checked if t is not None) if why), None)
+        problem = first_unmovable(checked)
         if problem:
             skip(problem, layer_names)
             continue
@@ -218,9 +218,8 @@ def fold_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
                 problem = _tied(ctx, others, t, name, n)
                 if problem:
                     break
-        for r in ("running_mean", "running_var", "weight", "bias"):
-            if problem is None and site.present[r]:
-                problem = sharing_problem(site.refs[r].tensor, site.refs[r].name, others)
+        problem = problem or first_sharing_problem(
+            [(site.refs[r].name, site.refs[r].tensor) for r in ("running_mean", "running_var", "weight", "bias") if site.present[r]], others)
         if problem:
             skip(f"tied weights: {problem}", layer_names)
             continue

@@ -63,7 +63,7 @@ from .._torch.kernels import BatchNorm as _BatchNorm
 from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
 from ..report import Record as _Record
 from ..runtime import Bound, Group, note, note_uncompiled, unnote
-from ..storage import sharing_problem
+from ..storage import first_sharing_problem
 
 __all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook", "note_item_break"]
 
@@ -279,11 +279,7 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
 
         if others is None:
             others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        problem = None
-        for r in half:
-            problem = sharing_problem(tensors[r], site.refs[r].name, others)
-            if problem:
-                break
+        problem = first_sharing_problem([(site.refs[r].name, tensors[r]) for r in half], others)
         problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
         if problem:
             ctx.report.add("batchnorm", "skipped", problem, params, **detail)
@@ -383,7 +379,7 @@ def _eager_batchnorms(ctx: PassContext) -> int:
             detail: Dict[str, Any] = dict(flavour="eager", mode="training", folded=False)
             if state is None:
                 state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
-            problem = next((p for p in (sharing_problem(tensors[r], f"{label}.{r}", state) for r in half) if p), None)
+            problem = first_sharing_problem([(f"{label}.{r}", tensors[r]) for r in half], state)
             problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
             if problem:
                 ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)

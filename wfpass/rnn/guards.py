@@ -18,7 +18,7 @@ import torch
 from .._torch import kernels as _kernels
 from ..config import Config, default_seq_threshold
 from ..graph import PassContext, meta_value
-from ..storage import unmovable
+from ..storage import first_unmovable
 from .match import RnnCall
 from .spec import GATES, RnnSpec
 
@@ -32,7 +32,7 @@ def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
     its spec). ``fold_cells`` asks the same of the call a loop would become."""
     if s.problem is None:
         # A DTensor/FSDP2 weight: not even the fallback op may run on it.
-        s.problem = next((w for w in (unmovable(r.tensor, r.name) for r in s.weights) if w), None)
+        s.problem = first_unmovable((r.name, r.tensor) for r in s.weights)
     if s.problem is None:
         s.problem = _weights_problem(s)
     if s.problem is None:
