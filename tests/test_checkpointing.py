@@ -266,7 +266,7 @@ def test_wrap_region_fused():
 def test_body_shared_by_two_calls_is_left_with_a_reason():
     """One body run for two parameter sets (what ``invoke_subgraph`` does)
     would need one rewrite to hold for both: wfpass leaves it and says so."""
-    from wfpass.graph import hop_bodies
+    from wfpass.bodies import hop_bodies
 
     body = torch.fx.symbolic_trace(lambda x, w1, w2: torch.nn.functional.linear(x, w1) * torch.nn.functional.linear(x, w2))
     g = torch.fx.Graph()

@@ -22,7 +22,8 @@ import torch.fx as fx
 from . import capture as _capture
 from ._torch import aot as _aot, dynamo as _dynamo
 from .config import Config
-from .graph import BodyContext, PassContext, hop_bodies
+from .bodies import BodyContext, hop_bodies
+from .graph import PassContext
 from .passes import run_passes
 from .report import Report, print_at_exit_if_asked
 from .runtime import _UNCOMPILED, file_report, guarded_call
