@@ -130,7 +130,7 @@ def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
 def install_item_break_probe(note_item_break: Callable) -> None:
     """Tell the user which BatchNorm (``momentum=None``) stops a compile for
     a wformat backend: ``note_item_break(module, path, config)``
-    (``fp32_batchnorm.note_item_break``)."""
+    (``ops.batchnorm_eager.note_item_break``)."""
 
     def hook(module, source_name: str, compiler_fn) -> None:
         config = wformat_config(compiler_fn)

@@ -38,7 +38,8 @@ BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in
 training mode is not in any graph: Dynamo (torch 2.13.0) graph-breaks on
 ``float(self.num_batches_tracked)`` and calls that module eagerly. While the
 backend compiles a graph of the same frame, the pass finds such modules among
-the modules the frame can reach (``_torch.dynamo.traced_frame_modules``), moves
+the modules the frame can reach (``_torch.dynamo.traced_frame_modules``; the code is in
+``wfpass.ops.batchnorm_eager``), moves
 their half tensors to fp32 (eager's BatchNorm then runs the mixed kernel with
 fp32 statistics, as in the graphs) and adds a forward pre-hook that keeps the
 format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
@@ -49,7 +50,6 @@ compiled (when it is the first thing its frame runs, that is one).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -58,14 +58,16 @@ import torch.fx as fx
 
 from ..graph import PassContext, TensorRef, meta_value
 from .. import capture as _capture
-from .._torch import distributed as _distributed, dynamo as _dynamo
-from .._torch.kernels import BatchNorm as _BatchNorm
-from ..ops.batchnorm import HALF, ROLES, bn_eager_pre_hook, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
-from ..report import Record as _Record
-from ..runtime import Bound, Group, note, note_uncompiled, unnote
+from .._torch import distributed as _distributed
+from ..ops.batchnorm import HALF, ROLES, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
+from ..ops.batchnorm_eager import (
+    ddp_problem as _ddp_problem, dtype_name as _dtype_name, eager_batchnorms as _eager_batchnorms,
+    is_module_bn as _is_module_bn, note_item_break,
+)
+from ..runtime import Bound, Group, note
 from ..storage import first_sharing_problem
 
-__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap", "drop_eager_hook", "note_item_break"]
+__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap"]
 
 
 # Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
@@ -140,12 +142,6 @@ def _set(node: fx.Node, pos: Dict[str, int], name: str, value: Any) -> None:
         node.update_kwarg(name, value)
 
 
-def _is_module_bn(mod: Any) -> bool:
-    # symbolic_trace keeps torch.nn's own modules as leaves; a user subclass is
-    # traced through to F.batch_norm, so only torch.nn classes reach us here.
-    return isinstance(mod, _BatchNorm) and type(mod).__module__.startswith("torch.nn")
-
-
 def batchnorm_sites(ctx: PassContext) -> List[BNSite]:
     out: List[BNSite] = []
     for node in ctx.gm.graph.nodes:
@@ -178,10 +174,6 @@ def batchnorm_sites(ctx: PassContext) -> List[BNSite]:
             out.append(BNSite(node, unwrap(x), "module", {}, refs, present, {r: x_wrapper is not None for r in ROLES},
                               mod.training, mod.momentum, mod.eps, module=mod, module_name=node.target, x_wrapper=x_wrapper))
     return out
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _under_autocast(ctx: PassContext) -> bool:
@@ -219,18 +211,6 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
             label = names.get(node.target) if node.op == "get_attr" else next(r for r in roles if site.args.get(r) is node)
             return f"{label} is also read by {u.name} ({u.op} {getattr(u.target, '__name__', u.target)}), which would see float32 instead of the model's dtype"
     return None
-
-
-def _ddp_problem(tensors: List[torch.Tensor], held: set) -> Optional[str]:
-    """Why these tensors' dtype must stay, if they belong to the
-    DistributedDataParallel being compiled (``held``: ``_distributed.ddp_tensors()``,
-    read once per pass)."""
-    if not any(id(t) in held for t in tensors):
-        return None
-    return ("held by the DistributedDataParallel being compiled, which was built while they were half precision: "
-            "its reducer hooks each Parameter's gradient accumulator, and changing the dtype replaces it, so the "
-            "gradients would no longer be all-reduced. Take the format before wrapping (one compiled call of the "
-            "model, then DDP(model)), or move the BatchNorm to fp32 yourself")
 
 
 def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -341,120 +321,6 @@ def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
     if ctx.is_dynamo:
         rewritten += _eager_batchnorms(ctx)
     return rewritten
-
-
-# -- BatchNorms that Dynamo runs eagerly ----------------------------------------
-
-# module -> hook handle; weak keys (modules hash by identity).
-_EAGER_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
-
-
-def _graph_breaking(mod: torch.nn.Module) -> bool:
-    """Does Dynamo (torch 2.13.0) graph-break inside this module's forward?
-    Only ``momentum=None`` in training with running statistics: it reads
-    ``float(self.num_batches_tracked)``."""
-    return mod.training and mod.momentum is None and mod.track_running_stats
-
-
-def _eager_batchnorms(ctx: PassContext) -> int:
-    """See "BatchNorms Dynamo runs eagerly" in the module docstring."""
-    in_graph = {id(r.tensor) for r in ctx.state_tensors()}
-    done = set()
-    n = 0
-    ddp_held = _distributed.ddp_tensors()
-    for root in _dynamo.traced_frame_modules():
-        state = None
-        for name, mod in root.named_modules():
-            if id(mod) in done or not _is_module_bn(mod) or mod in _EAGER_HOOKS or not _graph_breaking(mod):
-                continue
-            done.add(id(mod))
-            tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
-            half = [r for r in tensors if tensors[r].dtype in HALF]
-            if not half or any(id(t) in in_graph for t in tensors.values()):
-                continue  # fp32 model, or compiled in this graph after all (the sites above)
-            label = name or type(mod).__name__
-            params = [f"{label}.{r}" for r in tensors]
-            why = (f"'{label}': momentum=None in training, so Dynamo graph-breaks on float(num_batches_tracked) "
-                   f"and runs this BatchNorm eagerly")
-            detail: Dict[str, Any] = dict(flavour="eager", mode="training", folded=False)
-            if state is None:
-                state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
-            problem = first_sharing_problem([(f"{label}.{r}", tensors[r]) for r in half], state)
-            problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
-            if problem:
-                ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)
-                continue
-            src = _dtype_name(tensors[half[0]].dtype)
-            before = int(mod.num_batches_tracked) if mod.num_batches_tracked is not None else 0
-            detail.update(from_dtype=src, cast=[f"{label}.{r}" for r in half],
-                          extra_bytes=sum(tensors[r].numel() * 2 for r in half), half_calls_before=before)
-            what = ", ".join(half)
-            if ctx.config.dry_run:
-                ctx.report.add("batchnorm", "rewritten", f"{why}; would hold {what} in float32 [dry run]", params, **detail)
-                n += 1
-                continue
-            late = (f"; it had already run {before} training call(s) with {src} statistics before a graph of its "
-                    f"frame was compiled") if before else ""
-            record = ctx.report.add(
-                "batchnorm", "rewritten",
-                f"{why}; {what} held in float32 so that call runs the mixed-precision kernel with fp32 statistics; "
-                f"a forward pre-hook keeps the format{late}", params, **detail)
-            record.stats.setdefault("fp32_calls", 0)
-            moved = [tensors[r] for r in half]
-            ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
-            # The hook owns its group: it goes with the module.
-            _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
-            broke = _BREAK_NOTED.get(mod)
-            if broke is not None:
-                # The graph break left graphs around it after all: this record replaces the warning's.
-                unnote(broke, list(tensors.values()))
-            n += 1
-    return n
-
-
-def drop_eager_hook(mod: torch.nn.Module) -> bool:
-    """``wfpass.restore``: remove the pre-hook ``_eager_batchnorms`` added."""
-    handle = _EAGER_HOOKS.pop(mod, None)
-    if handle is None:
-        return False
-    handle.remove()
-    return True
-
-
-# -- a graph break that leaves nothing compiled -----------------------------------
-
-# BatchNorms already reported (weak keys: the record goes with the module).
-_BREAK_NOTED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
-
-
-def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
-    """Dynamo is about to graph-break inside ``mod``'s forward on
-    ``float(num_batches_tracked)`` (``momentum=None`` in training) while
-    compiling for a wformat backend (``wfpass.capture.install_item_break_probe``). Where the
-    break leaves graphs on both sides, those graphs' compiles convert the
-    module (``_eager_batchnorms``); inside a loop (``nn.Sequential``) Dynamo
-    runs the whole frame eagerly and no backend is called. Either way, the
-    user learns here which module broke the graph: a warning on the
-    ``wfpass`` logger, and a record that ``last_report()`` shows when no
-    graph was compiled after it and that ``wfpass.report(model)`` shows
-    under the module's tensors."""
-    if mod in _BREAK_NOTED or config.dry_run:
-        return
-    label = name or type(mod).__name__
-    tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
-    half = any(t.dtype in HALF for t in tensors.values())
-    why = (f"'{label}' ({type(mod).__name__}, momentum=None, training): Dynamo graph-breaks on "
-           f"float(num_batches_tracked) in its forward. Where that leaves no graph around it (a loop such as "
-           f"nn.Sequential's), Dynamo runs the whole model eagerly and compiles nothing, so no format is applied"
-           + (" and this BatchNorm keeps its half-precision statistics" if half else "")
-           + ". Give it a float momentum (e.g. momentum=0.1), or use wfpass.apply on a torch.fx.symbolic_trace graph")
-    record = _Record("batchnorm", "skipped", why, [f"{label}.{r}" for r in tensors], detail=dict(flavour="graph break"))
-    note(record, [f"{label}.{r}" for r in tensors], list(tensors.values()))
-    _BREAK_NOTED[mod] = record
-    import logging
-
-    logging.getLogger("wfpass").warning("wfpass: %s", why)
-    note_uncompiled(record)
 
 
 _capture.install_item_break_probe(note_item_break)
