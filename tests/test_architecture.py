@@ -156,7 +156,9 @@ def test_private_layer_imports_nothing_from_wfpass():
 # import ...``, ``from torch.a import _b`` and ``torch.nn.modules.x._Y``.
 _PRIVATE = re.compile(
     r"\btorch\._[a-zA-Z]|\b_C\.|\b_VF\b|import torch(\.\w+)*\._|from torch(\.\w+)*\._"
-    r"|from torch(\.\w+)* import .*\b_[a-zA-Z]|\bmodules\.\w+\._[a-zA-Z]")
+    r"|from torch(\.\w+)* import .*\b_[a-zA-Z]|\bmodules\.\w+\._[a-zA-Z]"
+    # nn.RNNBase's private weight bookkeeping
+    r"|\._flat_weight|\._weights_have_changed|\._init_flat_weights")
 
 
 def _code_lines(path):
@@ -186,7 +188,7 @@ def test_private_torch_api_only_in_private_layer():
 
 @pytest.mark.parametrize("line", [
     "import torch._dynamo", "torch._C._nn.linear(x, w)", "from torch._inductor import config",
-    "from torch.nn.modules.batchnorm import _BatchNorm", "x = torch._VF.lstm",
+    "from torch.nn.modules.batchnorm import _BatchNorm", "x = torch._VF.lstm", "m._flat_weights_names",
 ])
 def test_private_pattern_matches(line):
     assert _PRIVATE.search(line)

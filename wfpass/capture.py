@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ._torch import dynamo as _dynamo
+from ._torch.kernels import rnn_weight_names
 from .config import Config
 from .runtime import note_provisional
 
@@ -120,11 +121,12 @@ def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
     replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
     on ``pack_padded_sequence`` and again inside ``forward``, and no backend
     is called for that code), ``wfpass.report(model)`` still says so."""
-    names = [f"{path}.{n}" if path else n for n in module._flat_weights_names]
+    own = rnn_weight_names(module)
+    names = [f"{path}.{n}" if path else n for n in own]
     label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
     note_provisional(
         "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence input, or a graph "
-        "break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in module._flat_weights_names])
+        "break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in own])
 
 
 def install_item_break_probe(note_item_break: Callable) -> None:
