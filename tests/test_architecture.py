@@ -192,3 +192,33 @@ def test_private_torch_api_only_in_private_layer():
 ])
 def test_private_pattern_matches(line):
     assert _PRIVATE.search(line)
+
+
+# The layers of docs/architecture.md, bottom first. A module may import
+# modules of its own layer or below; pipeline.py, the bottom of "base",
+# imports nothing else from wfpass.
+LAYERS = [
+    ("private torch", ("wfpass._torch",)),
+    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.report", "wfpass.storage")),
+    ("graph", ("wfpass.graph", "wfpass.bodies")),
+    ("runtime", ("wfpass.runtime",)),
+    ("capture policy", ("wfpass.capture",)),
+    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.ops")),
+    ("entry points", ("wfpass.backend", "wfpass.api", "wfpass")),
+    ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.demo", "wfpass.__main__")),
+]
+
+
+def _layer(mod: str) -> int:
+    # Longest prefix first, so "wfpass" (the package) does not swallow its submodules.
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if mod == p or mod.startswith(p + ".")), default=None)
+    assert best is not None, f"{mod} is in no layer of docs/architecture.md"
+    return best[1]
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+              for m, deps in GRAPH.items() for d in deps if _layer(d) > _layer(m)]
+    assert not upward, "\n".join(upward)
+    assert not {d for d in GRAPH["wfpass.pipeline"]}, "pipeline.py imports nothing else from wfpass"
