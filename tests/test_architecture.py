@@ -205,7 +205,7 @@ LAYERS = [
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.ops")),
     ("entry points", ("wfpass.backend", "wfpass.api", "wfpass")),
-    ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.demo", "wfpass.__main__")),
+    ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.bench_timing", "wfpass.demo", "wfpass.__main__")),
 ]
 
 
