@@ -18,7 +18,7 @@ from wfpass.rnn.cells_match import CELL_FUNCTIONS
 from wfpass.rnn.eager import CellLoopCall
 from wfpass.rnn.paths import RnnForward
 
-from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
+from wftest import TOL, Capture, assert_same_fwd_bwd, param_ids, train_steps
 
 I, H, B = 6, 8, 3
 
@@ -78,20 +78,6 @@ class Loop(nn.Module):
         return inp, last  # only the last state
 
 
-class Capture:
-    """Inner compiler that keeps the graph it gets (what wfpass handed on)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def count(self, pred) -> int:
-        return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and pred(n.target))
-
-
 def _cells(t) -> bool:
     return t in CELL_FUNCTIONS
 
@@ -102,11 +88,6 @@ def _rnn(t) -> bool:
 
 def _records(model):
     return [r for r in wfpass.report(model).records if r.pattern == "rnn"]
-
-
-def _compile(model, inner="aot_eager", **kw):
-    cap = Capture()
-    return torch.compile(model, backend=wfpass.backend(inner=cap if inner == "capture" else inner, **kw)), cap
 
 
 def _check(model, x, *extra, inner="capture", dtype=torch.float32, T=None):

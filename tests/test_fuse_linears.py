@@ -18,7 +18,7 @@ from wfpass.storage import fused_storage_of
 from wfpass.passes.fuse_linears import _dependency_graph, _fusion_keeps_dag
 
 from models import QKV, Chain, Functional, SwiGLU
-from wftest import assert_same_fwd_bwd, param_ids, train_steps
+from wftest import Capture, assert_same_fwd_bwd, param_ids, train_steps
 
 
 def _storage_bytes(model):
@@ -31,17 +31,6 @@ def _storage_bytes(model):
 
 def _compile(inner="aot_eager", **kw):
     return lambda m: torch.compile(m, backend=wfpass.backend(inner=inner, **kw))
-
-
-class Capture:
-    """An inner backend that keeps the graph it was given (after wfpass)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
 
 
 def _count(gm, target):

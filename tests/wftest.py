@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TOL", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
+__all__ = ["TOL", "Capture", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
 
 #: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -83,3 +83,18 @@ def train_steps(model, fn, make_batch, opt_cls, steps=5, **opt_kw):
         opt.step()
         losses.append(loss.detach())
     return losses
+
+
+class Capture:
+    """An inner backend that keeps the graph it was given (what wfpass handed on)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def count(self, pred) -> int:
+        """Call nodes whose target satisfies ``pred``, over every graph kept."""
+        return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and pred(n.target))

@@ -242,7 +242,26 @@ def lookup_backend(name):
 _RNN_POLICY: list = [None]
 
 
-class _AllowRnnUnderWformat(int):
+class _FalseStandIn(int):
+    """A Dynamo config value that stands in for ``False`` (an ``int`` 0, so
+    torch versions that ``json.dumps`` the config can serialise it) and asks
+    a question when Dynamo tests its truth. ``repr`` / ``to_jsonable`` keep
+    Dynamo's config hashing, logging and repro scripts seeing ``False``."""
+
+    def __repr__(self) -> str:
+        return "False"
+
+    def to_jsonable(self) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _AllowRnnUnderWformat(_FalseStandIn):
     """Stands in for ``torch._dynamo.config.allow_rnn = False``: falsy except
     where the installed policy says yes (wfpass: while Dynamo traces a frame
     for a wformat backend that runs ``fuse_rnn``).
@@ -270,17 +289,6 @@ class _AllowRnnUnderWformat(int):
         except Exception:  # never break a trace over this
             return False
 
-    def __repr__(self) -> str:
-        return "False"
-
-    def to_jsonable(self) -> bool:
-        return False
-
-    def __reduce__(self):
-        return (_AllowRnnUnderWformat, ())
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 def _rnn_being_wrapped() -> Tuple[Optional[torch.nn.Module], str]:
@@ -346,7 +354,7 @@ def install_rnn_capture(policy: Callable) -> None:
 _ITEM_BREAK_HOOK: list = [None]
 
 
-class _ItemBreakProbe(int):
+class _ItemBreakProbe(_FalseStandIn):
     """Stands in for ``torch._dynamo.config.capture_scalar_outputs = False``
     and stays falsy: Dynamo behaves exactly as before. What it adds: when
     Dynamo is about to graph-break on ``Tensor.item()`` (``float(t)``) inside
@@ -380,17 +388,6 @@ class _ItemBreakProbe(int):
             pass
         return False
 
-    def __repr__(self) -> str:
-        return "False"
-
-    def to_jsonable(self) -> bool:
-        return False
-
-    def __reduce__(self):
-        return (_ItemBreakProbe, ())
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 def install_item_break_probe(hook: Callable) -> None:
