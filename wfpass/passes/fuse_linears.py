@@ -287,7 +287,7 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         ctx.report.records.append(record)
     else:
         note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows) -> one block; {note}; {why}{bias_note}{region}", params, **detail)
+        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {note}; {why}{bias_note}{region}", params, **detail)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
     if fs is None:
         fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
