@@ -30,87 +30,16 @@ from typing import Callable, Dict
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import wfpass
 from wfpass.bench import _own_code
+from wfpass.bench_models import Decoder, RnnLM, hand_fused_decoder
 
 torch._dynamo.config.recompile_limit = 512
 torch._dynamo.config.accumulated_recompile_limit = 8192
 
 
-# -- the decoder --------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class Layer(nn.Module):
-    def __init__(self, d, heads=8, kv=2, ffn=1376, fused=False):
-        super().__init__()
-        self.h, self.kv, self.hd = heads, kv, d // heads
-        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
-        self.fused = fused
-        qo, ko = heads * self.hd, kv * self.hd
-        if fused:
-            self.qkv = nn.Linear(d, qo + 2 * ko, bias=False)
-            self.gate_up = nn.Linear(d, 2 * ffn, bias=False)
-        else:
-            self.q, self.k, self.v = nn.Linear(d, qo, bias=False), nn.Linear(d, ko, bias=False), nn.Linear(d, ko, bias=False)
-            self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
-        self.o = nn.Linear(qo, d, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-        self.sizes = (qo, ko, ko)
-        self.ffn = ffn
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        h = self.n1(x)
-        if self.fused:
-            q, k, v = self.qkv(h).split(self.sizes, -1)
-        else:
-            q, k, v = self.q(h), self.k(h), self.v(h)
-        q = q.view(B, T, self.h, self.hd).transpose(1, 2)
-        k = k.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
-        v = v.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.h // self.kv, 1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
-        h = self.n2(x)
-        if self.fused:
-            g, u = self.gate_up(h).split(self.ffn, -1)
-        else:
-            g, u = self.gate(h), self.up(h)
-        return x + self.down(F.silu(g) * u)
-
-
-class Decoder(nn.Module):
-    def __init__(self, d, layers=4, fused=False):
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(d, fused=fused) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def hand_fused(src: Decoder, d: int) -> Decoder:
-    out = Decoder(d, len(src.layers), fused=True)
-    with torch.no_grad():
-        for a, b in zip(out.layers, src.layers):
-            a.qkv.weight.copy_(torch.cat([b.q.weight, b.k.weight, b.v.weight]))
-            a.gate_up.weight.copy_(torch.cat([b.gate.weight, b.up.weight]))
-            for name in ("o", "down"):
-                getattr(a, name).weight.copy_(getattr(b, name).weight)
-            a.n1.weight.copy_(b.n1.weight)
-            a.n2.weight.copy_(b.n2.weight)
-    return out
+# -- the models: the ones ``python -m wfpass bench`` measures (wfpass/bench_models.py) --
 
 
 def compiled(model: nn.Module, backend, mode: str) -> Callable:
@@ -120,20 +49,6 @@ def compiled(model: nn.Module, backend, mode: str) -> Callable:
         return model
     # "recompiled": default dynamic=None; the caller runs another length first.
     return torch.compile(model, backend=backend, dynamic=True if mode == "dynamic" else None)
-
-
-# -- the RNN language model -----------------------------------------------------------
-
-
-class RnnLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(500, 128)
-        self.rnn = nn.LSTM(128, 128, num_layers=2)
-        self.out = nn.Linear(128, 500)
-
-    def forward(self, tokens):
-        return self.out(self.rnn(self.emb(tokens))[0])
 
 
 # -- timing -----------------------------------------------------------------------------
@@ -174,7 +89,7 @@ def decoder_rows(d: int, modes, tokens, rounds: int, log) -> list:
             variants = {
                 "eager": base,
                 "inductor": compiled(copy.deepcopy(base), "inductor", mode),
-                "hand-fused": compiled(hand_fused(base, d), "inductor", mode),
+                "hand-fused": compiled(hand_fused_decoder(base), "inductor", mode),
                 "wformat": compiled(copy.deepcopy(base), "wformat", mode),
                 # The same Inductor model again: its ratio to the first copy
                 # is the noise floor of this cell.
