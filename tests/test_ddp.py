@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from wftest import free_port
 
 STEPS = 5
 
@@ -65,19 +66,13 @@ def _worker(rank, world, port, inner, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo not available")
 def test_ddp_two_processes_train_like_plain_ddp(tmp_path):
     # Inductor, the default inner compiler. (aot_eager fails on this model in
     # torch 2.13 with or without wfpass: BatchNorm's fake kernel predicts
     # transposed strides for a transposed 3-D CPU input, the real kernel
     # returns contiguous, and a later view fails.)
-    mp.spawn(_worker, args=(2, _free_port(), "inductor", str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), "inductor", str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         for k, v in res["plain"].items():
@@ -153,7 +148,7 @@ def _bf16_batchnorm_worker(rank, world, port, out_dir):
 def test_ddp_bf16_batchnorm_format_trains_like_fp32_batchnorm_by_hand(tmp_path):
     # inner aot_eager: a Conv2d + BatchNorm2d model has no transposed 3-D
     # input (see above), and it compiles in seconds.
-    mp.spawn(_bf16_batchnorm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_bf16_batchnorm_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     res = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     bn = {f"bn.{n}" for n in ("weight", "bias", "running_mean", "running_var")}
     for rank, r in enumerate(res):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+
+from wftest import free_port
 
 STEPS = 4
 BF16 = torch.bfloat16
@@ -77,15 +78,9 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo not available")
 def test_fsdp2_two_processes_train_like_plain_fsdp2_and_report_every_group(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         for k, v in res["plain"].items():

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import copy
+import socket
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TOL", "Capture", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
+__all__ = ["TOL", "Capture", "free_port", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
 
 #: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -98,3 +99,10 @@ class Capture:
     def count(self, pred) -> int:
         """Call nodes whose target satisfies ``pred``, over every graph kept."""
         return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and pred(n.target))
+
+
+def free_port() -> int:
+    """A TCP port free right now on localhost, for a test's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
