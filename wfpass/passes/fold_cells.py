@@ -65,12 +65,13 @@ __all__ = ["FoldCells"]
 class CellLoop(Match):
     """A stack of chains (one chain: a one-layer loop) to fold into one RNN call."""
 
-    def __init__(self, layers: List[Chain], claimed: Dict[Tuple[int, ...], Any]):
+    def __init__(self, layers: List[Chain], claimed: Dict[Tuple[int, ...], Any], checked: bool = False):
         T = len(layers[0].cells)
         self.label = loop_label(layers)
         super().__init__(loop_params(layers), f"{self.label}: {T} cell steps -> one RNN call", steps=T)
         self.layers = layers
         self.claimed = claimed  # symbolic_trace: ids of a layer stack's weights -> its group, for this run
+        self.checked = checked  # the matcher already found no refusal for this stack
 
 
 class FoldCells(Format):
@@ -87,17 +88,20 @@ class FoldCells(Format):
             layers = [ch]
             while layers[-1].above is not None:
                 layers.append(layers[-1].above)
-            if len(layers) > 1 and not any(c.problem for l in layers for c in l.cells) and refusal(ctx, layers):
-                # Not foldable as one stack: each layer by itself, bottom first.
-                for l in layers:
-                    l.below = l.above = None
-                for l in layers:
-                    yield CellLoop([l], claimed)
-                continue
-            yield CellLoop(layers, claimed)
+            checked = False
+            if len(layers) > 1 and not any(c.problem for l in layers for c in l.cells):
+                if refusal(ctx, layers):
+                    # Not foldable as one stack: each layer by itself, bottom first.
+                    for l in layers:
+                        l.below = l.above = None
+                    for l in layers:
+                        yield CellLoop([l], claimed)
+                    continue
+                checked = True  # the guard need not ask again
+            yield CellLoop(layers, claimed, checked)
 
     def guard(self, loop: CellLoop, ctx: PassContext):
-        why = refusal(ctx, loop.layers)
+        why = None if loop.checked else refusal(ctx, loop.layers)
         if why is not None:
             return f"{loop.label}: {why}"
         if ctx.is_dynamo:

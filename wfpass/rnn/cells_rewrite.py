@@ -44,7 +44,7 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
     start = min(order[c.node] for c in cells)
     # Nodes between the first step and the anchor that read the loop's
     # results move after the fused call (none of them feeds a step input:
-    # _problem proved that), in their order.
+    # cells_guards.loop_problem proved that), in their order.
     dep = depends_on(g, {c.node for c in cells})
     own = {c.node for c in cells} | {o for c in cells for o in c.h_outs + c.c_outs}
     moved = [n for n in g.nodes if start < order[n] <= order[anchor] and n in dep and n not in own]
