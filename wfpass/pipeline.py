@@ -16,6 +16,11 @@ one function), or gives the three steps the driver runs for it:
     names, the details its report rows carry, and what a rewrite would do).
     A generator: the driver decides and applies each match before asking
     for the next, so a match sees the graph as the previous rewrites left it.
+``narrow(match, ctx)`` (formats whose matches have several members)
+    the members to leave out, each as a match of its own with the reason
+    (its ``skipped`` row), and the match of the rest, or None when nothing
+    is left to decide (the three linears of a Q/K/V group, one of them tied
+    to another module: two go on). Decides; changes nothing.
 ``guard(match, ctx)``
     the reason to leave this match alone (the text of its ``skipped`` row),
     or None to take it. A guard decides; it changes nothing.
@@ -67,7 +72,8 @@ class Format:
 
     Implement either ``run(gm, ctx) -> int`` (patterns rewritten, decisions
     written into ``ctx.report``) or the steps ``matches`` / ``guard`` /
-    ``apply`` that the default ``run`` drives (see the module docstring)."""
+    ``apply`` (and ``narrow`` for matches of several members) that the
+    default ``run`` drives (see the module docstring)."""
 
     name: str = ""
     pattern: str = ""
@@ -87,8 +93,15 @@ class Format:
     def matches(self, gm: fx.GraphModule, ctx) -> Iterable[Match]:  # pragma: no cover - interface
         raise NotImplementedError(f"{type(self).__name__} implements neither run() nor matches()")
 
+    def narrow(self, match: Match, ctx) -> Tuple[Optional[Match], List[Tuple[Match, str]]]:
+        return match, []
+
     def guard(self, match: Match, ctx) -> Optional[str]:
         return None
+
+    def skipped(self, match: Match, record: Any, ctx) -> None:
+        """Called with each ``skipped`` row the driver files (e.g. to file it
+        under the match's tensors as well as its names)."""
 
     def apply(self, match: Match, ctx) -> None:  # pragma: no cover - interface
         raise NotImplementedError(f"{type(self).__name__}.apply")
@@ -110,11 +123,20 @@ def drive(fmt: Format, gm: fx.GraphModule, ctx) -> int:
     """Match, decide, apply: the one loop every staged format runs through.
     Returns how many matches were rewritten (in a dry run: would be)."""
     pattern = fmt.pattern or fmt.name
+
+    def skip(m: Match, why: str) -> None:
+        fmt.skipped(m, ctx.report.add(pattern, "skipped", why, m.params, **m.detail), ctx)
+
     done = 0
-    for m in fmt.matches(gm, ctx):
+    for found in fmt.matches(gm, ctx):
+        m, left_out = fmt.narrow(found, ctx)
+        for part, why in left_out:
+            skip(part, why)
+        if m is None:
+            continue
         why = fmt.guard(m, ctx)
         if why is not None:
-            ctx.report.add(pattern, "skipped", why, m.params, **m.detail)
+            skip(m, why)
             continue
         done += 1
         if ctx.config.dry_run:

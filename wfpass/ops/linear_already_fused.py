@@ -2,18 +2,20 @@
 projections with one weight (``nn.MultiheadAttention``'s ``in_proj_weight``,
 GPT-2's ``Conv1D``, a linear whose output is split): a ``skipped`` record
 marked ``already_fused``, so such models do not read as "no pattern found".
-``fuse_linears`` calls ``report_already_fused`` after grouping."""
+``fuse_linears`` yields these matches after its groups; its guard refuses
+each with the reason it carries."""
 from __future__ import annotations
 
 import operator
+from typing import Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext
-from ..runtime import note
+from ..graph import LINEAR_TARGETS, PassContext, TensorRef
+from ..pipeline import Match
 
-__all__ = ["report_already_fused"]
+__all__ = ["AlreadyFused", "already_fused"]
 
 LINEAR_TARGETS_SET = frozenset(LINEAR_TARGETS)
 
@@ -40,8 +42,21 @@ def _split_parts(node: fx.Node, depth: int = 3) -> int:
     return 0
 
 
-def report_already_fused(gm: fx.GraphModule, ctx: PassContext, grouped) -> None:
-    """A record for every layer that already computes several projections
+class AlreadyFused(Match):
+    """A layer that already computes several projections with one weight,
+    or MHA's separate projections: found, reported, never rewritten."""
+
+    def __init__(self, reason: str, refs: Sequence[TensorRef]):
+        self.ref_list = [r for r in refs if r is not None]
+        super().__init__([r.name for r in self.ref_list], already_fused=reason.startswith("already fused"))
+        self.reason = reason
+
+    def refs(self) -> list:
+        return self.ref_list
+
+
+def already_fused(gm: fx.GraphModule, ctx: PassContext, grouped) -> Iterator[AlreadyFused]:
+    """A match for every layer that already computes several projections
     with one weight, so that such models do not read as "no pattern found":
     ``nn.MultiheadAttention`` (``in_proj_weight``, Q/K/V in one matrix; its
     call stays ``F.multi_head_attention_forward`` in Dynamo graphs),
@@ -58,34 +73,25 @@ def report_already_fused(gm: fx.GraphModule, ctx: PassContext, grouped) -> None:
             sep = node.kwargs.get("use_separate_proj_weight", False)
             if sep:
                 refs = [ctx.resolve(node.kwargs.get(k)) for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight")]
-                names = [r.name for r in refs if r is not None]
-                _skip_refs(ctx, "nn.MultiheadAttention with separate q/k/v projection weights: they are used inside "
-                                "F.multi_head_attention_forward, which wfpass does not rewrite", names, refs)
+                yield AlreadyFused("nn.MultiheadAttention with separate q/k/v projection weights: they are used inside "
+                                   "F.multi_head_attention_forward, which wfpass does not rewrite", [r for r in refs if r is not None])
             elif w is not None:
                 refs = [r for r in (w, b) if r is not None]
-                _skip_refs(ctx, f"already fused: nn.MultiheadAttention holds Q/K/V in one in_proj_weight "
-                                f"({w.tensor.shape[0]} rows) and computes them with one GEMM; nothing to fuse",
-                           [r.name for r in refs], refs)
+                yield AlreadyFused(f"already fused: nn.MultiheadAttention holds Q/K/V in one in_proj_weight "
+                                   f"({w.tensor.shape[0]} rows) and computes them with one GEMM; nothing to fuse", refs)
         elif node.target in (torch.addmm, torch.ops.aten.addmm.default) and len(node.args) >= 3:
             w = ctx.resolve(node.args[2])
             parts = _split_parts(node)
             if w is not None and w.is_state and parts:
                 b = ctx.resolve(node.args[0])
                 refs = [r for r in (w, b) if r is not None and r.is_state]
-                _skip_refs(ctx, f"already fused: one weight of shape {tuple(w.tensor.shape)} computes {parts} outputs with "
-                                f"one GEMM (a Conv1D / addmm layer, as GPT-2's c_attn); nothing to fuse",
-                           [r.name for r in refs], refs)
+                yield AlreadyFused(f"already fused: one weight of shape {tuple(w.tensor.shape)} computes {parts} outputs "
+                                   f"with one GEMM (a Conv1D / addmm layer, as GPT-2's c_attn); nothing to fuse", refs)
         elif node.target in LINEAR_TARGETS_SET and node.args and node.args[0] not in grouped:
             w = ctx.resolve(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
             parts = _split_parts(node)
             if w is not None and w.is_state and parts:
                 b = ctx.resolve(node.args[2]) if len(node.args) > 2 else None
                 refs = [r for r in (w, b) if r is not None and r.is_state]
-                _skip_refs(ctx, f"already fused: one linear ({w.tensor.shape[0]} rows) whose output is split into "
-                                f"{parts} parts computes them with one GEMM; nothing to fuse",
-                           [r.name for r in refs], refs)
-
-
-def _skip_refs(ctx: PassContext, why: str, names, refs) -> None:
-    rec = ctx.report.add("linear", "skipped", why, list(names), already_fused=why.startswith("already fused"))
-    note(rec, [r.name for r in refs if r is not None], [r.tensor for r in refs if r is not None])
+                yield AlreadyFused(f"already fused: one linear ({w.tensor.shape[0]} rows) whose output is split into "
+                                   f"{parts} parts computes them with one GEMM; nothing to fuse", refs)

@@ -14,13 +14,13 @@ from ..pipeline import cleanup as _cleanup, install_builtins, run_passes
 from .fold_batchnorm import fold_batchnorm
 from .fold_cells import FoldCells
 from .fp32_batchnorm import fp32_batchnorm
-from .fuse_linears import fuse_linears
+from .fuse_linears import FuseLinears
 from .fuse_rnn import FuseRnn
 
 __all__ = ["BUILTIN_FORMATS", "PASS_NAMES", "run_passes"]
 
 BUILTIN_FORMATS: tuple = (
-    PassFormat("fuse_linears", "linear", fuse_linears),
+    FuseLinears(),
     # A folded cell loop is an RNN call that fuse_rnn then lowers.
     FoldCells(before=("fuse_rnn",)),
     FuseRnn(),

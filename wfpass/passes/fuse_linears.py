@@ -19,31 +19,42 @@ On the split path (large M, where one GEMM gains nothing here) the graph is
 left as it was; the storage is fused either way, which costs nothing and lets
 each shape take the faster path.
 
-Guards, each a skip record when it fails: the weight resolves to a model
-Parameter/buffer; same dtype, device and in_features as the group; bias dtype
-equal to the weight's; no member's weight or bias shared with another tensor
-(ties stay tied); no member written in place inside the graph (a hook or
-``clamp_`` in forward: ``graph.mutated_state``); no member depends on another
-member's output (networkx proves the fused node creates no cycle); at least
-``min_group_size`` left.
+The steps ``pipeline.drive`` runs:
+
+- ``matches``: the linears reading one input (at least two), then the
+  layers that already compute several projections with one weight
+  (``ops/linear_already_fused.py``), which are reported and left alone.
+- ``narrow``: the members left out of a group, each with its skip row: the
+  weight resolves to a model Parameter/buffer; bias dtype equal to the
+  weight's; not written in place inside the graph (a hook or ``clamp_`` in
+  forward: ``graph.mutated_state``); not the same weight twice; same dtype,
+  device and in_features as the largest part of the group; not depending on
+  another member's output (networkx proves the fused node creates no cycle);
+  no weight or bias shared with another tensor (ties stay tied).
+- ``guard``: at least ``min_group_size`` left; the parameters are inputs of
+  a Dynamo graph (not attributes baked in by ``freezing=True``); picks the
+  path (one GEMM or one per member) from the row count.
+- ``apply``: moves the weights into the block and rewrites the graph.
 """
 from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph import LinearSite, PassContext, linear_sites, rows_of
+from ..graph import LinearSite, PassContext, linear_sites, mutated_state, rows_of
 from ..ops.fused_linear import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
-from ..ops.linear_already_fused import report_already_fused as _report_already_fused
+from ..ops.linear_already_fused import AlreadyFused, already_fused
+from ..pipeline import Format, Match
 from ..runtime import GroupSite, note
-from ..storage import FusedStorage, fuse, fused_storage_of, layout_of_set, re_fuse, sharing_problem
+from ..storage import FusedStorage, first_sharing_problem, fuse, fused_storage_of, layout_of_set, re_fuse
 
-__all__ = ["fuse_linears"]
+__all__ = ["FuseLinears", "LinearGroup"]
+
 
 def _dependency_graph(gm: fx.GraphModule) -> nx.DiGraph:
     g = nx.DiGraph()
@@ -89,13 +100,6 @@ def _written(site: LinearSite, written) -> Optional[str]:
     return None
 
 
-def _skip(ctx: PassContext, why: str, sites: Sequence[LinearSite]) -> None:
-    """A skip record, filed under the tensors it concerns (``wfpass.report(model)``)."""
-    rec = ctx.report.add("linear", "skipped", why, _params(sites))
-    refs = [r for s in sites for r in ((s.weight, s.bias) if s.has_bias else (s.weight,)) if r is not None]
-    note(rec, [r.name for r in refs], [r.tensor for r in refs])
-
-
 def _params(sites: Sequence[LinearSite]) -> List[str]:
     out = []
     for s in sites:
@@ -124,23 +128,69 @@ def _choose_path(ctx: PassContext, x: fx.Node) -> tuple:
     return "split", f"M={m} > fused_max_rows={ctx.config.fused_max_rows}: one GEMM per member over views of the fused block"
 
 
-def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Fuse sibling linears in ``gm``; returns the number of groups rewritten."""
-    by_input: Dict[fx.Node, List[LinearSite]] = defaultdict(list)
-    for site in linear_sites(ctx):
-        by_input[site.x].append(site)
+class _Run:
+    """What the groups of one run share: the state written in place in the
+    graph, and the graph's dependencies (built when first needed, dropped
+    when a rewrite changes the graph)."""
 
-    dep = None
-    rewritten = 0
-    written = ctx.written_state()
-    for x, sites in by_input.items():
-        if len(sites) < 2:
-            continue  # a lone linear is not a pattern: nothing to report
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self.written, self._dep = gm, mutated_state(gm), None
+
+    @property
+    def dep(self) -> nx.DiGraph:
+        if self._dep is None:
+            self._dep = _dependency_graph(self.gm)
+        return self._dep
+
+    def changed(self) -> None:
+        self._dep = None
+
+
+class LinearGroup(Match):
+    """Linears reading the same input ``x``: the members of one block."""
+
+    def __init__(self, x: fx.Node, sites: Sequence[LinearSite], run: _Run, checked: str = "the checks"):
+        super().__init__(_params(sites))
+        self.x, self.sites, self.run = x, list(sites), run
+        # Which checks the members passed, for the min_group_size row.
+        self.checked = checked
+
+    def part(self, sites: Sequence[LinearSite], checked: Optional[str] = None) -> "LinearGroup":
+        return LinearGroup(self.x, sites, self.run, checked or self.checked)
+
+    def refs(self) -> list:
+        return [r for s in self.sites for r in ((s.weight, s.bias) if s.has_bias else (s.weight,)) if r is not None]
+
+
+class FuseLinears(Format):
+    """The sibling-linear format (see the module docstring)."""
+
+    name, pattern = "fuse_linears", "linear"
+
+    def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[Match]:
+        by_input: Dict[fx.Node, List[LinearSite]] = defaultdict(list)
+        for site in linear_sites(ctx):
+            by_input[site.x].append(site)
+        run = _Run(gm)
+        grouped = {x for x, sites in by_input.items() if len(sites) >= 2}
+        for x in grouped:  # a lone linear is not a pattern: nothing to report
+            yield LinearGroup(x, by_input[x], run)
+        # Asked after the groups are rewritten: the graph as they left it.
+        yield from already_fused(gm, ctx, grouped)
+
+    def narrow(self, m: Match, ctx: PassContext) -> Tuple[Optional[Match], List[Tuple[Match, str]]]:
+        if not isinstance(m, LinearGroup):
+            return m, []
+        out: List[Tuple[Match, str]] = []
+
+        def leave(sites: Sequence[LinearSite], why: str) -> None:
+            out.append((m.part(sites), why))
+
         ok: List[LinearSite] = []
-        for s in sites:
-            why = _member_problem(ctx, s) or _written(s, written)
+        for s in m.sites:
+            why = _member_problem(ctx, s) or _written(s, m.run.written)
             if why:
-                _skip(ctx, why, [s])
+                leave([s], why)
             else:
                 ok.append(s)
         # The same Parameter twice in one group cannot sit at two offsets.
@@ -151,7 +201,7 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
                 dup.add(id(s.weight.tensor))
             seen.setdefault(id(s.weight.tensor), s)
         for s in [s for s in ok if id(s.weight.tensor) in dup]:
-            _skip(ctx, f"the same weight {s.weight.name} is used by two linears of this group; left unfused so the tie stays", [s])
+            leave([s], f"the same weight {s.weight.name} is used by two linears of this group; left unfused so the tie stays")
         ok = [s for s in ok if id(s.weight.tensor) not in dup]
 
         # Partition by what one GEMM needs to agree on.
@@ -163,43 +213,88 @@ def fuse_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
         for key, b in buckets.items():
             if b is not ok:
                 w = ok[0].weight.tensor
-                _skip(ctx, f"dtype/device/in_features {key[0]}/{key[1]}/{key[2]} differ from the siblings' {w.dtype}/{w.device}/{w.shape[1]}", b)
+                leave(b, f"dtype/device/in_features {key[0]}/{key[1]}/{key[2]} differ from the siblings' {w.dtype}/{w.device}/{w.shape[1]}")
 
         # Data dependence: add members greedily while the contraction stays a DAG.
         if len(ok) >= 2:
-            dep = dep if dep is not None else _dependency_graph(gm)
             chosen: List[LinearSite] = []
             for s in ok:
-                if _fusion_keeps_dag(dep, [c.node for c in chosen] + [s.node]):
+                if _fusion_keeps_dag(m.run.dep, [c.node for c in chosen] + [s.node]):
                     chosen.append(s)
                 else:
-                    _skip(ctx, "depends on the output of a sibling linear (fusing would create a cycle)", [s])
+                    leave([s], "depends on the output of a sibling linear (fusing would create a cycle)")
             ok = chosen
-
         if len(ok) < ctx.config.min_group_size:
-            if ok:
-                _skip(ctx, f"group of {len(ok)} left after the checks; min_group_size={ctx.config.min_group_size}", ok)
-            continue
-        if _rewrite_group(gm, ctx, x, ok, dep):
-            rewritten += 1
-            dep = None  # the graph changed
-    _report_already_fused(gm, ctx, {x for x, sites in by_input.items() if len(sites) >= 2})
-    return rewritten
+            return (m.part(ok) if ok else None), out
+
+        problems = _storage_problems(ctx, ok)
+        for i, why in problems.items():
+            leave([ok[i]], why)
+        ok = [s for i, s in enumerate(ok) if i not in problems]
+        return (m.part(ok, "the sharing checks") if ok else None), out
+
+    def guard(self, m: Match, ctx: PassContext) -> Optional[str]:
+        if isinstance(m, AlreadyFused):
+            return m.reason
+        if len(m.sites) < ctx.config.min_group_size:
+            return f"group of {len(m.sites)} left after {m.checked}; min_group_size={ctx.config.min_group_size}"
+        if ctx.is_dynamo and any(r.node is None or r.node.op != "placeholder" for r in m.refs()):
+            # The per-call layout check reads the parameters from the call's
+            # arguments; a parameter baked into the graph as an attribute
+            # (torch._dynamo.config.inline_inbuilt_nn_modules=False) has none.
+            return ("parameters are attributes of the Dynamo graph, not inputs (Inductor's freezing=True, or "
+                    "inline_inbuilt_nn_modules=False): the per-call layout check cannot see them")
+        # Keep graph order so the block's rows read like the model's attributes.
+        order = {n: i for i, n in enumerate(m.run.gm.graph.nodes)}
+        m.sites.sort(key=lambda s: order[s.node])
+        m.params = _params(m.sites)
+        sizes = tuple(s.out_features for s in m.sites)
+        has_bias = tuple(s.has_bias for s in m.sites)
+        m.path, m.why = _choose_path(ctx, m.x)
+        # Biases share one buffer only when every member has one. Zero slots for
+        # the others inside that buffer would be written by torch.save (it writes
+        # a view's whole storage) and make every checkpoint larger than the plain
+        # model's; so a mixed group keeps its biases where they are and its
+        # graph builds the bias vector per call (counted as bias_cat_calls).
+        m.fuse_biases = all(has_bias)
+        zero_slots = sum(sz for sz, hb in zip(sizes, has_bias) if not hb) if any(has_bias) else 0
+        m.detail = dict(path=m.path, rows=rows_of(m.x), sizes=list(sizes), zero_bias_slots=zero_slots, extra_bytes=0,
+                        bias_layout="one buffer" if m.fuse_biases else ("per call" if any(has_bias) else "none"))
+        m.region = ""
+        if ctx.region is not None:
+            # Inside a higher-order op's body (activation checkpointing): the
+            # block is read in the body, so its recomputation in the backward
+            # reads the same block.
+            m.detail["region"] = ctx.region
+            m.region = f"; inside a {ctx.region} region" + (
+                " (recomputed in the backward from the same block)" if ctx.region == "tag_activation_checkpoint" else "")
+        m.plan = f"would fuse {len(m.sites)} linears ({'+'.join(map(str, sizes))} rows); {m.why}{m.region}"
+        return None
+
+    def skipped(self, m: Match, record, ctx: PassContext) -> None:
+        # Filed under the tensors too: ``wfpass.report(model)`` finds it by identity.
+        refs = m.refs()
+        note(record, [r.name for r in refs], [r.tensor for r in refs])
+
+    def apply(self, m: Match, ctx: PassContext) -> None:
+        _rewrite_group(m.run.gm, ctx, m)
+        m.run.changed()
 
 
 def _storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int, str]:
+    """The members whose weight or bias shares storage with another tensor
+    (a tie, an alias the user holds). Tensors already fused by wfpass are
+    fine only where they sit in this very group's block (a re-run)."""
     others = [(r.name, r.tensor) for r in ctx.state_tensors()]
     group_tensors = [s.weight.tensor for s in sites] + [s.bias.tensor for s in sites if s.has_bias]
     problems = {}
     for i, s in enumerate(sites):
-        refs = [s.weight] + ([s.bias] if s.has_bias else [])
-        for r in refs:
+        for r in [s.weight] + ([s.bias] if s.has_bias else []):
             fs = fused_storage_of(r.tensor)
-            if fs is not None:
-                # Already ours: fine only if it is this very group (idempotence).
-                if all(fs.is_member(t) for t in group_tensors if t.untyped_storage().data_ptr() == r.tensor.untyped_storage().data_ptr()):
-                    continue
-            why = sharing_problem(r.tensor, r.name, others, allowed=group_tensors if fs is not None else ())
+            if fs is not None and all(fs.is_member(t) for t in group_tensors
+                                      if t.untyped_storage().data_ptr() == r.tensor.untyped_storage().data_ptr()):
+                continue
+            why = first_sharing_problem([(r.name, r.tensor)], others, allowed=group_tensors if fs is not None else ())
             if why:
                 problems[i] = why
                 break
@@ -221,61 +316,22 @@ def _reuse(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
     return fs
 
 
-def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List[LinearSite], dep) -> bool:
-    problems = _storage_problems(ctx, sites)
-    for i, why in problems.items():
-        _skip(ctx, why, [sites[i]])
-    sites = [s for i, s in enumerate(sites) if i not in problems]
-    if len(sites) < ctx.config.min_group_size:
-        if sites:
-            _skip(ctx, f"group of {len(sites)} left after the sharing checks; min_group_size={ctx.config.min_group_size}", sites)
-        return False
-
-    # Keep graph order so the block's rows read like the model's attributes.
+def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, m: LinearGroup) -> None:
+    """Move the group's weights (and biases) into one block and rewrite its
+    calls; ``m`` has passed ``narrow`` and ``guard``, which set its path."""
+    sites, x, path, why, region, fuse_biases = m.sites, m.x, m.path, m.why, m.region, m.fuse_biases
+    params, detail = m.params, m.detail
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    sites.sort(key=lambda s: order[s.node])
     sizes = tuple(s.out_features for s in sites)
     has_bias = tuple(s.has_bias for s in sites)
-    path, why = _choose_path(ctx, x)
     weights = [s.weight.tensor for s in sites]
     layout = LinearLayout(sizes, has_bias, weights[0].shape[1])
     w_offsets = layout.w_offsets
     biases = [s.bias.tensor for s in sites if s.has_bias]
     b_offsets = [o for o, hb in zip(layout.b_slots, has_bias) if hb]
-    zero_slots = sum(sz for sz, hb in zip(sizes, has_bias) if not hb) if any(has_bias) else 0
-    # Biases share one buffer only when every member has one. Zero slots for
-    # the others inside that buffer would be written by torch.save (it writes
-    # a view's whole storage) and make every checkpoint larger than the plain
-    # model's; so a mixed group keeps its biases where they are and its
-    # graph builds the bias vector per call (counted as bias_cat_calls).
-    fuse_biases = bool(biases) and all(has_bias)
-    params = _params(sites)
-    detail = dict(path=path, rows=rows_of(x), sizes=list(sizes), zero_bias_slots=zero_slots,
-                  extra_bytes=0, bias_layout="one buffer" if fuse_biases else ("per call" if biases else "none"))
-    region = ""
-    if ctx.region is not None:
-        # Inside a higher-order op's body (activation checkpointing): the
-        # block is read in the body, so its recomputation in the backward
-        # reads the same block.
-        detail["region"] = ctx.region
-        region = f"; inside a {ctx.region} region" + (
-            " (recomputed in the backward from the same block)" if ctx.region == "tag_activation_checkpoint" else "")
-
-    if ctx.config.dry_run:
-        ctx.report.add("linear", "rewritten", f"would fuse {len(sites)} linears ({'+'.join(map(str, sizes))} rows); {why}{region} [dry run]", params, **detail)
-        return True
-
     dynamo = ctx.is_dynamo
     w_nodes = [s.weight.node for s in sites]
     b_nodes = [s.bias.node for s in sites if s.has_bias]
-    if dynamo and any(n is None or n.op != "placeholder" for n in w_nodes + b_nodes):
-        # The per-call layout check reads the parameters from the call's
-        # arguments; a parameter baked into the graph as an attribute
-        # (torch._dynamo.config.inline_inbuilt_nn_modules=False) has none.
-        ctx.report.add("linear", "skipped", "parameters are attributes of the Dynamo graph, not inputs "
-                       "(Inductor's freezing=True, or inline_inbuilt_nn_modules=False): the per-call layout check "
-                       "cannot see them", params)
-        return False
 
     fs = _reuse(weights, layout.weight_key)
     bfs = _reuse(biases, layout.bias_key) if fuse_biases else None
@@ -286,8 +342,8 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         record = fs.record
         ctx.report.records.append(record)
     else:
-        note = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {note}; {why}{bias_note}{region}", params, **detail)
+        how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {how}; {why}{bias_note}{region}", params, **detail)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
     if fs is None:
         fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
@@ -332,7 +388,7 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
                 g.call_function(EagerLayoutCheck(wsite, "linear_layout_check"), tuple(w_nodes))
                 if bsite is not None:
                     g.call_function(EagerLayoutCheck(bsite, "linear_bias_layout_check"), tuple(b_nodes))
-        return True
+        return
 
     with g.inserting_before(first):
         if dynamo:
@@ -354,4 +410,3 @@ def _rewrite_group(gm: fx.GraphModule, ctx: PassContext, x: fx.Node, sites: List
         out.meta.update({k: v for k, v in s.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
         s.node.replace_all_uses_with(out)
         g.erase_node(s.node)
-    return True
