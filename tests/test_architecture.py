@@ -203,7 +203,7 @@ LAYERS = [
     ("graph", ("wfpass.graph", "wfpass.bodies")),
     ("runtime", ("wfpass.runtime",)),
     ("capture policy", ("wfpass.capture",)),
-    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.ops")),
+    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.ops")),
     ("entry points", ("wfpass.backend", "wfpass.api", "wfpass")),
     ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.bench_timing", "wfpass.demo", "wfpass.__main__")),
 ]

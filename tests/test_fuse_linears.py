@@ -13,9 +13,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 import wfpass
-from wfpass.ops.fused_linear import fused_linear
+from wfpass.linear.kernel import fused_linear
 from wfpass.storage import fused_storage_of
-from wfpass.passes.fuse_linears import _dependency_graph, _fusion_keeps_dag
+from wfpass.linear.guards import fusion_keeps_dag as _fusion_keeps_dag
+from wfpass.linear.match import dependency_graph as _dependency_graph
 
 from models import QKV, Chain, Functional, SwiGLU
 from wftest import Capture, assert_same_fwd_bwd, param_ids, train_steps

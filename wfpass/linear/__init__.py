@@ -1,0 +1,20 @@
+"""The sibling-linear format, side by side: linears that read the same input
+(Q/K/V, gate/up) computed from one weight block, with one GEMM where that
+pays.
+
+Where each piece is (the pipeline entry is ``wfpass/passes/fuse_linears.py``,
+which runs these steps):
+
+=====================  ========================================================
+``match.py``           matcher: the linears of a graph grouped by their input
+``guards.py``          which members are left out, whether the rest is fused,
+                       and on which path (one GEMM, or one per member)
+``rewrite.py``         the rewrite: the block, its per-call layout check, the
+                       graph's new call
+``kernel.py``          the block's layout (``LinearLayout``) and the kernel
+                       (``fused_linear``, whose backward is written in ATen ops)
+``already_fused.py``   layers that already hold several projections in one
+                       weight (``nn.MultiheadAttention``, GPT-2's ``Conv1D``):
+                       reported, left alone
+=====================  ========================================================
+"""

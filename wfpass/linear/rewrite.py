@@ -1,0 +1,135 @@
+"""The sibling-linear format's rewrite: the group's weights (and biases)
+moved into one block, its per-call layout check, and the graph's new call.
+
+Dynamo flavour, fused path (one GEMM; the graph before and after is in
+``wfpass/passes/fuse_linears.py``): the block is an ``as_strided`` view of
+the first member's storage, read by ``fused_linear``; split path: the graph
+keeps its linears, which read views of the block. ``symbolic_trace``
+flavour: ``EagerBlock`` / ``EagerLayoutCheck`` make the same check in place.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..graph import PassContext
+from ..runtime import GroupSite
+from ..storage import FusedStorage, fuse, layout_of_set, re_fuse
+from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
+from .match import LinearGroup
+
+__all__ = ["rewrite_group"]
+
+
+def reuse_layout(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
+    """The layout of these very tensors, if they have one: intact (a
+    recompile, an idempotent re-run), or lost (``param.data = ...``, a cast and
+    back) and fused again now, counted on its record, which stays the group's
+    record. The sharing checks have run."""
+    fs = layout_of_set(tensors, key)
+    if fs is None or fs.intact():
+        return fs
+    if fs.holds(tensors) or not re_fuse(fs, tensors):
+        return None
+    if fs.record is not None:
+        fs.record.bump("refused")
+    return fs
+
+
+def rewrite_group(gm: fx.GraphModule, ctx: PassContext, m: LinearGroup) -> None:
+    """Move the group's weights (and biases) into one block and rewrite its
+    calls; ``m`` has passed ``narrow`` and ``guard``, which set its path."""
+    sites, x, path, why, region, fuse_biases = m.sites, m.x, m.path, m.why, m.region, m.fuse_biases
+    params, detail = m.params, m.detail
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    sizes = tuple(s.out_features for s in sites)
+    has_bias = tuple(s.has_bias for s in sites)
+    weights = [s.weight.tensor for s in sites]
+    layout = LinearLayout(sizes, has_bias, weights[0].shape[1])
+    w_offsets = layout.w_offsets
+    biases = [s.bias.tensor for s in sites if s.has_bias]
+    b_offsets = [o for o, hb in zip(layout.b_slots, has_bias) if hb]
+    dynamo = ctx.is_dynamo
+    w_nodes = [s.weight.node for s in sites]
+    b_nodes = [s.bias.node for s in sites if s.has_bias]
+
+    fs = reuse_layout(weights, layout.weight_key)
+    bfs = reuse_layout(biases, layout.bias_key) if fuse_biases else None
+    bias_note = "" if fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
+    if fs is not None and fs.record is not None and fs.record.pattern == "linear":
+        # The same parameters in another graph (a recompile, a graph break):
+        # one record, whose counters add up over every graph.
+        record = fs.record
+        ctx.report.records.append(record)
+    else:
+        how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {how}; {why}{bias_note}{region}", params, **detail)
+    wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
+    if fs is None:
+        fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
+                  key=layout.weight_key, record=record)
+    if fuse_biases and bfs is None:
+        bfs = fuse("linear.bias", bnames, biases, b_offsets, layout.total, key=layout.bias_key, record=record)
+    fs.record = record
+    if bfs is not None:
+        bfs.record = record
+    counters = {"fused": ("fused_calls",), "split": ("split_calls",)}[path]
+    if biases and not fuse_biases and path == "fused":
+        counters += ("bias_cat_calls",)
+    for c in counters + ("fallback_calls", "refused"):
+        record.stats.setdefault(c, 0)
+    wsite = GroupSite("linear.weight", layout.weight_key, [ctx.placeholder_index(n) for n in w_nodes] if dynamo else (),
+                      wnames, w_offsets, layout.total * layout.in_features, record, counters, reads_block=path == "fused")
+    extra = []
+    if biases and not fuse_biases:
+        extra = [(s.bias.name, ctx.placeholder_index(s.bias.node) if dynamo else -1, s.bias.tensor) for s in sites if s.has_bias]
+    wsite.adopt(fs, weights, extra)
+    bsite = None
+    if fuse_biases:
+        bsite = GroupSite("linear.bias", layout.bias_key, [ctx.placeholder_index(n) for n in b_nodes] if dynamo else (),
+                          bnames, b_offsets, layout.total, record, (), reads_block=path == "fused", partner=wsite)
+        bsite.adopt(bfs, biases)
+    if dynamo:
+        for n in w_nodes + (b_nodes if fuse_biases else []):
+            ctx.refakify(n)
+        ctx.add_site(wsite)
+        if bsite is not None:
+            ctx.add_site(bsite)
+
+    g = gm.graph
+    first = min((s.node for s in sites), key=lambda n: order[n])
+    if not dynamo:
+        w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
+        b_nodes = [s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first) for s in sites if s.has_bias]
+    if path == "split":
+        # The graph keeps one linear per member; they read views of the block.
+        if not dynamo:
+            with g.inserting_before(first):
+                g.call_function(EagerLayoutCheck(wsite, "linear_layout_check"), tuple(w_nodes))
+                if bsite is not None:
+                    g.call_function(EagerLayoutCheck(bsite, "linear_bias_layout_check"), tuple(b_nodes))
+        return
+
+    with g.inserting_before(first):
+        if dynamo:
+            w_block = g.call_function(torch.as_strided, (w_nodes[0], (layout.total, layout.in_features), (layout.in_features, 1), 0))
+        else:
+            w_block = g.call_function(EagerBlock(wsite, layout.total, layout.in_features, "linear_weight_block"), tuple(w_nodes))
+        b_block = None
+        if fuse_biases:
+            if dynamo:
+                b_block = g.call_function(torch.as_strided, (b_nodes[0], (layout.total,), (1,), 0))
+            else:
+                b_block = g.call_function(EagerBlock(bsite, layout.total, None, "linear_bias_block"), tuple(b_nodes))
+        elif biases:
+            b_block = g.call_function(bias_vector, (list(sizes), list(has_bias), *b_nodes))
+        y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
+        parts = g.call_function(torch.split, (y, list(sizes), -1))
+        outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sites))]
+    for s, out in zip(sites, outs):
+        out.meta.update({k: v for k, v in s.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        s.node.replace_all_uses_with(out)
+        g.erase_node(s.node)
