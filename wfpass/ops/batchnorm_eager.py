@@ -1,25 +1,28 @@
 """The fp32_batchnorm format for BatchNorms Dynamo runs eagerly, outside
 every graph (``momentum=None`` in training), and the note that tells the
 user which BatchNorm stopped a compile. See "BatchNorms Dynamo runs eagerly"
-in ``wfpass.passes.fp32_batchnorm``, whose pass calls ``eager_batchnorms``."""
+in ``wfpass.passes.fp32_batchnorm``: its format yields ``eager_batchnorms``'
+matches (``EagerBatchNorm``) after the graph's own and hands them to
+``eager_guard`` and ``eager_apply``."""
 from __future__ import annotations
 
 import functools
 import logging
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
 from .._torch import distributed as _distributed, dynamo as _dynamo
 from .._torch.kernels import BatchNorm as _BatchNorm
 from ..graph import PassContext
+from ..pipeline import Match
 from ..report import Record as _Record
 from ..runtime import Group, note, note_uncompiled, unnote
 from ..storage import first_sharing_problem
 from .batchnorm import HALF, ROLES, bn_eager_pre_hook, to_fp32
 
-__all__ = ["eager_batchnorms", "drop_eager_hook", "note_item_break", "is_module_bn", "ddp_problem", "dtype_name"]
+__all__ = ["EagerBatchNorm", "eager_batchnorms", "eager_guard", "eager_apply", "drop_eager_hook", "note_item_break", "is_module_bn", "ddp_problem", "dtype_name"]
 
 
 def is_module_bn(mod: Any) -> bool:
@@ -57,11 +60,31 @@ def _graph_breaking(mod: torch.nn.Module) -> bool:
     return mod.training and mod.momentum is None and mod.track_running_stats
 
 
-def eager_batchnorms(ctx: PassContext) -> int:
-    """See "BatchNorms Dynamo runs eagerly" in the module docstring."""
+class EagerBatchNorm(Match):
+    """A BatchNorm module Dynamo runs eagerly (``_graph_breaking``), with half
+    tensors that no graph of this compile reads: a match of the
+    fp32_batchnorm format of its own kind."""
+
+    def __init__(self, mod: torch.nn.Module, label: str, tensors: Dict[str, torch.Tensor], state: list, ddp_held: set):
+        super().__init__([f"{label}.{r}" for r in tensors], flavour="eager", mode="training", folded=False)
+        self.module, self.label, self.tensors = mod, label, tensors
+        self.half = [r for r in tensors if tensors[r].dtype in HALF]
+        self.state = state  # every named tensor of the frame's module (sharing checks)
+        self.ddp_held = ddp_held
+        self.why = (f"'{label}': momentum=None in training, so Dynamo graph-breaks on float(num_batches_tracked) "
+                    f"and runs this BatchNorm eagerly")
+        self.src: Optional[str] = None  # set by eager_guard
+        self.before = 0
+
+
+def eager_batchnorms(ctx: PassContext) -> Iterator[EagerBatchNorm]:
+    """The BatchNorms Dynamo runs eagerly among the modules the frame being
+    compiled can reach, each once (see "BatchNorms Dynamo runs eagerly" in
+    ``wfpass.passes.fp32_batchnorm``). Leaves out, without a row, the ones
+    with nothing to do: fp32 already, already hooked, or read by this graph
+    after all (those are the graph's own BatchNorm matches)."""
     in_graph = {id(r.tensor) for r in ctx.state_tensors()}
     done = set()
-    n = 0
     ddp_held = _distributed.ddp_tensors()
     for root in _dynamo.traced_frame_modules():
         state = None
@@ -70,51 +93,52 @@ def eager_batchnorms(ctx: PassContext) -> int:
                 continue
             done.add(id(mod))
             tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}
-            half = [r for r in tensors if tensors[r].dtype in HALF]
-            if not half or any(id(t) in in_graph for t in tensors.values()):
-                continue  # fp32 model, or compiled in this graph after all (the sites above)
-            label = name or type(mod).__name__
-            params = [f"{label}.{r}" for r in tensors]
-            why = (f"'{label}': momentum=None in training, so Dynamo graph-breaks on float(num_batches_tracked) "
-                   f"and runs this BatchNorm eagerly")
-            detail: Dict[str, Any] = dict(flavour="eager", mode="training", folded=False)
+            if not any(t.dtype in HALF for t in tensors.values()) or any(id(t) in in_graph for t in tensors.values()):
+                continue  # fp32 model, or compiled in this graph after all (the graph's matches)
             if state is None:
                 state = list(root.named_parameters(remove_duplicate=False)) + list(root.named_buffers(remove_duplicate=False))
-            problem = first_sharing_problem([(f"{label}.{r}", tensors[r]) for r in half], state)
-            problem = problem or ddp_problem([tensors[r] for r in half], ddp_held)
-            if problem:
-                ctx.report.add("batchnorm", "skipped", f"{why}; {problem}", params, **detail)
-                continue
-            src = dtype_name(tensors[half[0]].dtype)
-            before = int(mod.num_batches_tracked) if mod.num_batches_tracked is not None else 0
-            detail.update(from_dtype=src, cast=[f"{label}.{r}" for r in half],
-                          extra_bytes=sum(tensors[r].numel() * 2 for r in half), half_calls_before=before)
-            what = ", ".join(half)
-            if ctx.config.dry_run:
-                ctx.report.add("batchnorm", "rewritten", f"{why}; would hold {what} in float32 [dry run]", params, **detail)
-                n += 1
-                continue
-            late = (f"; it had already run {before} training call(s) with {src} statistics before a graph of its "
-                    f"frame was compiled") if before else ""
-            record = ctx.report.add(
-                "batchnorm", "rewritten",
-                f"{why}; {what} held in float32 so that call runs the mixed-precision kernel with fp32 statistics; "
-                f"a forward pre-hook keeps the format{late}", params, **detail)
-            record.stats.setdefault("fp32_calls", 0)
-            moved = [tensors[r] for r in half]
-            ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
-            # The hook owns its group: it goes with the module.
-            _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
-            broke = _BREAK_NOTED.get(mod)
-            if broke is not None:
-                # The graph break left graphs around it after all: this record replaces the warning's.
-                unnote(broke, list(tensors.values()))
-            n += 1
-    return n
+            yield EagerBatchNorm(mod, name or type(mod).__name__, tensors, state, ddp_held)
+
+
+def eager_guard(m: EagerBatchNorm) -> Optional[str]:
+    """Why the module's half tensors must keep their dtype, or None (then
+    ``m.plan`` and the row's details say what the move does)."""
+    tensors, half = m.tensors, m.half
+    problem = first_sharing_problem([(f"{m.label}.{r}", tensors[r]) for r in half], m.state)
+    problem = problem or ddp_problem([tensors[r] for r in half], m.ddp_held)
+    if problem:
+        return f"{m.why}; {problem}"
+    m.src = dtype_name(tensors[half[0]].dtype)
+    m.before = int(m.module.num_batches_tracked) if m.module.num_batches_tracked is not None else 0
+    m.detail.update(from_dtype=m.src, cast=[f"{m.label}.{r}" for r in half],
+                    extra_bytes=sum(tensors[r].numel() * 2 for r in half), half_calls_before=m.before)
+    m.plan = f"{m.why}; would hold {', '.join(half)} in float32"
+    return None
+
+
+def eager_apply(m: EagerBatchNorm, ctx: PassContext) -> None:
+    """Move the module's half tensors to fp32 (deferred) and add the forward
+    pre-hook that keeps the format."""
+    mod, tensors, half, before = m.module, m.tensors, m.half, m.before
+    late = (f"; it had already run {before} training call(s) with {m.src} statistics before a graph of its "
+            f"frame was compiled") if before else ""
+    record = ctx.report.add(
+        "batchnorm", "rewritten",
+        f"{m.why}; {', '.join(half)} held in float32 so that call runs the mixed-precision kernel with fp32 statistics; "
+        f"a forward pre-hook keeps the format{late}", m.params, **m.detail)
+    record.stats.setdefault("fp32_calls", 0)
+    moved = [tensors[r] for r in half]
+    ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
+    # The hook owns its group: it goes with the module.
+    _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
+    broke = _BREAK_NOTED.get(mod)
+    if broke is not None:
+        # The graph break left graphs around it after all: this record replaces the warning's.
+        unnote(broke, list(tensors.values()))
 
 
 def drop_eager_hook(mod: torch.nn.Module) -> bool:
-    """``wfpass.restore``: remove the pre-hook ``eager_batchnorms`` added."""
+    """``wfpass.restore``: remove the pre-hook ``eager_apply`` added."""
     handle = _EAGER_HOOKS.pop(mod, None)
     if handle is None:
         return False
@@ -133,7 +157,7 @@ def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
     ``float(num_batches_tracked)`` (``momentum=None`` in training) while
     compiling for a wformat backend (``wfpass.capture.install_item_break_probe``). Where the
     break leaves graphs on both sides, those graphs' compiles convert the
-    module (``_eager_batchnorms``); inside a loop (``nn.Sequential``) Dynamo
+    module (``EagerBatchNorm`` matches); inside a loop (``nn.Sequential``) Dynamo
     runs the whole frame eagerly and no backend is called. Either way, the
     user learns here which module broke the graph: a warning on the
     ``wfpass`` logger, and a record that ``last_report()`` shows when no

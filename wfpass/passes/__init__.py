@@ -9,11 +9,10 @@ way: dead code eliminated, linted, recompiled (``pipeline.cleanup``).
 """
 from __future__ import annotations
 
-from ..formats import PassFormat
 from ..pipeline import cleanup as _cleanup, install_builtins, run_passes
-from .fold_batchnorm import fold_batchnorm
+from .fold_batchnorm import FoldBatchNorm
 from .fold_cells import FoldCells
-from .fp32_batchnorm import fp32_batchnorm
+from .fp32_batchnorm import Fp32BatchNorm
 from .fuse_linears import FuseLinears
 from .fuse_rnn import FuseRnn
 
@@ -24,10 +23,10 @@ BUILTIN_FORMATS: tuple = (
     # A folded cell loop is an RNN call that fuse_rnn then lowers.
     FoldCells(before=("fuse_rnn",)),
     FuseRnn(),
-    PassFormat("fp32_batchnorm", "batchnorm", fp32_batchnorm),
+    Fp32BatchNorm(),
     # fold_batchnorm finds BatchNorms with fp32_batchnorm's matcher and looks
     # through the wrapper fp32_batchnorm puts around the ones it rewrote.
-    PassFormat("fold_batchnorm", "batchnorm", fold_batchnorm, after=("fp32_batchnorm",)),
+    FoldBatchNorm(after=("fp32_batchnorm",)),
 )
 install_builtins(BUILTIN_FORMATS)
 

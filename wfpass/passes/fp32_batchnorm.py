@@ -26,6 +26,13 @@ A ``call_module`` BatchNorm keeps running its own forward (train/eval switches
 after the pass, ``num_batches_tracked``, ``momentum=None``: all as eager); its
 tensors are fp32.
 
+The steps (``Fp32BatchNorm``): ``matches`` yields every batch norm of the
+graph (``batchnorm_sites``, a ``BatchNormCall`` each), then, in Dynamo
+graphs, the BatchNorms Dynamo runs eagerly (below); ``guard`` decides and
+``apply`` rewrites. A batch norm whose tensors a previous run already holds in
+fp32 (a recompile, a second ``wfpass.apply``) is taken with nothing to
+rewrite: its ``rewritten`` row says so (``idempotent=True``).
+
 Guards, each a skip record when it fails: the input is fp16/bf16 (fp32 input:
 nothing to do); the tensors are not already fp32 (autocast with fp32
 parameters runs the mixed kernel already); every tensor resolves to a
@@ -37,12 +44,12 @@ but batch norms reads them in this graph (it would see fp32).
 BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in
 training mode is not in any graph: Dynamo (torch 2.13.0) graph-breaks on
 ``float(self.num_batches_tracked)`` and calls that module eagerly. While the
-backend compiles a graph of the same frame, the pass finds such modules among
-the modules the frame can reach (``_torch.dynamo.traced_frame_modules``; the code is in
-``wfpass.ops.batchnorm_eager``), moves
-their half tensors to fp32 (eager's BatchNorm then runs the mixed kernel with
-fp32 statistics, as in the graphs) and adds a forward pre-hook that keeps the
-format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
+backend compiles a graph of the same frame, the format finds such modules among
+the modules the frame can reach (``_torch.dynamo.traced_frame_modules``): matches
+of their own kind, ``EagerBatchNorm``, found, guarded and applied by
+``wfpass.ops.batchnorm_eager``. It moves their half tensors to fp32 (eager's
+BatchNorm then runs the mixed kernel with fp32 statistics, as in the graphs)
+and adds a forward pre-hook that keeps the format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
 record is ``rewritten`` with ``flavour="eager"``, and says how many training
 calls the module ran in half precision before a graph of its frame was
 compiled (when it is the first thing its frame runs, that is one).
@@ -51,23 +58,24 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
 
 from ..graph import PassContext, TensorRef, meta_value
+from ..pipeline import Format, Match
 from .. import capture as _capture
 from .._torch import distributed as _distributed
 from ..ops.batchnorm import HALF, ROLES, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
 from ..ops.batchnorm_eager import (
-    ddp_problem as _ddp_problem, dtype_name as _dtype_name, eager_batchnorms as _eager_batchnorms,
-    is_module_bn as _is_module_bn, note_item_break,
+    EagerBatchNorm, ddp_problem as _ddp_problem, dtype_name as _dtype_name, eager_apply, eager_batchnorms as _eager_batchnorms,
+    eager_guard, is_module_bn as _is_module_bn, note_item_break,
 )
 from ..runtime import Bound, Group, note
 from ..storage import first_sharing_problem
 
-__all__ = ["fp32_batchnorm", "BNSite", "batchnorm_sites", "unwrap"]
+__all__ = ["Fp32BatchNorm", "BatchNormCall", "BNSite", "batchnorm_sites", "unwrap"]
 
 
 # Positions of (input, running_mean, running_var, weight, bias, training, momentum, eps).
@@ -213,114 +221,148 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
     return None
 
 
-def fp32_batchnorm(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Keep every half-precision BatchNorm's tensors in fp32; returns how many
-    batch norms were rewritten."""
-    rewritten = 0
-    others = None
-    ddp_held = _distributed.ddp_tensors()  # once per pass, not per BatchNorm
-    sites = batchnorm_sites(ctx)
-    bn_nodes = {site.node for site in sites}
-    for site in sites:
-        present = [r for r in ROLES if site.present[r]]
-        params = site.names or [site.label]
-        train_note = "training" if site.training is True else ("eval" if site.training is False else "train/eval at run time")
-        detail: Dict[str, Any] = dict(flavour=site.flavour, mode=train_note, folded=False)
+class _Run:
+    """What one run's matches share: the DistributedDataParallel's tensors
+    and the graph's batch norms (read once per pass, not per BatchNorm), and
+    every named tensor (read when the first match needs it)."""
 
+    def __init__(self, sites: List[BNSite]):
+        self.ddp_held = _distributed.ddp_tensors()
+        self.bn_nodes = {site.node for site in sites}
+        self._others: Optional[list] = None
+
+    def others(self, ctx: PassContext) -> list:
+        if self._others is None:
+            self._others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        return self._others
+
+
+class BatchNormCall(Match):
+    """One batch norm of the graph, in any flavour (``site``)."""
+
+    def __init__(self, site: BNSite, run: _Run):
+        mode = "training" if site.training is True else ("eval" if site.training is False else "train/eval at run time")
+        super().__init__(site.names or [site.label], flavour=site.flavour, mode=mode, folded=False)
+        self.site, self.run = site, run
+        # Set by the guard of a taken match:
+        self.held = False  # already fp32 by wfpass: a row saying so, nothing to rewrite
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.half: List[str] = []  # the roles to move
+        self.ins = ""  # the input dtype's name
+
+
+class Fp32BatchNorm(Format):
+    """Keep every half-precision BatchNorm's tensors in fp32: the graph's
+    batch norms (``BatchNormCall``), then, in Dynamo graphs, the BatchNorms
+    Dynamo runs eagerly (``EagerBatchNorm``, ``wfpass.ops.batchnorm_eager``)."""
+
+    name, pattern = "fp32_batchnorm", "batchnorm"
+
+    def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[Match]:
+        sites = batchnorm_sites(ctx)
+        run = _Run(sites)
+        for site in sites:
+            yield BatchNormCall(site, run)
+        if ctx.is_dynamo:
+            yield from _eager_batchnorms(ctx)
+
+    def guard(self, m: Match, ctx: PassContext) -> Optional[str]:
+        if isinstance(m, EagerBatchNorm):
+            return eager_guard(m)
+        site = m.site
+        present = [r for r in ROLES if site.present[r]]
         if not present:
-            ctx.report.add("batchnorm", "skipped", "affine=False and track_running_stats=False: no weight, bias or statistics to keep in fp32", params, **detail)
-            continue
+            return "affine=False and track_running_stats=False: no weight, bias or statistics to keep in fp32"
         unresolved = [r for r in present if site.refs[r] is None or not site.refs[r].is_state]
         if unresolved:
-            ctx.report.add("batchnorm", "skipped", f"{', '.join(unresolved)} not a Parameter or buffer of the model (a graph input or computed tensor): wfpass cannot own its dtype", params, **detail)
-            continue
+            return f"{', '.join(unresolved)} not a Parameter or buffer of the model (a graph input or computed tensor): wfpass cannot own its dtype"
 
         tensors = {r: site.refs[r].tensor for r in present}
         dtypes = {t.dtype for t in tensors.values()}
         in_dtype = _input_dtype(site)
-        detail["input_dtype"] = _dtype_name(in_dtype) if in_dtype is not None else None
+        m.detail["input_dtype"] = _dtype_name(in_dtype) if in_dtype is not None else None
         if in_dtype is not None and in_dtype not in HALF:
-            ctx.report.add("batchnorm", "skipped", f"input is {_dtype_name(in_dtype)}: the fp32-statistics format is for fp16/bf16 inputs, nothing to do", params, **detail)
-            continue
+            return f"input is {_dtype_name(in_dtype)}: the fp32-statistics format is for fp16/bf16 inputs, nothing to do"
         half = [r for r in present if tensors[r].dtype in HALF]
         if not half:
             if all(held_in_fp32(t) for t in tensors.values()):
-                # A recompile (or a second apply) after wfpass already moved them.
-                why = "weight/bias/statistics already held in fp32 by wfpass (recompiled or re-run graph); mixed-precision kernel"
-                ctx.report.add("batchnorm", "rewritten", why, params, idempotent=True, **detail)
-                continue
+                # A recompile (or a second apply) after wfpass already moved them:
+                # taken, its row says so (``apply``).
+                m.held = True
+                m.plan = "weight/bias/statistics already held in fp32 by wfpass (recompiled or re-run graph); mixed-precision kernel"
+                m.detail = dict(idempotent=True, **m.detail)
+                return None
             if dtypes == {torch.float32}:
                 ctx_note = "under torch.autocast with fp32 parameters" if _under_autocast(ctx) else "the model keeps its BatchNorm in fp32"
                 in_note = _dtype_name(in_dtype) if in_dtype is not None else "its"
-                ctx.report.add("batchnorm", "skipped", f"weight/bias/statistics are already float32 ({ctx_note}); the mixed kernel already runs with {in_note} input, nothing to change", params, **detail)
-            else:
-                ctx.report.add("batchnorm", "skipped", f"tensors are {sorted(_dtype_name(d) for d in dtypes)}, not fp16/bf16: not this format", params, **detail)
-            continue
+                return f"weight/bias/statistics are already float32 ({ctx_note}); the mixed kernel already runs with {in_note} input, nothing to change"
+            return f"tensors are {sorted(_dtype_name(d) for d in dtypes)}, not fp16/bf16: not this format"
 
-        if others is None:
-            others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        problem = first_sharing_problem([(site.refs[r].name, tensors[r]) for r in half], others)
-        problem = problem or _ddp_problem([tensors[r] for r in half], ddp_held)
+        problem = first_sharing_problem([(site.refs[r].name, tensors[r]) for r in half], m.run.others(ctx))
+        problem = problem or _ddp_problem([tensors[r] for r in half], m.run.ddp_held)
         if problem:
-            ctx.report.add("batchnorm", "skipped", problem, params, **detail)
-            continue
+            return problem
         if ctx.is_dynamo and site.flavour == "function" and not all(
                 isinstance(site.args[r], fx.Node) and unwrap(site.args[r]).op == "placeholder" for r in half):
-            ctx.report.add("batchnorm", "skipped", "a BatchNorm tensor is not an input of this Dynamo graph (get_attr): "
-                           "its dtype is baked into the compiled code", params, **detail)
-            continue
-        reader = _other_reader(ctx, site, half, bn_nodes)
+            return "a BatchNorm tensor is not an input of this Dynamo graph (get_attr): its dtype is baked into the compiled code"
+        reader = _other_reader(ctx, site, half, m.run.bn_nodes)
         if reader:
-            ctx.report.add("batchnorm", "skipped", reader, params, **detail)
-            continue
+            return reader
 
         src = _dtype_name(tensors[half[0]].dtype)
-        ins = _dtype_name(in_dtype) if in_dtype is not None else src
-        cast_names = [site.refs[r].name for r in half]
+        m.tensors, m.half = tensors, half
+        m.ins = _dtype_name(in_dtype) if in_dtype is not None else src
         extra = sum(tensors[r].numel() * 2 for r in half)  # fp32 is 2 bytes more per element
-        detail.update(from_dtype=src, cast=cast_names, extra_bytes=extra)
-        what = ", ".join(half)
-        stats_note = "; running statistics update in fp32" if site.present["running_mean"] and site.training is not False else ""
-        if ctx.config.dry_run:
-            ctx.report.add("batchnorm", "rewritten", f"would hold {what} in float32 for {ins} input [dry run]", params, **detail)
-            rewritten += 1
-            continue
-        record = ctx.report.add("batchnorm", "rewritten", f"{what} held in float32 for {ins} input: mixed-precision kernel, output stays {ins}{stats_note}", params, **detail)
-        record.stats.setdefault("fp32_calls", 0)
-        moved = [tensors[r] for r in half]
-        note(record, [site.refs[r].name for r in ROLES if site.refs.get(r)], [site.refs[r].tensor for r in ROLES if site.refs.get(r)])
-        ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
+        m.detail.update(from_dtype=src, cast=[site.refs[r].name for r in half], extra_bytes=extra)
+        m.plan = f"would hold {', '.join(half)} in float32 for {m.ins} input"
+        return None
 
-        g = gm.graph
-        if site.flavour == "module":
-            grp = Group(record, spec=weakref.ref(site.module))
-            if site.x_wrapper is None:
-                with g.inserting_before(site.node):
-                    x2 = g.call_function(Bound(bn_module_fp32, grp), (site.x,))
-                site.node.replace_input_with(site.x, x2)
-        elif ctx.is_dynamo:
-            # Dynamo: compile for fp32 inputs from the start (see the module
-            # docstring); nothing runs per call.
-            for r in half:
-                ctx.compile_example(site.args[r], _fp32_example(tensors[r]))
-            record.detail["compiled_for"] = "float32 inputs (no per-call work)"
-            record.stats.pop("fp32_calls", None)
+    def apply(self, m: Match, ctx: PassContext) -> None:
+        if isinstance(m, EagerBatchNorm):
+            eager_apply(m, ctx)
+        elif m.held:
+            ctx.report.add("batchnorm", "rewritten", m.plan, m.params, **m.detail)
         else:
-            grp = Group(record, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES))
-            pos = BN_FUNCTIONS[site.node.target]
-            first = True
-            for r in half:
-                if site.wrapped[r]:
-                    continue
-                with g.inserting_before(site.node):
-                    # the first wrapper of a batch norm bumps its call counter
-                    w = g.call_function(Bound(bn_fp32, grp), (ROLES.index(r), site.args[r], first))
-                first = False
-                _set(site.node, pos, r, w)
-        rewritten += 1
-    if ctx.is_dynamo:
-        rewritten += _eager_batchnorms(ctx)
-    return rewritten
+            _rewrite(m, ctx)
+
+
+def _rewrite(m: BatchNormCall, ctx: PassContext) -> None:
+    """Hold the site's half tensors in fp32 (a deferred move) and make its
+    graph ready for them (see the module docstring, per flavour)."""
+    site, tensors, half, ins = m.site, m.tensors, m.half, m.ins
+    stats_note = "; running statistics update in fp32" if site.present["running_mean"] and site.training is not False else ""
+    record = ctx.report.add("batchnorm", "rewritten", f"{', '.join(half)} held in float32 for {ins} input: mixed-precision kernel, output stays {ins}{stats_note}", m.params, **m.detail)
+    record.stats.setdefault("fp32_calls", 0)
+    moved = [tensors[r] for r in half]
+    note(record, [site.refs[r].name for r in ROLES if site.refs.get(r)], [site.refs[r].tensor for r in ROLES if site.refs.get(r)])
+    ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
+
+    g = ctx.gm.graph
+    if site.flavour == "module":
+        grp = Group(record, spec=weakref.ref(site.module))
+        if site.x_wrapper is None:
+            with g.inserting_before(site.node):
+                x2 = g.call_function(Bound(bn_module_fp32, grp), (site.x,))
+            site.node.replace_input_with(site.x, x2)
+    elif ctx.is_dynamo:
+        # Dynamo: compile for fp32 inputs from the start (see the module
+        # docstring); nothing runs per call.
+        for r in half:
+            ctx.compile_example(site.args[r], _fp32_example(tensors[r]))
+        record.detail["compiled_for"] = "float32 inputs (no per-call work)"
+        record.stats.pop("fp32_calls", None)
+    else:
+        grp = Group(record, spec=tuple(site.refs[r].name if site.refs[r] else r for r in ROLES))
+        pos = BN_FUNCTIONS[site.node.target]
+        first = True
+        for r in half:
+            if site.wrapped[r]:
+                continue
+            with g.inserting_before(site.node):
+                # the first wrapper of a batch norm bumps its call counter
+                w = g.call_function(Bound(bn_fp32, grp), (ROLES.index(r), site.args[r], first))
+            first = False
+            _set(site.node, pos, r, w)
 
 
 _capture.install_item_break_probe(note_item_break)
