@@ -32,7 +32,7 @@ import torch
 
 from ._torch import distributed as _distributed, tensors as _tensors
 from .report import Record, Report
-from .storage import FusedStorage, _OWNER, fuse, layout_of, layout_of_set, re_fuse, sharing_problem
+from .storage import FusedStorage, _OWNER, first_sharing_problem, fuse, layout_of, layout_of_set, re_fuse
 
 __all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]
 
@@ -107,11 +107,7 @@ class GroupSite:
         return fs
 
     def _movable(self, members, others) -> Optional[str]:
-        for name, m in zip(self.names, members):
-            why = sharing_problem(m, name, others, allowed=members)
-            if why is not None:
-                return why
-        return None
+        return first_sharing_problem(zip(self.names, members), others, allowed=members)
 
     def find(self, members: Sequence[torch.Tensor]) -> Optional[FusedStorage]:
         """``wfpass.apply`` graphs, which run eagerly and check in place: the

@@ -19,7 +19,7 @@ from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value
 from ..runtime import GroupSite
 from ..runtime import note as file_note
-from ..storage import fuse, layout_of_set, re_fuse, sharing_problem
+from ..storage import first_sharing_problem, fuse, layout_of_set, re_fuse
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
@@ -106,13 +106,9 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
     if overlap:
         why = "a weight also belongs to another RNN of this graph"
     else:
-        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        for n, w in zip(names, ws):
-            # The RNN's own weights may already share one buffer (CUDA:
-            # PyTorch's flatten_parameters): that is not a tie.
-            why = sharing_problem(w, n, others, allowed=ws)
-            if why:
-                break
+        # The RNN's own weights may already share one buffer (CUDA:
+        # PyTorch's flatten_parameters): that is not a tie.
+        why = first_sharing_problem(zip(names, ws), [(r.name, r.tensor) for r in ctx.state_tensors()], allowed=ws)
     if existing is not None and existing.record is not None and why is None:
         record = existing.record  # the same parameters in another graph: one record
         ctx.report.records.append(record)
