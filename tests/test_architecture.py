@@ -132,8 +132,8 @@ def test_graph_finds_imports_inside_functions():
     # The checker itself: ``backend.run_in_bodies`` imports wfpass.formats
     # inside a function; ``from . import capture as _capture`` is an edge to
     # the submodule, not to the package.
-    assert "wfpass.formats" in GRAPH["wfpass.backend"]
-    assert "wfpass.capture" in GRAPH["wfpass.backend"] and "wfpass" not in GRAPH["wfpass.backend"]
+    assert "wfpass.formats" in GRAPH["wfpass.compiler"]
+    assert "wfpass.capture" in GRAPH["wfpass.compiler"] and "wfpass" not in GRAPH["wfpass.compiler"]
     assert PRIVATE_LAYER in MODULES
 
 
@@ -204,7 +204,7 @@ LAYERS = [
     ("runtime", ("wfpass.runtime",)),
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.ops")),
-    ("entry points", ("wfpass.backend", "wfpass.api", "wfpass")),
+    ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
     ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.bench_timing", "wfpass.demo", "wfpass.__main__")),
 ]
 

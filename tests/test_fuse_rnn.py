@@ -102,7 +102,7 @@ class Recorder:
 
         def keep(gm, example_inputs):
             self.graphs.append(gm)
-            from wfpass.backend import _resolve_inner
+            from wfpass.compiler import _resolve_inner
 
             return _resolve_inner(inner)(gm, example_inputs)
 

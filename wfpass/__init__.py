@@ -17,7 +17,7 @@ __all__ = [
 def _load_api() -> None:
     """Import the public API (and with it torch) into this namespace."""
     from .api import apply, explain, report, restore
-    from .backend import backend, last_report
+    from .compiler import backend, last_report
     from .config import Config, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .report import Record, Report
@@ -41,7 +41,7 @@ def _started_by_cli() -> bool:
 
 if TYPE_CHECKING:
     from .api import apply, explain, report, restore
-    from .backend import backend, last_report
+    from .compiler import backend, last_report
     from .config import Config, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .report import Record, Report

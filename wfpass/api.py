@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .backend import _set_last, backend
+from .compiler import _set_last, backend
 from .config import Config
 from .graph import PassContext
 from .passes import run_passes
@@ -48,7 +48,7 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
     and run once under ``no_grad``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.explain expects an nn.Module, got {type(model).__name__}")
-    from .backend import _compile_with_report
+    from .compiler import _compile_with_report
 
     probe = copy.deepcopy(model)
     be = backend(inner="eager", dry_run=True)

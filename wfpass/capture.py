@@ -12,7 +12,7 @@ calls them while Dynamo traces.
 * **Which backend is ours**: ``wformat_config`` finds the ``Config`` of a
   wformat backend through Dynamo's wrappers. The registered ``wformat``
   function registers itself here (``register_default_backend``), so this
-  module never imports ``wfpass.backend``.
+  module never imports ``wfpass.compiler``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ _DEFAULT_BACKEND: list = [None, None]
 
 
 def register_default_backend(fn: Callable, config: Config) -> None:
-    """``wfpass.backend`` calls this for its ``wformat`` function, which runs
+    """``wfpass.compiler`` calls this for its ``wformat`` function, which runs
     with ``config`` and carries no ``.config`` of its own."""
     _DEFAULT_BACKEND[:] = [fn, config]
 

@@ -41,7 +41,7 @@ from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
 from ..rnn.rewrite import rewrite_call
 
 # ``name_errors`` / ``unname_errors`` / ``RNN_FUNCTIONS`` are imported from
-# here by ``wfpass.capture``, ``api`` and ``backend``.
+# here by ``wfpass.capture``, ``api`` and ``compiler``.
 __all__ = ["FuseRnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
 # Let Dynamo put RNN modules into the graph for wformat backends only.
