@@ -21,9 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ._torch import dynamo as _dynamo
-from ._torch.kernels import rnn_weight_names
 from .config import Config
-from .runtime import note_provisional
 
 # The registered ``"wformat"`` backend function and its Config
 # (``register_default_backend``).
@@ -87,10 +85,12 @@ def _on_cpu(module: torch.nn.Module) -> bool:
     return all(p.device.type == "cpu" for p in module.parameters())
 
 
-def install_rnn_capture(name_errors: Callable) -> None:
+def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     """Let Dynamo put RNNs into the graph for wformat backends that run
     ``fuse_rnn``. ``name_errors(module, path)`` gives the RNN Dynamo is
-    wrapping errors that name it (``wfpass.rnn.capture.name_errors``)."""
+    wrapping errors that name it; ``note_seen(module, path)`` files the
+    record that stands if the call never reaches a graph (both in
+    ``wfpass.rnn.capture``)."""
 
     def policy(compiler_fn, module, source_name: str) -> bool:
         wanted = rnn_capture_wanted(compiler_fn)
@@ -109,24 +109,10 @@ def install_rnn_capture(name_errors: Callable) -> None:
             return False
         config = wformat_config(compiler_fn)
         if config is not None and not config.dry_run:  # explain() files nothing
-            _note_rnn_seen(module, path)
+            note_seen(module, path)
         return wanted
 
     _dynamo.install_rnn_capture(policy)
-
-
-def _note_rnn_seen(module: torch.nn.RNNBase, path: str) -> None:
-    """File a provisional record for an RNN Dynamo is about to inline for a
-    wformat backend. If the call reaches a graph, the pass's own record
-    replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
-    on ``pack_padded_sequence`` and again inside ``forward``, and no backend
-    is called for that code), ``wfpass.report(model)`` still says so."""
-    own = rnn_weight_names(module)
-    names = [f"{path}.{n}" if path else n for n in own]
-    label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
-    note_provisional(
-        "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence input, or a graph "
-        "break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in own])
 
 
 def install_item_break_probe(note_item_break: Callable) -> None:

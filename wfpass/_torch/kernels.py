@@ -19,12 +19,6 @@ OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
 
 
-def rnn_weight_names(module: torch.nn.RNNBase) -> list:
-    """The names of an ``nn.RNN/GRU/LSTM``'s weights in the order its fused
-    kernel takes them (``RNNBase._flat_weights_names``, private; torch 2.13.0)."""
-    return list(module._flat_weights_names)
-
-
 def conv_forward(conv: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias):
     """``nn.ConvNd._conv_forward`` (private; torch 2.13.0): the module's
     convolution with its padding mode, on a given weight and bias."""

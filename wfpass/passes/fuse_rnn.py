@@ -35,7 +35,7 @@ import torch.fx as fx
 from .. import capture as _capture
 from ..graph import PassContext, mutated_state
 from ..pipeline import Format
-from ..rnn.capture import name_errors, unname_errors
+from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
 from ..rnn.rewrite import rewrite_call
@@ -45,7 +45,7 @@ from ..rnn.rewrite import rewrite_call
 __all__ = ["FuseRnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
 # Let Dynamo put RNN modules into the graph for wformat backends only.
-_capture.install_rnn_capture(name_errors)
+_capture.install_rnn_capture(name_errors, note_seen)
 
 
 class FuseRnn(Format):

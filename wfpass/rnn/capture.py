@@ -1,15 +1,17 @@
 """When Dynamo captures an RNN for a wformat backend: its argument errors
-name it. (Whether Dynamo captures it at all is decided in ``wfpass.capture``, the
-``allow_rnn`` hook.)"""
+name it, and a record stands until the pass files its own. (Whether Dynamo
+captures it at all is decided in ``wfpass.capture``, the ``allow_rnn``
+hook, which calls these.)"""
 from __future__ import annotations
 
 import functools
 
 import torch.nn as nn
 
-from .spec import display_name, rnn_mode
+from ..runtime import note_provisional
+from .spec import display_name, flat_weight_names, rnn_mode
 
-__all__ = ["name_errors", "unname_errors"]
+__all__ = ["name_errors", "unname_errors", "note_seen"]
 
 
 def _named_check_forward_args(module: nn.Module, name: str, input, hx, batch_sizes) -> None:
@@ -48,3 +50,17 @@ def unname_errors(module: nn.Module) -> bool:
         del module.__dict__["check_forward_args"]
         return True
     return False
+
+
+def note_seen(module: nn.RNNBase, path: str) -> None:
+    """File a provisional record for an RNN Dynamo is about to inline for a
+    wformat backend. If the call reaches a graph, the pass's own record
+    replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
+    on ``pack_padded_sequence`` and again inside ``forward``, and no backend
+    is called for that code), ``wfpass.report(model)`` still says so."""
+    own = flat_weight_names(module)  # public attributes: subclasses of nn.LSTM too
+    names = [f"{path}.{n}" if path else n for n in own]
+    label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
+    note_provisional(
+        "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
+        "input, or a graph break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in own])
