@@ -39,19 +39,7 @@ from .graph import TensorRef
 from .pipeline import Format, Match
 from .storage import move_problem, register_undo, undo_registered
 
-__all__ = ["Format", "ParamFormat", "PassFormat", "register_format", "unregister_format", "registered_formats"]
-
-class PassFormat(Format):
-    """A built-in format written as one pass function ``(gm, ctx) -> int``
-    (see wfpass/passes/)."""
-
-    def __init__(self, name: str, pattern: str, fn: Callable[[fx.GraphModule, object], int],
-                 before: Tuple[str, ...] = (), after: Tuple[str, ...] = ()):
-        super().__init__(before=before, after=after)
-        self.name, self.pattern, self._fn = name, pattern, fn
-
-    def run(self, gm, ctx) -> int:
-        return self._fn(gm, ctx)
+__all__ = ["Format", "ParamFormat", "register_format", "unregister_format", "registered_formats"]
 
 
 class _Call(Match):

@@ -1,0 +1,118 @@
+"""The output of ``python -m wfpass bench``: the markdown table (times,
+first calls, BatchNorm statistics) and the plot, from ``bench.run``'s
+results."""
+from __future__ import annotations
+
+import os
+import platform
+from typing import Dict, Optional, Sequence
+
+import torch
+
+__all__ = ["VARIANTS", "markdown", "plot"]
+
+#: The four ways every model runs, in the table's column order.
+VARIANTS = ("eager", "inductor", "hand-fused", "wformat")
+
+
+def _machine() -> str:
+    cpu = platform.processor()
+    arch = platform.machine() + (f" ({cpu})" if cpu and cpu != platform.machine() else "")
+    n = torch.get_num_threads()
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {arch}, {os.cpu_count()} CPUs visible, "
+            f"{n} torch thread{'s' if n != 1 else ''}; every model on the CPU")
+
+
+def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, seconds: float) -> str:
+    """The table: ``results`` are ``bench.Result``s, ``sizes`` the ``bench.Sizes`` they ran at."""
+    lines = [f"Command: `{command}`  ",
+             f"{_machine()}; {sizes.rounds} interleaved rounds per row, {seconds:.0f} s in all.",
+             "",
+             "Times in ms per call: median over rounds, ± half the interquartile range over rounds. "
+             "*x Inductor*: Inductor's time / wformat's (above 1: wformat is faster). "
+             "*hand-fused*: the decoder written with one Q/K/V and one gate/up linear, or the CNN with its "
+             "BatchNorms in fp32 by hand, compiled with Inductor; the LSTM has no hand-fused reference "
+             "(eager already runs PyTorch's fused kernel).",
+             "",
+             "| model | step | size | eager | Inductor | hand-fused | wformat | wformat x Inductor | wformat x eager | output checked | wformat rewrote |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        t = r.times
+        cells = [t[k].cell() if k in t else "-" for k in VARIANTS]
+        vs_i = t["inductor"].median / t["wformat"].median
+        vs_e = t["eager"].median / t["wformat"].median
+        worst = max(v for k, v in r.errors.items() if k != "eager")
+        check = f"{'ok' if r.ok else 'MISMATCH'} ({worst:.0e})"
+        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | " + " | ".join(cells)
+                     + f" | {vs_i:.2f} | {vs_e:.2f} | {check} | {r.rewrites} |")
+    lines += ["", "*output checked*: largest |variant - eager| over largest |eager|, all compiled variants "
+              "(bf16 CNN: tolerance 5e-2; the rest 1e-4). *wformat rewrote*: the rewrites in `wfpass.report` "
+              "of the wformat model (linear groups, RNNs, BatchNorms) that ran.", ""]
+    lines += ["First call (compile included), seconds, in the order eager, Inductor, hand-fused, wformat. "
+              "Inductor's graph caches are off, but C++ kernels an earlier variant compiled are reused, which can "
+              "shorten a later variant's first call:", "",
+              "| model | step | size | Inductor | hand-fused | wformat |", "|---|---|---|---|---|---|"]
+    for r in results:
+        f = r.first_call_s
+        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | "
+                     + " | ".join(f"{f[k]:.1f}" if k in f else "-" for k in VARIANTS[1:]) + " |")
+    lines.append("")
+    models = {}
+    for r in results:
+        models.setdefault(r.case.model, r.case.note)
+    lines += ["Models: " + "; ".join(f"{k}: {v}" for k, v in models.items()) + ".", ""]
+    if stats:
+        lines += [f"BatchNorm running_var after {sizes.bn_steps} training steps on a drifting bf16 stream "
+                  "(weights fixed), relative error against an fp32 copy given the same inputs, median over the "
+                  "BatchNorms:", "",
+                  "| variant | statistics dtype | running_var error |", "|---|---|---|"]
+        for k in VARIANTS:
+            if k in stats:
+                lines.append(f"| {k} | {stats[k + ' dtype']} | {stats[k]:.2e} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence, path: str) -> Optional[str]:
+    """A bar chart of every variant's time relative to Inductor's, with the
+    spread as error bars. Returns a message instead when matplotlib is
+    missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return "matplotlib is not installed, so no plot was written (pip install matplotlib)"
+    labels = [f"{r.case.model}\n{r.case.step}, {r.case.size}" for r in results]
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(results) + 1.5))
+    h = 0.8 / len(VARIANTS)
+    for i, k in enumerate(VARIANTS):
+        ys, xs, lo, hi = [], [], [], []
+        for j, r in enumerate(results):
+            if k in r.times:
+                t, base = r.times[k], r.times["inductor"].median
+                q1, q3 = t.quartiles
+                ys.append(j + (i - (len(VARIANTS) - 1) / 2) * h)
+                xs.append(t.median / base)
+                lo.append((t.median - q1) / base)
+                hi.append((q3 - t.median) / base)
+        ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", label=k, capsize=3)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ticks = [t for t in (0.25, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
+             if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:g}x" for t in ticks]))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_yticks(range(len(results)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per call relative to Inductor, log scale (left of 1: faster; bars: interquartile range)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(VARIANTS), frameon=False)
+    ax.set_title(f"wfpass bench, torch {torch.__version__}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
