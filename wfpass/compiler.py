@@ -25,6 +25,7 @@ from .config import Config
 from .bodies import BodyContext, hop_bodies
 from .graph import PassContext
 from .passes import run_passes
+from .pipeline import cleanup, registered
 from .report import Report, print_at_exit_if_asked
 from .runtime import _UNCOMPILED, file_report, guarded_call
 
@@ -131,81 +132,42 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
     return call, report
 
 
-#: Formats that rewrite inside higher-order-op bodies (activation
-#: checkpointing, ``wrap``). The sibling-linear rewrite needs only what a
-#: body has: its parameters arrive as operands that are placeholders of the
-#: outer graph (checked per call like any group), and the block is read in
-#: the body, so a recomputation reads it too. The others are reported
-#: pattern by pattern (``_report_body_patterns``).
-BODY_FORMATS = ("fuse_linears",)
-
-
 def run_in_bodies(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Run the formats of ``BODY_FORMATS`` inside every higher-order-op body
-    of ``gm`` (nested bodies too), and write a skip record, with the reason,
-    for each pattern of the other formats found there."""
-    from .formats import registered_formats
-    from .passes import _cleanup
-
-    wanted = ctx.config.passes
-    formats = [f for f in registered_formats() if wanted is None or f.name in wanted]
+    """Run the formats that rewrite inside higher-order-op bodies
+    (``Format.in_bodies``: activation checkpointing, ``wrap``) in every body
+    of ``gm``, nested bodies too, and write a skip record, with the reason,
+    for each pattern the other formats find there."""
+    formats = [f for f in registered() if ctx.config.runs(f.name)]
+    inside = [f for f in formats if f.in_bodies]
     for hop in hop_bodies(gm):
         sub = BodyContext(ctx, hop)
         if hop.problem is not None:
             _report_body_patterns(sub, formats, hop.problem)
             continue
-        for fmt in formats:
-            if fmt.name in BODY_FORMATS and fmt.run(hop.body, sub) and not ctx.config.dry_run:
-                _cleanup(hop.body)
-        others = [f for f in formats if f.name not in BODY_FORMATS]
-        _report_body_patterns(sub, others, f"inside a {hop.op} region: wfpass rewrites only sibling linears "
-                                           f"there (this format is not applied inside it)")
+        for fmt in inside:
+            if fmt.run(hop.body, sub) and not ctx.config.dry_run:
+                cleanup(hop.body)
+        names = ", ".join(f.name for f in inside) or "no format"
+        _report_body_patterns(sub, [f for f in formats if not f.in_bodies],
+                              f"inside a {hop.op} region: wfpass runs only {names} there (this format is not "
+                              f"applied inside it)")
         run_in_bodies(hop.body, sub)
 
 
 def _report_body_patterns(ctx: BodyContext, formats, why: str) -> None:
-    """A skip record per pattern of ``formats`` in ``ctx``'s body (and the
+    """A skip record per match of ``formats`` in ``ctx``'s body (and the
     bodies nested in it), so that nothing inside a region wfpass does not
-    rewrite goes unmentioned."""
-    from collections import defaultdict
-
-    from .graph import linear_sites
-    from .passes.fp32_batchnorm import batchnorm_sites
-    from .passes.fuse_rnn import RNN_FUNCTIONS
-
-    names = {f.name for f in formats}
-    report = ctx.report
-
-    def named(nodes):
-        out = []
-        for a in nodes:
-            for n in (a if isinstance(a, (list, tuple)) else [a]):
-                r = ctx.resolve(n)
-                if r is not None and r.is_state and r.name not in out:
-                    out.append(r.name)
-        return out
-
-    if "fuse_linears" in names:
-        by_input = defaultdict(list)
-        for site in linear_sites(ctx):
-            by_input[site.x].append(site)
-        for sites in by_input.values():
-            if len(sites) >= 2:
-                report.add("linear", "skipped", f"{len(sites)} sibling linears {why}",
-                           named([a for s in sites for a in s.node.args[1:3]]), region=ctx.region)
-    if "fuse_rnn" in names:
-        for node in ctx.gm.graph.nodes:
-            if node.op == "call_function" and node.target in RNN_FUNCTIONS:
-                report.add("rnn", "skipped", f"RNN {why}", named(node.args), region=ctx.region)
-    if {"fp32_batchnorm", "fold_batchnorm"} & names:
-        for site in batchnorm_sites(ctx):
-            report.add("batchnorm", "skipped", f"BatchNorm {why}", site.names or [site.label], region=ctx.region)
+    rewrite goes unmentioned. The matchers only find: nothing is decided or
+    applied. Two formats of one pattern finding the same tensors (the
+    BatchNorm formats) give one row."""
+    seen = set()
     for fmt in formats:
-        targets = getattr(fmt, "targets", ())
-        if targets and fmt.name not in ("fuse_linears", "fuse_rnn", "fp32_batchnorm", "fold_batchnorm"):
-            for node in ctx.gm.graph.nodes:
-                if node.op == "call_function" and node.target in targets:
-                    report.add(fmt.pattern or fmt.name, "skipped", f"{node.name} {why}", named(node.args), region=ctx.region)
+        pattern = fmt.pattern or fmt.name
+        for m in fmt.matches(ctx.gm, ctx):
+            key = (pattern, tuple(m.params))
+            if key not in seen:
+                seen.add(key)
+                ctx.report.add(pattern, "skipped", why, m.params, region=ctx.region)
     for hop in hop_bodies(ctx.gm):
         _report_body_patterns(BodyContext(ctx, hop), formats, why)
 

@@ -79,6 +79,10 @@ class Format:
     pattern: str = ""
     before: Tuple[str, ...] = ()
     after: Tuple[str, ...] = ()
+    #: Runs inside the bodies of higher-order ops (activation checkpointing,
+    #: ``wrap``), whose parameters arrive as operands of the outer graph.
+    #: Other formats only report the patterns their ``matches`` find there.
+    in_bodies: bool = False
 
     def __init__(self, *, before: Sequence[str] = (), after: Sequence[str] = ()):
         # Constraints may be declared on the class or where the pipeline lists the format.

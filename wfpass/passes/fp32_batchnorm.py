@@ -263,7 +263,9 @@ class Fp32BatchNorm(Format):
         run = _Run(sites)
         for site in sites:
             yield BatchNormCall(site, run)
-        if ctx.is_dynamo:
+        if ctx.is_dynamo and ctx.region is None:
+            # BatchNorms Dynamo runs eagerly belong to the frame, not to a
+            # region inside its graph.
             yield from _eager_batchnorms(ctx)
 
     def guard(self, m: Match, ctx: PassContext) -> Optional[str]:

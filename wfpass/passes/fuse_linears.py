@@ -57,6 +57,10 @@ class FuseLinears(Format):
     """The sibling-linear format (see the module docstring)."""
 
     name, pattern = "fuse_linears", "linear"
+    # In a checkpointed region the block is read in the body, so the
+    # backward's recomputation reads it too; the layout check stays on the
+    # outer graph, whose placeholders the body's operands are.
+    in_bodies = True
 
     def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[Match]:
         grouped = set()
