@@ -199,7 +199,7 @@ def test_private_pattern_matches(line):
 # imports nothing else from wfpass.
 LAYERS = [
     ("private torch", ("wfpass._torch",)),
-    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.report", "wfpass.storage")),
+    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.records", "wfpass.storage")),
     ("graph", ("wfpass.graph", "wfpass.bodies")),
     ("runtime", ("wfpass.runtime",)),
     ("capture policy", ("wfpass.capture",)),
@@ -223,3 +223,15 @@ def test_every_module_imports_only_its_layer_or_below():
               for m, deps in GRAPH.items() for d in deps if _layer(d) > _layer(m)]
     assert not upward, "\n".join(upward)
     assert not {d for d in GRAPH["wfpass.pipeline"]}, "pipeline.py imports nothing else from wfpass"
+
+
+def test_no_public_name_is_a_submodule_name():
+    # ``import wfpass.x`` binds ``wfpass.x`` to the submodule: a public
+    # function of the same name would then depend on import order.
+    import pkgutil
+
+    import wfpass
+
+    subs = {m.name for m in pkgutil.iter_modules(wfpass.__path__)}
+    assert not subs & set(wfpass.__all__), subs & set(wfpass.__all__)
+    assert all(callable(getattr(wfpass, n)) for n in wfpass.__all__)

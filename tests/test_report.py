@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import wfpass
-from wfpass.report import Record, Report
+from wfpass.records import Record, Report
 
 transformers = pytest.importorskip("transformers")
 

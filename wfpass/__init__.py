@@ -20,10 +20,10 @@ def _load_api() -> None:
     from .compiler import backend, last_report
     from .config import Config, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
-    from .report import Record, Report
+    from .records import Record, Report
 
-    # ``backend`` and ``report`` are also submodule names: binding the
-    # functions last makes ``wfpass.backend(...)`` the function, as before.
+    # No public name is also a submodule's (tests/test_architecture.py checks),
+    # so importing a submodule never rebinds one of these.
     globals().update({k: v for k, v in locals().items() if k in __all__})
 
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .compiler import backend, last_report
     from .config import Config, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
-    from .report import Record, Report
+    from .records import Record, Report
 
 if _started_by_cli():
     def __getattr__(name: str):

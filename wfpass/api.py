@@ -11,7 +11,7 @@ from .compiler import _set_last, backend
 from .config import Config
 from .graph import PassContext
 from .passes import run_passes
-from .report import Report
+from .records import Report
 from .storage import overlaps, restore_tensor
 
 __all__ = ["apply", "explain", "report", "restore"]

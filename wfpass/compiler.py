@@ -26,7 +26,7 @@ from .bodies import BodyContext, hop_bodies
 from .graph import PassContext
 from .passes import run_passes
 from .pipeline import cleanup, registered
-from .report import Report, print_at_exit_if_asked
+from .records import Report, print_at_exit_if_asked
 from .runtime import _UNCOMPILED, file_report, guarded_call
 
 __all__ = ["backend", "wformat", "last_report"]

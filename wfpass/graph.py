@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ._torch import aot as _aot, distributed as _distributed, dynamo as _dynamo
 from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
-from .report import Report
+from .records import Report
 
 __all__ = ["PassContext", "TensorRef", "LinearSite", "linear_sites", "meta_value",
            "rows_of"]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ._torch import distributed as _distributed, tensors as _tensors
-from .report import Record, Report
+from .records import Record, Report
 from .storage import FusedStorage, _OWNER, first_sharing_problem, fuse, layout_of, layout_of_set, re_fuse
 
 __all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]

@@ -17,7 +17,7 @@ from .._torch import distributed as _distributed, dynamo as _dynamo
 from .._torch.kernels import BatchNorm as _BatchNorm
 from ..graph import PassContext
 from ..pipeline import Match
-from ..report import Record as _Record
+from ..records import Record as _Record
 from ..runtime import Group, note, note_uncompiled, unnote
 from ..storage import first_sharing_problem
 from .batchnorm import HALF, ROLES, bn_eager_pre_hook, to_fp32
