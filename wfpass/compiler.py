@@ -25,7 +25,7 @@ from .config import Config
 from .bodies import BodyContext, hop_bodies
 from .graph import PassContext
 from .passes import run_passes
-from .pipeline import cleanup, registered
+from .pipeline import registered, run_format
 from .records import Report, print_at_exit_if_asked
 from .runtime import _UNCOMPILED, file_report, guarded_call
 
@@ -145,8 +145,7 @@ def run_in_bodies(gm: fx.GraphModule, ctx: PassContext) -> None:
             _report_body_patterns(sub, formats, hop.problem)
             continue
         for fmt in inside:
-            if fmt.run(hop.body, sub) and not ctx.config.dry_run:
-                cleanup(hop.body)
+            run_format(fmt, hop.body, sub)
         names = ", ".join(f.name for f in inside) or "no format"
         _report_body_patterns(sub, [f for f in formats if not f.in_bodies],
                               f"inside a {hop.op} region: wfpass runs only {names} there (this format is not "

@@ -43,7 +43,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
-__all__ = ["Format", "Match", "drive", "run_passes", "cleanup", "check_order", "install_builtins", "append_format", "remove_format",
+__all__ = ["Format", "Match", "drive", "run_format", "run_passes", "cleanup", "check_order", "install_builtins", "append_format", "remove_format",
            "registered", "registered_names"]
 
 log = logging.getLogger("wfpass")
@@ -248,15 +248,17 @@ def cleanup(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def run_format(fmt: Format, gm: fx.GraphModule, ctx) -> int:
+    """One format over ``gm`` (a whole graph, or a higher-order op's body),
+    then the clean-up if it rewrote something; returns how many patterns."""
+    n = fmt.run(gm, ctx)
+    if n and not ctx.config.dry_run:
+        cleanup(gm)
+    log.debug("format %s rewrote %d pattern(s)", fmt.name, n)
+    return n
+
+
 def run_passes(gm: fx.GraphModule, ctx) -> Dict[str, int]:
     """Run the formats ``ctx.config`` selects, in pipeline order; returns
     how many patterns each rewrote."""
-    counts: Dict[str, int] = {}
-    for fmt in registered():
-        if not ctx.config.runs(fmt.name):
-            continue
-        counts[fmt.name] = fmt.run(gm, ctx)
-        if counts[fmt.name] and not ctx.config.dry_run:
-            cleanup(gm)
-        log.debug("format %s rewrote %d pattern(s)", fmt.name, counts[fmt.name])
-    return counts
+    return {fmt.name: run_format(fmt, gm, ctx) for fmt in registered() if ctx.config.runs(fmt.name)}

@@ -9,7 +9,7 @@ way: dead code eliminated, linted, recompiled (``pipeline.cleanup``).
 """
 from __future__ import annotations
 
-from ..pipeline import cleanup as _cleanup, install_builtins, run_passes
+from ..pipeline import install_builtins, run_passes
 from .fold_batchnorm import FoldBatchNorm
 from .fold_cells import FoldCells
 from .fp32_batchnorm import Fp32BatchNorm
