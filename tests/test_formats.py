@@ -140,3 +140,54 @@ def test_registry_errors():
 def test_examples_run(path):
     res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_driver_narrows_guards_and_applies_and_a_dry_run_only_decides():
+    """``pipeline.drive``: members a format's ``narrow`` leaves out get their
+    own skipped rows (passed to ``skipped``), the guard decides on the rest,
+    ``apply`` runs only for taken matches, and a dry run writes the plan
+    without applying."""
+    from wfpass import pipeline
+    from wfpass.records import Report
+
+    class Pair(pipeline.Match):
+        def __init__(self, members):
+            super().__init__(members, plan=f"would join {'+'.join(members)}")
+            self.members = members
+
+    class Joiner(pipeline.Format):
+        name, pattern = "joiner_for_test", "join"
+
+        def __init__(self):
+            super().__init__()
+            self.applied, self.skips = [], []
+
+        def matches(self, gm, ctx):
+            yield Pair(["a", "b", "tied"])  # "tied" is left out, the rest is joined
+            yield Pair(["c", "tied"])  # one member left: the guard refuses
+
+        def narrow(self, m, ctx):
+            keep = [p for p in m.members if p != "tied"]
+            return Pair(keep), [(Pair(["tied"]), "tied to another tensor")]
+
+        def guard(self, m, ctx):
+            return None if len(m.members) >= 2 else f"group of {len(m.members)}"
+
+        def skipped(self, m, record, ctx):
+            self.skips.append((tuple(m.params), record.reason))
+
+        def apply(self, m, ctx):
+            self.applied.append(tuple(m.members))
+            ctx.report.add("join", "rewritten", "joined", m.params)
+
+    for dry in (False, True):
+        fmt = Joiner()
+        ctx = type("Ctx", (), {"config": wfpass.Config(dry_run=dry), "report": Report(dry_run=dry)})()
+        assert pipeline.drive(fmt, None, ctx) == 1
+        rows = [(r.action, r.reason, tuple(r.params)) for r in ctx.report.records]
+        taken = ("would rewrite", "would join a+b [dry run]") if dry else ("rewritten", "joined")
+        assert rows == [("skipped", "tied to another tensor", ("tied",)), (*taken, ("a", "b")),
+                        ("skipped", "tied to another tensor", ("tied",)), ("skipped", "group of 1", ("c",))], rows
+        assert fmt.applied == ([] if dry else [("a", "b")])
+        assert fmt.skips == [(("tied",), "tied to another tensor"), (("tied",), "tied to another tensor"),
+                             (("c",), "group of 1")]
