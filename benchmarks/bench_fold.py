@@ -40,7 +40,7 @@ from typing import Callable, Dict, List
 import torch
 
 import wfpass
-from wfpass.ops.batchnorm import folded_params
+from wfpass.batchnorm.kernels import folded_params
 
 DT = torch.bfloat16
 

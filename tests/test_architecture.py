@@ -129,10 +129,10 @@ def _cycles(graph):
 
 
 def test_graph_finds_imports_inside_functions():
-    # The checker itself: ``api.restore`` imports wfpass.ops.batchnorm_eager
+    # The checker itself: ``api.restore`` imports wfpass.batchnorm.eager
     # inside a function (and api imports it nowhere else); ``from . import
     # capture as _capture`` is an edge to the submodule, not to the package.
-    assert "wfpass.ops.batchnorm_eager" in GRAPH["wfpass.api"]
+    assert "wfpass.batchnorm.eager" in GRAPH["wfpass.api"]
     assert "wfpass.capture" in GRAPH["wfpass.compiler"] and "wfpass" not in GRAPH["wfpass.compiler"]
     assert PRIVATE_LAYER in MODULES
 
@@ -203,7 +203,7 @@ LAYERS = [
     ("graph", ("wfpass.graph", "wfpass.bodies")),
     ("runtime", ("wfpass.runtime",)),
     ("capture policy", ("wfpass.capture",)),
-    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.ops")),
+    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
     ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.bench_report", "wfpass.bench_timing", "wfpass.demo", "wfpass.__main__")),
 ]

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import wfpass
-from wfpass.ops.batchnorm import held_in_fp32
+from wfpass.batchnorm.kernels import held_in_fp32
 
 HALF = (torch.bfloat16, torch.float16)
 # Relative (norm-wise) error allowed between a half model and an fp32 one.

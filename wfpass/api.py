@@ -85,7 +85,7 @@ def restore(model: torch.nn.Module) -> int:
     object, or overlapping bytes) stay tied. Returns how many tensors moved."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
-    from .ops.batchnorm_eager import drop_eager_hook
+    from .batchnorm.eager import drop_eager_hook
     from .passes.fuse_rnn import unname_errors
 
     for m in model.modules():

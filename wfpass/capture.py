@@ -118,7 +118,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
 def install_item_break_probe(note_item_break: Callable) -> None:
     """Tell the user which BatchNorm (``momentum=None``) stops a compile for
     a wformat backend: ``note_item_break(module, path, config)``
-    (``ops.batchnorm_eager.note_item_break``)."""
+    (``batchnorm.eager.note_item_break``)."""
 
     def hook(module, source_name: str, compiler_fn) -> None:
         config = wformat_config(compiler_fn)

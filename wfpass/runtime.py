@@ -194,7 +194,7 @@ _UNCOMPILED: List[Any] = []
 
 def note_uncompiled(record: Any) -> None:
     """A record about a graph break that may leave nothing compiled
-    (``ops.batchnorm_eager.note_item_break``): ``last_report()`` shows it until
+    (``batchnorm.eager.note_item_break``): ``last_report()`` shows it until
     the next graph is compiled."""
     _UNCOMPILED.append(record)
 

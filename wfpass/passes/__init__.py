@@ -24,8 +24,9 @@ BUILTIN_FORMATS: tuple = (
     FoldCells(before=("fuse_rnn",)),
     FuseRnn(),
     Fp32BatchNorm(),
-    # fold_batchnorm finds BatchNorms with fp32_batchnorm's matcher and looks
-    # through the wrapper fp32_batchnorm puts around the ones it rewrote.
+    # fold_batchnorm finds BatchNorms with the matcher it shares with
+    # fp32_batchnorm (wfpass/batchnorm/match.py), which looks through the
+    # wrapper fp32_batchnorm puts around the ones it rewrote.
     FoldBatchNorm(after=("fp32_batchnorm",)),
 )
 install_builtins(BUILTIN_FORMATS)

@@ -1,7 +1,7 @@
 """The fp32_batchnorm format for BatchNorms Dynamo runs eagerly, outside
 every graph (``momentum=None`` in training), and the note that tells the
 user which BatchNorm stopped a compile. See "BatchNorms Dynamo runs eagerly"
-in ``wfpass.passes.fp32_batchnorm``: its format yields ``eager_batchnorms``'
+in ``wfpass/passes/fp32_batchnorm.py``: its format yields ``eager_batchnorms``'
 matches (``EagerBatchNorm``) after the graph's own and hands them to
 ``eager_guard`` and ``eager_apply``."""
 from __future__ import annotations
@@ -9,42 +9,21 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 from .._torch import distributed as _distributed, dynamo as _dynamo
-from .._torch.kernels import BatchNorm as _BatchNorm
 from ..graph import PassContext
 from ..pipeline import Match
 from ..records import Record as _Record
 from ..runtime import Group, note, note_uncompiled, unnote
 from ..storage import first_sharing_problem
-from .batchnorm import HALF, ROLES, bn_eager_pre_hook, to_fp32
+from .fp32 import ddp_problem, dtype_name
+from .kernels import HALF, ROLES, bn_eager_pre_hook, to_fp32
+from .match import is_module_bn
 
-__all__ = ["EagerBatchNorm", "eager_batchnorms", "eager_guard", "eager_apply", "drop_eager_hook", "note_item_break", "is_module_bn", "ddp_problem", "dtype_name"]
-
-
-def is_module_bn(mod: Any) -> bool:
-    # symbolic_trace keeps torch.nn's own modules as leaves; a user subclass is
-    # traced through to F.batch_norm, so only torch.nn classes reach us here.
-    return isinstance(mod, _BatchNorm) and type(mod).__module__.startswith("torch.nn")
-
-
-def dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def ddp_problem(tensors: List[torch.Tensor], held: set) -> Optional[str]:
-    """Why these tensors' dtype must stay, if they belong to the
-    DistributedDataParallel being compiled (``held``: ``_distributed.ddp_tensors()``,
-    read once per pass)."""
-    if not any(id(t) in held for t in tensors):
-        return None
-    return ("held by the DistributedDataParallel being compiled, which was built while they were half precision: "
-            "its reducer hooks each Parameter's gradient accumulator, and changing the dtype replaces it, so the "
-            "gradients would no longer be all-reduced. Take the format before wrapping (one compiled call of the "
-            "model, then DDP(model)), or move the BatchNorm to fp32 yourself")
+__all__ = ["EagerBatchNorm", "eager_batchnorms", "eager_guard", "eager_apply", "drop_eager_hook", "note_item_break"]
 
 
 # -- BatchNorms that Dynamo runs eagerly ----------------------------------------
@@ -80,7 +59,7 @@ class EagerBatchNorm(Match):
 def eager_batchnorms(ctx: PassContext) -> Iterator[EagerBatchNorm]:
     """The BatchNorms Dynamo runs eagerly among the modules the frame being
     compiled can reach, each once (see "BatchNorms Dynamo runs eagerly" in
-    ``wfpass.passes.fp32_batchnorm``). Leaves out, without a row, the ones
+    ``wfpass/passes/fp32_batchnorm.py``). Leaves out, without a row, the ones
     with nothing to do: fp32 already, already hooked, or read by this graph
     after all (those are the graph's own BatchNorm matches)."""
     in_graph = {id(r.tensor) for r in ctx.state_tensors()}

@@ -1,1 +1,0 @@
-"""Runtime kernels, one file per format."""
