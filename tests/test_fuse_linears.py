@@ -262,7 +262,7 @@ def test_cycle_check_detects_data_dependence():
     assert _fusion_keeps_dag(dep, [a, c])
 
 
-def test_layout_lost_refuses_or_falls_back():
+def test_layout_lost_re_fuses_or_falls_back():
     torch.manual_seed(0)
     model = QKV(k_bias=True)
     ref = copy.deepcopy(model)
@@ -273,7 +273,7 @@ def test_layout_lost_refuses_or_falls_back():
     # 1. param.data replaced: re-fused on the next call, counted.
     model.q.weight.data = model.q.weight.data.clone()
     torch.testing.assert_close(compiled(x), ref(x))
-    assert rec.stats["refused"] == 1 and rec.stats["fallback_calls"] == 0
+    assert rec.stats["re_fused"] == 1 and rec.stats["fallback_calls"] == 0
     assert model.q.weight.untyped_storage().data_ptr() == model.k.weight.untyped_storage().data_ptr()
     # 2. replaced by a tensor the user still holds: re-fusing would untie it,
     #    so this call concatenates (counted) and stays right.
@@ -396,7 +396,7 @@ def test_entry_point_without_import(tmp_path):
 @pytest.mark.parametrize("flavour", ["compile", "apply"])
 def test_split_path_layout_lost_comes_back_and_is_counted(flavour):
     """The split path's GEMMs read each member's own tensor, so nothing reads
-    the block; a per-call check still brings a lost layout back (refused)."""
+    the block; a per-call check still brings a lost layout back (re_fused)."""
     torch.manual_seed(0)
     model = QKV(k_bias=True)
     ref = copy.deepcopy(model)
@@ -414,7 +414,7 @@ def test_split_path_layout_lost_comes_back_and_is_counted(flavour):
     assert fused_storage_of(model.q.weight) is None or not fused_storage_of(model.q.weight).is_member(model.q.weight)
     torch.testing.assert_close(fn(x), ref(x))
     # Two blocks came back: the weights' and the biases'.
-    assert rec.stats["refused"] == 2 and not rec.stats.get("unfused_layout_calls")
+    assert rec.stats["re_fused"] == 2 and not rec.stats.get("unfused_layout_calls")
     assert model.q.weight.untyped_storage().data_ptr() == model.v.weight.untyped_storage().data_ptr()
 
 

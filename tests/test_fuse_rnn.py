@@ -438,7 +438,7 @@ def test_dynamic_lengths(inner):
 # -- layout lost ----------------------------------------------------------------
 
 
-def test_layout_lost_after_dtype_round_trip_is_refused_and_counted():
+def test_layout_lost_after_dtype_round_trip_is_re_fused_and_counted():
     model = Net(nn.LSTM, num_layers=2)
     ref = copy.deepcopy(model)
     fn = wformat()(model)
@@ -451,7 +451,7 @@ def test_layout_lost_after_dtype_round_trip_is_refused_and_counted():
     assert fused_storage_of(model.rnn.weight_ih_l0) is None  # .to() gave every parameter its own storage
     out = fn(x)  # the float32 graph again: its prologue re-fuses
     # Two real losses, each re-fused: by the float64 graph, then the float32 one.
-    assert rec.stats.get("refused") == 2, rec.stats
+    assert rec.stats.get("re_fused") == 2, rec.stats
     torch.testing.assert_close(out, ref(x))
     assert fused_storage_of(model.rnn.weight_ih_l0) is not None
 
@@ -474,7 +474,7 @@ def test_layout_lost_with_shared_storage_falls_back_and_counts():
     assert keep.data_ptr() == model.rnn.weight_hh_l1.data_ptr()
 
 
-def test_fallback_counter_and_refuse_counter_on_records():
+def test_fallback_counter_and_re_fuse_counter_on_records():
     model = Net(nn.GRU)
     fn = wformat()(model)
     x = torch.randn(7, 3, 5)
@@ -483,10 +483,10 @@ def test_fallback_counter_and_refuse_counter_on_records():
     keep = model.rnn.weight_ih_l0.data.clone()
     model.rnn.weight_ih_l0.data = keep  # layout lost, and ``keep`` shares the new storage
     fn(x)
-    assert rec.stats["unfused_layout_calls"] == 1 and rec.stats["refused"] == 0, rec.stats
+    assert rec.stats["unfused_layout_calls"] == 1 and rec.stats["re_fused"] == 0, rec.stats
     del keep
     fn(x)  # nothing else holds the storage now: re-fused
-    assert rec.stats["refused"] == 1, rec.stats
+    assert rec.stats["re_fused"] == 1, rec.stats
 
 
 # -- skipped and other backends -------------------------------------------------

@@ -168,7 +168,7 @@ def test_half_float_and_apply_replacing_data():
     ref.apply(renew)
     torch.testing.assert_close(c(x), ref(x))
     (rec,) = wfpass.last_report().find("linear", "rewritten")
-    assert rec.stats["refused"] == 2 and rec.stats["fallback_calls"] == 0
+    assert rec.stats["re_fused"] == 2 and rec.stats["fallback_calls"] == 0
     assert model.gate.weight.untyped_storage().data_ptr() == model.up.weight.untyped_storage().data_ptr()
 
 
@@ -321,7 +321,7 @@ def test_embedding_tied_to_output_projection_in_a_fused_group(how, tmp_path):
         m.float()
     _assert_tied(model)
     _assert_same_training(model, fn, ref, opt, ropt)
-    assert rec.stats.get("refused", 0) >= 1, rec.stats
+    assert rec.stats.get("re_fused", 0) >= 1, rec.stats
     assert_fused()
 
     # Checkpoint round trip: the file holds the tie (two keys, one storage) as

@@ -265,7 +265,7 @@ def test_regional_compilation_fuses_each_layer_once(inner):
     linear = rep.find("linear", "rewritten")
     assert len(linear) == len(model.layers)  # q, k, v, gate and up read one x: one group per layer
     for rec in linear:
-        assert rec.stats["refused"] == 0 and rec.stats["fallback_calls"] == 0, rec
+        assert rec.stats["re_fused"] == 0 and rec.stats["fallback_calls"] == 0, rec
         assert rec.stats["fused_calls"] == 4, rec
     names = {n for rec in linear for n in rec.params}
     assert {f"layers.{i}.q.weight" for i in range(4)} <= names
@@ -295,10 +295,10 @@ def test_set_that_cannot_be_fused_takes_the_original_graph():
     assert keep.data_ptr() == k.data_ptr()  # still tied to the user's alias
     by_layer = {r.params[0].split(".")[1]: r for r in wfpass.report(model).find("linear", "rewritten")}
     assert by_layer["0"].stats["fused_calls"] == 3 and by_layer["0"].stats["fallback_calls"] == 0
-    assert by_layer["1"].stats["fallback_calls"] == 2 and by_layer["1"].stats["refused"] == 0
+    assert by_layer["1"].stats["fallback_calls"] == 2 and by_layer["1"].stats["re_fused"] == 0
     del keep
     model(torch.randn(1, 2, 32))  # nothing else holds k's storage now: re-fused
-    assert by_layer["1"].stats["refused"] == 1
+    assert by_layer["1"].stats["re_fused"] == 1
 
 
 # -- state owned by what it describes --------------------------------------------

@@ -79,7 +79,7 @@ class GroupSite:
                 return fs
             # Our own layout, lost: ``param.data = ...``, ``.to()`` and back.
             if self._movable(members, others) is None and re_fuse(fs, members):
-                fs.record.bump("refused")
+                fs.record.bump("re_fused")
                 return fs
             return None
         for m in members:
@@ -99,7 +99,7 @@ class GroupSite:
         if replaced:
             # The set this site ran with before is gone (``load_state_dict(
             # assign=True)`` brings new Parameter objects): that is a re-fuse.
-            record.bump("refused")
+            record.bump("re_fused")
         self._last = weakref.ref(fs)
         note(record, self.names, members)
         if self.extra_idx and args:

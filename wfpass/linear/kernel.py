@@ -152,7 +152,7 @@ class EagerBlock(_EagerSite):
 class EagerLayoutCheck(_EagerSite):
     """``wfpass.apply`` graphs on the split path: the GEMMs read each member,
     so nothing needs the block; a lost layout is re-fused here (counted
-    ``refused``), or the call goes on as it is (``unfused_layout_calls``)."""
+    ``re_fused``), or the call goes on as it is (``unfused_layout_calls``)."""
 
     _wfpass_keep = True  # run for its effect: dead-code elimination keeps it
 

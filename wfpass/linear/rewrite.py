@@ -35,7 +35,7 @@ def reuse_layout(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]
     if fs.holds(tensors) or not re_fuse(fs, tensors):
         return None
     if fs.record is not None:
-        fs.record.bump("refused")
+        fs.record.bump("re_fused")
     return fs
 
 
@@ -79,7 +79,7 @@ def rewrite_group(gm: fx.GraphModule, ctx: PassContext, m: LinearGroup) -> None:
     counters = {"fused": ("fused_calls",), "split": ("split_calls",)}[path]
     if biases and not fuse_biases and path == "fused":
         counters += ("bias_cat_calls",)
-    for c in counters + ("fallback_calls", "refused"):
+    for c in counters + ("fallback_calls", "re_fused"):
         record.stats.setdefault(c, 0)
     wsite = GroupSite("linear.weight", layout.weight_key, [ctx.placeholder_index(n) for n in w_nodes] if dynamo else (),
                       wnames, w_offsets, layout.total * layout.in_features, record, counters, reads_block=path == "fused")

@@ -117,7 +117,7 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
             # sees the storage offsets Dynamo traced.
             def re_fuse_later(fs=existing) -> None:
                 if re_fuse(fs, ws):
-                    fs.record.bump("refused")
+                    fs.record.bump("re_fused")
 
             ctx.defer(re_fuse_later)
     else:
@@ -128,7 +128,7 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
         else:
             note = f"weights moved into one flat block of {spec.numel} elements"
         record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
-    for k in ("fallback_calls", "refused"):
+    for k in ("fallback_calls", "re_fused"):
         record.stats.setdefault(k, 0)
     kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
     site = GroupSite(kind, key, (), names, spec.offsets, spec.numel, record, (), reads_block=False)
