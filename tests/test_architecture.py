@@ -235,3 +235,27 @@ def test_no_public_name_is_a_submodule_name():
     subs = {m.name for m in pkgutil.iter_modules(wfpass.__path__)}
     assert not subs & set(wfpass.__all__), subs & set(wfpass.__all__)
     assert all(callable(getattr(wfpass, n)) for n in wfpass.__all__)
+
+
+def test_layer_list_matches_the_picture_in_architecture_md():
+    # The picture in docs/architecture.md is the newcomer's map: each layer's
+    # line there names the same modules as LAYERS here, in the same order.
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    picture = text.split("## Layers", 1)[1].split("```", 2)[1]
+    lines = {}
+    for line in picture.strip().splitlines():
+        label, files = line[:15].strip(), line[15:].split()
+        lines[label] = files
+    doc_order = list(lines)[::-1]  # drawn top (tools) to bottom
+    assert doc_order == [name for name, _ in LAYERS], doc_order
+
+    def drawn(mod: str) -> str:
+        if mod == "wfpass":
+            return "__init__.py"
+        last = mod.rsplit(".", 1)[1]
+        return f"{last}/" if (ROOT / last).is_dir() else f"{last}.py"
+
+    for name, prefixes in LAYERS:
+        want = {drawn(p) for p in prefixes if p != "wfpass.__main__"}
+        got = {f for f in lines[name] if f.endswith((".py", "/"))}
+        assert want == got, (name, sorted(want ^ got))
