@@ -100,7 +100,7 @@ class ParamFormat(Format):
         tensors = {role: r.tensor for role, r in m.refs.items()}
         if all(undo_registered(t) for t in tensors.values()):
             return "already in this format"
-        others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+        others = ctx.named_state()
         # unmovable first: a DTensor/FSDP2 tensor never reaches the format's own check.
         return move_problem([(r.name, r.tensor) for r in m.refs.values()], others, lambda: self.check(m.node, tensors))
 

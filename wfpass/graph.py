@@ -237,6 +237,11 @@ class PassContext:
             self._state_cache = out
         return self._state_cache
 
+    def named_state(self) -> List[tuple]:
+        """``(name, tensor)`` of every ``state_tensors()`` entry: the
+        "others" every sharing check compares a tensor against."""
+        return [(r.name, r.tensor) for r in self.state_tensors()]
+
     def written_state(self) -> Dict[fx.Node, str]:
         """Graph inputs and attributes this graph writes in place (``mutated_state``)."""
         return mutated_state(self.gm)

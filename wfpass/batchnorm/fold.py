@@ -72,17 +72,10 @@ _BN_TENSORS = ("running_mean", "running_var", "weight", "bias")
 
 class _Run:
     """What one run's matches share: the tensors the graph writes in place
-    (read before any fold), and every named tensor (read when the first
-    match needs it)."""
+    (read before any fold)."""
 
     def __init__(self, ctx: PassContext):
         self.written = ctx.written_state()
-        self._others: Optional[list] = None
-
-    def others(self, ctx: PassContext) -> list:
-        if self._others is None:
-            self._others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        return self._others
 
 
 class FoldSite(Match):
@@ -183,7 +176,7 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
         if ctx.is_dynamo and any(isinstance(n, fx.Node) and unwrap(n).op != "placeholder" for n in srcs):
             return "the conv/BatchNorm tensors are not all inputs of this Dynamo graph"
     layer_names = [w_name] + ([b_name] if b_t is not None else [])
-    others = m.run.others(ctx)
+    others = ctx.named_state()
     # A DTensor, another subclass or an FSDP2 parameter: not a tie, and
     # never folded (the fold would compute on one rank's shard).
     bn_tensors = [(site.refs[r].name, site.refs[r].tensor) for r in _BN_TENSORS if site.present[r]]

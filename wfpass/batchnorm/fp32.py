@@ -79,18 +79,11 @@ def _other_reader(ctx: PassContext, site: BNSite, roles: List[str], bn_nodes) ->
 
 class _Run:
     """What one run's matches share: the DistributedDataParallel's tensors
-    and the graph's batch norms (read once per pass, not per BatchNorm), and
-    every named tensor (read when the first match needs it)."""
+    and the graph's batch norms (read once per pass, not per BatchNorm)."""
 
     def __init__(self, sites: List[BNSite]):
         self.ddp_held = _distributed.ddp_tensors()
         self.bn_nodes = {site.node for site in sites}
-        self._others: Optional[list] = None
-
-    def others(self, ctx: PassContext) -> list:
-        if self._others is None:
-            self._others = [(r.name, r.tensor) for r in ctx.state_tensors()]
-        return self._others
 
 
 class BatchNormCall(Match):
@@ -147,7 +140,7 @@ def call_problem(m: BatchNormCall, ctx: PassContext) -> Optional[str]:
             return f"weight/bias/statistics are already float32 ({ctx_note}); the mixed kernel already runs with {in_note} input, nothing to change"
         return f"tensors are {sorted(dtype_name(d) for d in dtypes)}, not fp16/bf16: not this format"
 
-    problem = first_sharing_problem([(site.refs[r].name, tensors[r]) for r in half], m.run.others(ctx))
+    problem = first_sharing_problem([(site.refs[r].name, tensors[r]) for r in half], ctx.named_state())
     problem = problem or ddp_problem([tensors[r] for r in half], m.run.ddp_held)
     if problem:
         return problem

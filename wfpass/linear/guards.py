@@ -57,7 +57,7 @@ def storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int,
     """The members whose weight or bias shares storage with another tensor
     (a tie, an alias the user holds). Tensors already fused by wfpass are
     fine only where they sit in this very group's block (a re-run)."""
-    others = [(r.name, r.tensor) for r in ctx.state_tensors()]
+    others = ctx.named_state()
     group_tensors = [s.weight.tensor for s in sites] + [s.bias.tensor for s in sites if s.has_bias]
     problems = {}
     for i, s in enumerate(sites):

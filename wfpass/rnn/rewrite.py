@@ -108,7 +108,7 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
     else:
         # The RNN's own weights may already share one buffer (CUDA:
         # PyTorch's flatten_parameters): that is not a tie.
-        why = first_sharing_problem(zip(names, ws), [(r.name, r.tensor) for r in ctx.state_tensors()], allowed=ws)
+        why = first_sharing_problem(zip(names, ws), ctx.named_state(), allowed=ws)
     if existing is not None and existing.record is not None and why is None:
         record = existing.record  # the same parameters in another graph: one record
         ctx.report.records.append(record)
