@@ -14,8 +14,7 @@ real tensor plus its qualified name) so a pass never needs to know the flavour.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,9 +25,11 @@ from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
 from .records import Report
 
-__all__ = ["PassContext", "TensorRef", "LinearSite", "linear_sites", "meta_value",
-           "rows_of"]
+__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "mutated_state"]
 
+#: What Dynamo and symbolic_trace graphs call for ``nn.Linear`` / ``F.linear``
+#: (the sibling-linear matcher, the BatchNorm fold and the report of layers
+#: that already hold Q/K/V in one weight read calls of these).
 LINEAR_TARGETS = (_aten_linear, F.linear, torch.ops.aten.linear.default)
 
 
@@ -264,56 +265,6 @@ def meta_value(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return None
     return node.meta.get("val", node.meta.get("example_value"))
-
-
-def rows_of(x: fx.Node) -> Optional[int]:
-    """M, the number of rows a linear over ``x`` multiplies; None if unknown or symbolic."""
-    v = meta_value(x)
-    shape = getattr(v, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return int(math.prod(int(s) for s in shape[:-1]))
-    except (TypeError, ValueError, RuntimeError):
-        return None  # a SymInt that is not static
-
-
-@dataclasses.dataclass
-class LinearSite:
-    """A linear call ``y = x @ W.T + b`` in any flavour."""
-
-    node: fx.Node
-    x: fx.Node
-    weight: Optional[TensorRef]
-    bias: Optional[TensorRef]
-    has_bias: bool
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.tensor.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.tensor.shape[1]
-
-
-def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
-    """Every linear in the graph whose input is a node. Weights that cannot be
-    resolved to a tensor come back with ``weight=None`` so the pass can report why."""
-    for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in LINEAR_TARGETS:
-            x = node.args[0] if node.args else node.kwargs.get("input")
-            w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            if not isinstance(x, fx.Node):
-                continue
-            yield LinearSite(node, x, ctx.resolve(w), ctx.resolve(b), b is not None)
-        elif node.op == "call_module":
-            mod = ctx.module_of(node)
-            if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
-                w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
-                b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
-                yield LinearSite(node, node.args[0], w, b, mod.bias is not None)
 
 
 # -- in-graph mutation of parameters ----------------------------------------------

@@ -11,9 +11,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import networkx as nx
 import torch.fx as fx
 
-from ..graph import LinearSite, PassContext, rows_of
+from ..graph import PassContext
 from ..storage import first_sharing_problem, fused_storage_of
-from .match import LinearGroup, site_params
+from .match import LinearGroup, LinearSite, rows_of, site_params
 
 __all__ = ["narrow_group", "group_problem", "choose_path", "fusion_keeps_dag"]
 
