@@ -1,10 +1,10 @@
 """The format registry: how wfpass learns a layout, built-in or yours.
 
-In the spirit of the weight-format proposal (shared/seeds/000): a format says
-how to move a layer's parameters into the backend's layout (``to_format``),
-how to undo it (``from_format``) and how to compute with it (the graph it
-leaves or the kernel it calls). wfpass's own formats, fused sibling linears,
-flat RNN weights and fp32 BatchNorm, are the head of the same pipeline
+A format says how to move a layer's parameters into the backend's layout
+(``to_format``), how to undo it (``from_format``) and how to compute with
+it (the graph it leaves or the kernel it calls). wfpass's own formats
+(fused sibling linears; cell loops folded, flat RNN weights; fp32
+BatchNorm, BatchNorm folding) are the head of the same pipeline
 (``wfpass/pipeline.py``); a registered format is appended after them.
 
 A user format for one kind of node is a :class:`ParamFormat`::

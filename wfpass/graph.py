@@ -1,12 +1,13 @@
 """One view of the graphs wfpass rewrites.
 
-Three flavours reach the passes:
+Two flavours reach the passes:
 
 * Dynamo graphs: parameters and buffers are ``placeholder`` nodes; the real
   tensors are the backend's ``example_inputs`` and Dynamo's ``grapharg`` names
   the module attribute each came from.
 * ``torch.fx.symbolic_trace`` graphs: ``call_module`` nodes and ``get_attr``.
-* Either of them with functional calls (``F.linear``, ``torch._C._nn.linear``).
+
+Either may call layers functionally (``F.linear``, ``torch._C._nn.linear``).
 
 :class:`PassContext` resolves any node argument to a :class:`TensorRef` (the
 real tensor plus its qualified name) so a pass never needs to know the flavour.

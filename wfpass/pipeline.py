@@ -23,7 +23,9 @@ one function), or gives the three steps the driver runs for it:
     to another module: two go on). Decides; changes nothing.
 ``guard(match, ctx)``
     the reason to leave this match alone (the text of its ``skipped`` row),
-    or None to take it. A guard decides; it changes nothing.
+    or None to take it. A guard decides: it changes nothing in the graph or
+    the tensors; on a match it takes it may record what it decided (the
+    plan, the path, the row's details) on the match, for ``apply``.
 ``apply(match, ctx)``
     the rewrite, and its ``rewritten`` row (which may be a record shared
     with another graph of the same parameters).

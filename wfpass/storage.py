@@ -356,12 +356,13 @@ def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torc
     return None
 
 
-# -- the guard sequence every format runs before it moves tensors --------------
+# -- the sharing checks before a format moves tensors ---------------------------
 #
 # ``unmovable`` first, over all the tensors: a DTensor or FSDP2 tensor never
 # reaches a format's own check (which may read its data). Then the format's
-# own check, then ``sharing_problem`` over all of them. Each returns the first
-# reason, which becomes the ``skipped`` row of the report.
+# own check, then ``sharing_problem`` over all of them (``move_problem``, what
+# ``ParamFormat`` runs; the built-in formats call the pieces they need). Each
+# returns the first reason, which becomes the ``skipped`` row of the report.
 
 
 def first_unmovable(named: Iterable[Tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:

@@ -1,7 +1,8 @@
 """The sibling-linear format's guards: which members of a group are left
 out (``narrow_group``), whether the rest is fused (``group_problem``), and
 on which path (``choose_path``). Each reason is the text of a ``skipped``
-row; nothing here changes the graph or a tensor.
+row; nothing here changes the graph or a tensor (a taken group gets its
+path, sorted members and plan recorded on the match, for the rewrite).
 """
 from __future__ import annotations
 

@@ -36,12 +36,14 @@ Dynamo graphs, the BatchNorms Dynamo runs eagerly (below, ``eager.py``);
 fp32 (a recompile, a second ``wfpass.apply``) is taken with nothing to
 rewrite: its ``rewritten`` row says so (``idempotent=True``).
 
-Guards, each a skip record when it fails: the input is fp16/bf16 (fp32 input:
-nothing to do); the tensors are not already fp32 (autocast with fp32
-parameters runs the mixed kernel already); every tensor resolves to a
-Parameter/buffer of the model; none shares storage with another tensor;
-none belongs to a DistributedDataParallel whose forward is being compiled
-(its reducer's hooks would be lost with the dtype: ``ddp_problem``); nothing
+Guards, in the order ``fp32.call_problem`` checks them, each a skip record
+when it fails: the BatchNorm has a weight, bias or statistics at all; every
+tensor resolves to a Parameter/buffer of the model; the input is fp16/bf16
+(fp32 input: nothing to do); the tensors are not already fp32 (autocast
+with fp32 parameters runs the mixed kernel already); none shares storage
+with another tensor; none belongs to a DistributedDataParallel whose
+forward is being compiled (its reducer's hooks would be lost with the
+dtype: ``ddp_problem``); in a Dynamo graph each is a graph input; nothing
 but batch norms reads them in this graph (it would see fp32).
 
 BatchNorms Dynamo runs eagerly. A BatchNorm with ``momentum=None`` in

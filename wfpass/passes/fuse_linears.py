@@ -15,8 +15,9 @@ The parameters are moved into the block when the graph is compiled; another
 parameter set meeting the same graph is moved on its first call
 (``runtime.guarded_call``).
 
-On the split path (large M, where one GEMM gains nothing here) the graph is
-left as it was; the storage is fused either way, which costs nothing and lets
+On the split path (large M, where one GEMM gains nothing here) a Dynamo
+graph is left as it was (a ``symbolic_trace`` graph gets a layout check in
+front of the linears: ``EagerLayoutCheck``); the storage is fused either way, which costs nothing and lets
 each shape take the faster path.
 
 The steps ``pipeline.drive`` runs:

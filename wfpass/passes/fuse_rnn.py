@@ -40,8 +40,8 @@ from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
 from ..rnn.rewrite import rewrite_call
 
-# ``name_errors`` / ``unname_errors`` / ``RNN_FUNCTIONS`` are imported from
-# here by ``wfpass.capture``, ``api`` and ``compiler``.
+# ``wfpass.api.restore`` imports ``unname_errors`` from here; the capture
+# policy gets ``name_errors`` and ``note_seen`` through the call below.
 __all__ = ["FuseRnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
 
 # Let Dynamo put RNN modules into the graph for wformat backends only.

@@ -3,10 +3,10 @@
 Graph after ``fuse_rnn`` (Dynamo flavour, a 2-layer ``nn.LSTM`` on the CPU,
 T > ``seq_threshold``)::
 
-    out, h_n, c_n = rnn_forward[mkldnn](x, [h0, c0], w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)
+    out, h_n, c_n = rnn_mkldnn(x, [h0, c0], w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)
 
-``rnn_forward`` is a callable object holding the RNN's spec and the path the
-pass chose; AOTAutograd traces it like any Python function, into ATen ops
+``rnn_mkldnn`` is an ``RnnForward``: a callable object holding the RNN's
+spec and the path the pass chose (its name in the graph says which); AOTAutograd traces it like any Python function, into ATen ops
 that carry their own derivative formulas:
 
 * ``mkldnn``: ``aten.mkldnn_rnn_layer`` per layer and direction, the kernel
