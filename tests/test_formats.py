@@ -191,3 +191,55 @@ def test_driver_narrows_guards_and_applies_and_a_dry_run_only_decides():
         assert fmt.applied == ([] if dry else [("a", "b")])
         assert fmt.skips == [(("tied",), "tied to another tensor"), (("tied",), "tied to another tensor"),
                              (("c",), "group of 1")]
+
+
+def test_user_format_with_in_bodies_runs_inside_a_checkpointed_region():
+    """``in_bodies = True`` on a user format: its convs inside
+    ``torch.utils.checkpoint`` are rewritten there (the parameters take the
+    format, the row names the region), forward and every grad equal eager;
+    without it they are left with a skipped row naming the region."""
+    import torch.utils.checkpoint as cp
+
+    from wftest import assert_same_fwd_bwd
+
+    class ChannelsLast(wfpass.ParamFormat):
+        name = "channels_last_in_bodies_for_test"
+        targets = (torch.conv2d,)
+        roles = ("weight",)
+
+        def to_format(self, t):
+            return t.contiguous(memory_format=torch.channels_last)
+
+        def from_format(self, t):
+            return t.contiguous()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.d = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+
+        def body(self, x):
+            return self.d(torch.relu(self.c(x)))
+
+        def forward(self, x):
+            return cp.checkpoint(self.body, x, use_reentrant=False)
+
+    for inside in (True, False):
+        fmt = type("F", (ChannelsLast,), {"in_bodies": inside})()
+        wfpass.register_format(fmt)
+        try:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = Net()
+            be = wfpass.backend(inner="aot_eager", passes=(fmt.name,))
+            assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=be), [torch.randn(2, 3, 8, 8)])
+            rows = [r for r in wfpass.report(model) if r.pattern == fmt.name]
+            assert {tuple(r.params) for r in rows} == {("c.weight",), ("d.weight",)}, rows
+            if inside:
+                assert all(r.action == "rewritten" for r in rows), rows
+                assert model.c.weight.is_contiguous(memory_format=torch.channels_last)
+            else:
+                assert all(r.action == "skipped" and "tag_activation_checkpoint" in r.reason for r in rows), rows
+                assert model.c.weight.is_contiguous()
+        finally:
+            wfpass.unregister_format(fmt.name)
