@@ -26,7 +26,7 @@ from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
 from .records import Report
 
-__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "mutated_state"]
+__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "mutated_state", "node_arg", "set_node_arg"]
 
 #: What Dynamo and symbolic_trace graphs call for ``nn.Linear`` / ``F.linear``
 #: (the sibling-linear matcher, the BatchNorm fold and the report of layers
@@ -259,6 +259,20 @@ def _getattr_path(root: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def node_arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` of a call, named ``name`` when passed by keyword."""
+    return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+
+
+def set_node_arg(node: fx.Node, i: int, name: str, value: Any) -> None:
+    """Replace argument ``i`` (``name`` by keyword) where the call passed it,
+    or add it as a keyword."""
+    if i < len(node.args):
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
 
 
 def meta_value(node: Any) -> Any:

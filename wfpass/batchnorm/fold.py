@@ -5,13 +5,12 @@ before and after are described in ``wfpass/passes/fold_batchnorm.py``.
 from __future__ import annotations
 
 import operator
-
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, meta_value
+from ..graph import LINEAR_TARGETS, PassContext, meta_value, node_arg, set_node_arg
 from ..pipeline import Match
 from ..runtime import Bound, Group, note
 from ..storage import first_sharing_problem, first_unmovable, sharing_problem
@@ -23,17 +22,6 @@ __all__ = ["FoldSite", "fold_sites", "refusal", "fold"]
 
 CONV_TARGETS = (torch.conv1d, torch.conv2d, torch.conv3d)
 CONV_MODULES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-
-
-def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
-    return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
-
-
-def _set_arg(node: fx.Node, i: int, name: str, value: Any) -> None:
-    if i < len(node.args):
-        node.update_arg(i, value)
-    else:
-        node.update_kwarg(name, value)
 
 
 def _only_user_is(producer: fx.Node, site: BNSite) -> bool:
@@ -147,7 +135,7 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
         w_name, b_name = f"{prod.target}.weight", f"{prod.target}.bias"
         w_node = b_node = None
     elif prod.op == "call_function" and site.flavour == "function":
-        w_node, b_node = _arg(prod, 1, "weight"), _arg(prod, 2, "bias")
+        w_node, b_node = node_arg(prod, 1, "weight"), node_arg(prod, 2, "bias")
         w_ref = ctx.resolve(w_node)
         b_ref = ctx.resolve(b_node) if b_node is not None else None
         if w_ref is None or not w_ref.is_state or (b_node is not None and (b_ref is None or not b_ref.is_state)):
@@ -261,12 +249,12 @@ def fold(m: FoldSite, ctx: PassContext) -> None:
         else:
             wf = g.call_function(Bound(fold_weight, grp), fargs)
             bf = g.call_function(Bound(fold_bias, grp), fargs)
-    _set_arg(prod, 1, "weight", wf)
+    set_node_arg(prod, 1, "weight", wf)
     # The folded bias goes into the conv/linear even where it had none:
     # the kernel adds it to the fp32 accumulator before rounding once (an
     # add after a bf16 output would round ``y * s`` first, then cancel
     # most of it against ``-mean * s``). Inductor's channels-last oneDNN
     # conv took the bias at no measurable cost here.
-    _set_arg(prod, 2, "bias", bf)
+    set_node_arg(prod, 2, "bias", bf)
     site.node.replace_all_uses_with(prod)
     g.erase_node(site.node)

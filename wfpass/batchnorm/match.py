@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .._torch.kernels import BatchNorm as _BatchNorm
-from ..graph import PassContext, TensorRef
+from ..graph import PassContext, TensorRef, node_arg, set_node_arg
 from .kernels import ROLES, bn_fp32, bn_module_fp32
 
 __all__ = ["BN_FUNCTIONS", "BNSite", "batchnorm_sites", "unwrap", "set_arg", "is_module_bn"]
@@ -89,21 +89,13 @@ def unwrap(arg: Any) -> Any:
 
 
 def _get(node: fx.Node, pos: Dict[str, int], name: str) -> Any:
-    i = pos[name]
-    if i < len(node.args):
-        return node.args[i]
-    return node.kwargs.get(name, _DEFAULTS.get(name))
+    return node_arg(node, pos[name], name, _DEFAULTS.get(name))
 
 
 def set_arg(node: fx.Node, name: str, value: Any) -> None:
     """Set the argument ``name`` (a role) of a function-flavour batch norm
     ``node``, where it was given: by position or by keyword."""
-    pos = BN_FUNCTIONS[node.target]
-    i = pos[name]
-    if i < len(node.args):
-        node.update_arg(i, value)
-    else:
-        node.update_kwarg(name, value)
+    set_node_arg(node, BN_FUNCTIONS[node.target][name], name, value)
 
 
 def batchnorm_sites(ctx: PassContext) -> List[BNSite]:

@@ -16,7 +16,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state
+from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg
 from ..pipeline import Match
 
 __all__ = ["LinearSite", "linear_sites", "rows_of", "LinearGroup", "RunState", "groups", "dependency_graph",
@@ -59,9 +59,7 @@ def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
     resolved to a tensor come back with ``weight=None`` so the pass can report why."""
     for node in ctx.gm.graph.nodes:
         if node.op == "call_function" and node.target in LINEAR_TARGETS:
-            x = node.args[0] if node.args else node.kwargs.get("input")
-            w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            x, w, b = (node_arg(node, i, n) for i, n in enumerate(("input", "weight", "bias")))
             if not isinstance(x, fx.Node):
                 continue
             yield LinearSite(node, x, ctx.resolve(w), ctx.resolve(b), b is not None)
