@@ -116,6 +116,10 @@ class LinearGroup(Match):
         self.x, self.sites, self.run = x, list(sites), run
         # Which checks the members passed, for the min_group_size row.
         self.checked = checked
+        # Set by the guard of a taken group (``guards.group_problem``):
+        self.path, self.why = "", ""  # "fused" | "split", and the row's words for it
+        self.fuse_biases = False  # every member has a bias: one bias block
+        self.region = ""  # the row's words for a checkpointed region
 
     def part(self, sites: Sequence[LinearSite], checked: Optional[str] = None) -> "LinearGroup":
         return LinearGroup(self.x, sites, self.run, checked or self.checked)

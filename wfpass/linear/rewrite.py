@@ -13,7 +13,6 @@ import operator
 from typing import Optional, Sequence
 
 import torch
-import torch.fx as fx
 
 from ..graph import PassContext
 from ..runtime import GroupSite
@@ -39,12 +38,12 @@ def reuse_layout(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]
     return fs
 
 
-def rewrite_group(gm: fx.GraphModule, ctx: PassContext, m: LinearGroup) -> None:
+def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
     """Move the group's weights (and biases) into one block and rewrite its
-    calls; ``m`` has passed ``narrow`` and ``guard``, which set its path."""
+    calls; ``m`` has passed ``narrow`` and ``guard``, which set its path and
+    sorted its members in graph order."""
     sites, x, path, why, region, fuse_biases = m.sites, m.x, m.path, m.why, m.region, m.fuse_biases
     params, detail = m.params, m.detail
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     sizes = tuple(s.out_features for s in sites)
     has_bias = tuple(s.has_bias for s in sites)
     weights = [s.weight.tensor for s in sites]
@@ -99,8 +98,8 @@ def rewrite_group(gm: fx.GraphModule, ctx: PassContext, m: LinearGroup) -> None:
         if bsite is not None:
             ctx.add_site(bsite)
 
-    g = gm.graph
-    first = min((s.node for s in sites), key=lambda n: order[n])
+    g = m.run.gm.graph
+    first = sites[0].node  # the guard sorted them
     if not dynamo:
         w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
         b_nodes = [s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first) for s in sites if s.has_bias]

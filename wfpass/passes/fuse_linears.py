@@ -83,7 +83,7 @@ class FuseLinears(Format):
         note(record, [r.name for r in refs], [r.tensor for r in refs])
 
     def apply(self, m: Match, ctx: PassContext) -> None:
-        rewrite_group(m.run.gm, ctx, m)
+        rewrite_group(ctx, m)
         m.run.changed()
 
 
