@@ -116,6 +116,21 @@ def _compile(model: nn.Module, backend: str) -> nn.Module:
     return torch.compile(_own_code(model), backend=backend, dynamic=False)
 
 
+def _step(model: nn.Module, x: torch.Tensor, train: bool) -> Callable[[], torch.Tensor]:
+    """One timed call: a training step (forward, ``sum().backward()`` in
+    fp32) or a forward without grad; returns the output, detached."""
+    if train:
+        def run():
+            out = model(x)
+            out.float().sum().backward()
+            return out.detach()
+    else:
+        def run():
+            with torch.no_grad():
+                return model(x)
+    return run
+
+
 def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
     def build():
         torch.manual_seed(0)
@@ -125,13 +140,7 @@ def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
                   "hand-fused": _compile(hand_fused_decoder(base), "inductor"),
                   "wformat": _compile(copy.deepcopy(base), "wformat")}
 
-        def step(m):
-            def run():
-                with torch.no_grad():
-                    return m(x)
-            return run
-
-        return models, {k: step(m) for k, m in models.items()}, None
+        return models, {k: _step(m, x, train=False) for k, m in models.items()}, None
 
     d = s.decoder
     return Case("LLaMA-like decoder", "forward", f"{label}: {tokens} token{'s' if tokens > 1 else ''}", build, 1e-4,
@@ -146,19 +155,7 @@ def _rnn_case(s: Sizes, train: bool) -> Case:
         models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
                   "wformat": _compile(copy.deepcopy(base), "wformat")}
 
-        def step(m):
-            if train:
-                def run():
-                    out = m(tok)
-                    out.sum().backward()
-                    return out.detach()
-            else:
-                def run():
-                    with torch.no_grad():
-                        return m(tok)
-            return run
-
-        return models, {k: step(m) for k, m in models.items()}, None
+        return models, {k: _step(m, tok, train) for k, m in models.items()}, None
 
     r = s.rnn
     return Case("RNN language model", "training step" if train else "inference", f"T={s.rnn_steps}, batch {s.rnn_batch}",
@@ -200,19 +197,7 @@ def _cnn_case(s: Sizes, train: bool, stats: Dict[str, float]) -> Case:
         for m in models.values():
             m.train(train)
 
-        def step(m):
-            if train:
-                def run():
-                    out = m(x)
-                    out.float().sum().backward()
-                    return out.detach()
-            else:
-                def run():
-                    with torch.no_grad():
-                        return m(x)
-            return run
-
-        return models, {k: step(m) for k, m in models.items()}, (bn_statistics if train else None)
+        return models, {k: _step(m, x, train) for k, m in models.items()}, (bn_statistics if train else None)
 
     c = s.cnn
     n_bn = 1 + 2 * c["blocks"]
