@@ -59,11 +59,6 @@ def last_report() -> Report:
     return merged
 
 
-def _last_graph_report() -> Report:
-    """The most recent graph's report alone (``wfpass.explain`` collects them)."""
-    return _LAST[-1] if _LAST else Report("wfpass report (nothing compiled yet)")
-
-
 def _set_last(report: Report, origin: Any = None, continues: bool = False, call: Sequence[Any] = ()) -> None:
     """``origin``: Dynamo's (compile context, attempt) (None outside Dynamo);
     ``continues``: this graph continues a call already under way (a nested
