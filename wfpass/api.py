@@ -35,6 +35,8 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
         from .runtime import file_report
 
         file_report(report, {r.name: r.tensor for r in ctx.state_tensors()})
+    if ctx.kept:
+        gm._wfpass_kept = ctx.kept  # the graph's calls find these by id while it lives
     ctx.run_deferred()
     for move in ctx.take_first_call_moves():
         move()
@@ -86,6 +88,7 @@ def restore(model: torch.nn.Module) -> int:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
     from .batchnorm.eager import drop_eager_hook
+    from .pack.kernel import drop_copies
     from .passes.fuse_rnn import unname_errors
 
     for m in model.modules():
@@ -99,6 +102,7 @@ def restore(model: torch.nn.Module) -> int:
             continue
         seen.add(id(t))
         tensors.append(t)
+        drop_copies(t)  # packed copies are derived state: the next call makes them again
         n += restore_tensor(t)
     return n + _separate_views(tensors)
 

@@ -121,10 +121,24 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
         log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
         compiled = _first_call_then(at_call, gm.forward)
     if not ctx.sites:
+        if ctx.kept:
+            compiled = _keeping(compiled, ctx.kept)
         return compiled, report
     call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs())
     call._wfpass_report = report  # type: ignore[attr-defined]
+    call._wfpass_kept = ctx.kept  # type: ignore[attr-defined]
     return call, report
+
+
+def _keeping(compiled: Callable, kept: List[Any]) -> Callable:
+    """``compiled``, holding ``kept`` (``PassContext.keep_alive``) for as
+    long as Dynamo holds the compiled graph."""
+
+    def call(*args):
+        return compiled(*args)
+
+    call._wfpass_kept = kept  # type: ignore[attr-defined]
+    return call
 
 
 def run_in_bodies(gm: fx.GraphModule, ctx: PassContext) -> None:

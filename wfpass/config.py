@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 from . import pipeline
 
-__all__ = ["Config", "RnnOptions", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
+__all__ = ["Config", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
            "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
@@ -77,6 +77,61 @@ class RnnOptions:
         object.__setattr__(self, "auto_lengths", tuple(lengths))
 
 
+#: How the packed-weight format chooses: measured per shape, always where a
+#: kernel can pack the dtype, or never.
+PACK_MODES = ("auto", "always", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """Options of the packed-weight format (``pack_linears``):
+    ``Config(pack=PackOptions(...))``, or a dict of these fields
+    (``wfpass.backend(pack={"max_bytes": 64 << 20})``).
+
+    mode:      ``"auto"``: per linear and row count, the kernel measured
+               fastest for that shape on this machine (the plain GEMM where
+               no packed kernel beats it); ``"always"``: oneDNN's packed
+               kernel wherever it takes the dtype, unmeasured; ``"off"``:
+               no packed copies.
+    training:  also pack linears in graphs that compute gradients: the
+               forward reads the packed copy, the backward the parameter,
+               and the copy is made again after every optimizer step.
+               Off by default: measured slower than the plain GEMM for
+               training steps (docs/pack.md).
+    max_bytes: at most this many bytes of packed copies alive in the
+               process; a linear whose copy would go over runs the plain
+               GEMM (counted ``over_bound_calls``). ``None``: no bound.
+    """
+
+    mode: str = "auto"
+    training: bool = False
+    max_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in PACK_MODES:
+            raise ValueError(f"wfpass option 'pack.mode' must be one of {PACK_MODES}, got {self.mode!r}")
+        if not isinstance(self.training, bool):
+            raise TypeError(f"wfpass option 'pack.training' must be a bool, got {self.training!r}")
+        if self.max_bytes is not None:
+            _check_int("pack.max_bytes", self.max_bytes, 0)
+
+
+def _options(name: str, cls: type, value: Any) -> Any:
+    """``value`` as a ``cls`` (an options dataclass), from an instance or a
+    dict of its fields, with errors that name the option."""
+    if isinstance(value, dict):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"unknown wfpass option(s) {[name + '.' + k for k in unknown]}; allowed: "
+                             f"{sorted(name + '.' + k for k in fields)}")
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise TypeError(f"wfpass option {name!r} must be a wfpass.{cls.__name__} or a dict of its fields, got "
+                        f"{type(value).__name__}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """All wfpass options. Build with keywords; every field is checked.
@@ -98,6 +153,8 @@ class Config:
                       (inference only).
     rnn:              the RNN format's other options (:class:`RnnOptions`,
                       or a dict of its fields).
+    pack:             the packed-weight format's options (:class:`PackOptions`,
+                      or a dict of its fields).
     dry_run:          decide and report, change nothing (used by ``explain``).
     """
 
@@ -109,6 +166,7 @@ class Config:
     seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     fold_batchnorm: bool = False
     rnn: RnnOptions = RnnOptions()
+    pack: PackOptions = PackOptions()
     dry_run: bool = False
 
     def __post_init__(self) -> None:
@@ -137,16 +195,8 @@ class Config:
             if isinstance(self.seq_threshold, str):
                 raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0, 'auto' or None, got {self.seq_threshold!r}")
             _check_int("seq_threshold", self.seq_threshold, 0)
-        if isinstance(self.rnn, dict):
-            fields = {f.name for f in dataclasses.fields(RnnOptions)}
-            unknown = sorted(set(self.rnn) - fields)
-            if unknown:
-                raise ValueError(f"unknown wfpass option(s) {['rnn.' + k for k in unknown]}; allowed: "
-                                 f"{sorted('rnn.' + k for k in fields)}")
-            object.__setattr__(self, "rnn", RnnOptions(**self.rnn))
-        elif not isinstance(self.rnn, RnnOptions):
-            raise TypeError(f"wfpass option 'rnn' must be a wfpass.RnnOptions or a dict of its fields, got "
-                            f"{type(self.rnn).__name__}")
+        object.__setattr__(self, "rnn", _options("rnn", RnnOptions, self.rnn))
+        object.__setattr__(self, "pack", _options("pack", PackOptions, self.pack))
         for flag in ("fold_batchnorm", "dry_run"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")

@@ -68,6 +68,7 @@ class PassContext:
         self._compile_examples: Dict[int, Any] = {}
         self._root_names: Dict[str, Dict[int, str]] = {}  # source root -> id(tensor) -> state_dict name
         self.sites: List[Any] = []  # runtime.GroupSite of every fused group (Dynamo graphs)
+        self.kept: List[Any] = []  # runtime state the rewritten graph's calls need alive (``keep_alive``)
 
     def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded
@@ -121,6 +122,12 @@ class PassContext:
     def add_site(self, site: Any) -> None:
         """A fused group the backend checks on every call (``runtime.guarded_call``)."""
         self.sites.append(site)
+
+    def keep_alive(self, obj: Any) -> None:
+        """``obj`` lives as long as the compiled graph (or the GraphModule of
+        ``wfpass.apply``): state an op of the graph finds by id (a packed
+        linear's site), which must not outlive the graph either."""
+        self.kept.append(obj)
 
     def refakify(self, placeholder: fx.Node) -> None:
         """After a compile-time move of ``placeholder``'s tensor into a block,

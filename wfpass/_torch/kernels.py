@@ -112,3 +112,52 @@ def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
         return False
     return False
 
+
+
+# -- packed linear weights: oneDNN's and MKL's own layouts --------------------
+# The ops Inductor's freezing uses (torch/_inductor/fx_passes/mkldnn_fusion.py,
+# mkldnn_lowerings.py): private ``torch.ops.mkldnn`` / ``torch.ops.mkl``
+# entries, checked on torch 2.13.0 (CPU build). wfpass calls them at run
+# time, inside ``wfpass::packed_linear``, never as graph nodes: Inductor
+# lowers them only for frozen constants.
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Can oneDNN pack and multiply a linear weight of ``dtype`` on this CPU?
+    float32 wherever oneDNN is built in; bf16 / fp16 only with the
+    instructions (``_is_mkldnn_bf16_supported`` / ``_fp16_``: fp16 needs
+    avx512_fp16 or avx_ne_convert)."""
+    return mkldnn_rnn_dtype(dtype)
+
+
+def mkl_packs(dtype: torch.dtype) -> bool:
+    """Can MKL's packed SGEMM take a weight of ``dtype``? float32 only, and
+    only in builds with MKL (``torch.backends.mkl``)."""
+    return dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in], strided) reordered into oneDNN's blocked layout: an
+    opaque ``torch._mkldnn`` tensor. ``batch_size=None``: one layout for
+    every row count (measured as fast as the per-M layout at M = 1..256)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def onednn_nbytes(packed: torch.Tensor) -> int:
+    """Bytes a oneDNN packed tensor holds (``torch.ops.mkldnn._nbytes``)."""
+    return int(torch.ops.mkldnn._nbytes(packed))
+
+
+def mkl_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` packed for MKL's SGEMM at exactly ``rows`` rows (MKL's packed
+    format is made for one M; ``mkl_linear`` takes the plain weight for any
+    other)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+
+
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, rows: int) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear(x, packed, w, bias, rows)

@@ -15,11 +15,14 @@ from .fold_cells import FoldCells
 from .fp32_batchnorm import Fp32BatchNorm
 from .fuse_linears import FuseLinears
 from .fuse_rnn import FuseRnn
+from .pack_linears import PackLinears
 
 __all__ = ["BUILTIN_FORMATS", "PASS_NAMES", "run_passes"]
 
 BUILTIN_FORMATS: tuple = (
     FuseLinears(),
+    # Packs the blocks fuse_linears builds as one weight each.
+    PackLinears(after=("fuse_linears",)),
     # A folded cell loop is an RNN call that fuse_rnn then lowers.
     FoldCells(before=("fuse_rnn",)),
     FuseRnn(),

@@ -1,0 +1,102 @@
+"""The packed-weight format's guards: whether a linear's weight is packed,
+and with which kernel for a static row count. Each reason is the text of a
+``skipped`` row; nothing here changes the graph or a tensor (a taken match
+gets its kernel and its row's words recorded on it)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._torch import kernels as _k
+from ..config import PackOptions
+from ..graph import PassContext, meta_value
+from ..storage import unmovable
+from . import choose
+from .match import PackMatch
+
+__all__ = ["pack_problem", "describe_choice", "choose_kernel"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int) -> str:
+    """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``."""
+    if opts.mode == "always":
+        return "onednn" if _k.onednn_packs(dtype) else "plain"
+    return choose.measured(dtype, k, n, m)[0]
+
+
+def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int) -> str:
+    """The row's words for the choice at ``m`` rows."""
+    if opts.mode == "always":
+        return f"M={m}: oneDNN's packed kernel (pack.mode='always', not measured)"
+    kernel, times = choose.measured(dtype, k, n, m)
+    us = {name: t * 1e6 for name, t in times.items()}
+    if kernel == "plain":
+        alt = ", ".join(f"{name} {us[name]:.0f} us" for name in us if name != "plain")
+        return f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed measured {alt}: no gain)"
+    return (f"M={m}: {'oneDNN' if kernel == 'onednn' else 'MKL'}'s packed kernel, measured {us['plain'] / us[kernel]:.2f}x "
+            f"faster than the plain GEMM ({us[kernel]:.0f} us vs {us['plain']:.0f} us)")
+
+
+def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    opts: PackOptions = ctx.config.pack
+    if opts.mode == "off":
+        return "pack.mode='off'"
+    if opts.max_bytes == 0:
+        return "pack.max_bytes=0: no packed copies"
+    for w in m.weights:
+        if w is None:
+            return "weight is not a tensor the pass can resolve (computed in the graph?)"
+        if not w.is_state:
+            return f"weight {w.name} is not a Parameter or buffer of the model (a graph input or computed tensor)"
+        if w.node is not None and w.node.op == "get_attr" and ctx.is_dynamo:
+            return (f"{w.name} is a constant of the Dynamo graph (Inductor's freezing=True), which Inductor packs "
+                    f"itself")
+        why = unmovable(w.tensor, w.name)
+        if why is not None:
+            return why.replace("wfpass leaves it alone", "a packed copy would be made again every call; left alone")
+    w = m.weights[0]
+    t = w.tensor
+    if t.dim() != 2 or m.rows <= 0:
+        return f"weight {w.name} is not 2-D"
+    if t.device.type != "cpu":
+        return f"on {t.device}: the packed kernels are the CPU's (oneDNN, MKL); left to the device's GEMM"
+    if t.dtype not in _DTYPES:
+        return f"no packed kernel for {t.dtype}"
+    if not torch.backends.mkldnn.is_available() or not _k.get_mkldnn_enabled():
+        return "oneDNN is not available or switched off (torch.backends.mkldnn)"
+    if not _k.onednn_packs(t.dtype) and not _k.mkl_packs(t.dtype):
+        need = {torch.float16: "avx512_fp16 or avx_ne_convert", torch.bfloat16: "avx512 with bf16 support"}.get(t.dtype, "")
+        return f"oneDNN cannot multiply {t.dtype} on this CPU{' (it needs ' + need + ')' if need else ''}"
+    xv, yv = meta_value(m.x), meta_value(m.node)
+    for what, v in (("input", xv), ("output", yv)):
+        if isinstance(v, torch.Tensor) and v.dtype != t.dtype:
+            return (f"the {what} is {v.dtype}, the weight {t.dtype} (autocast casts inside the call): left to the "
+                    f"plain GEMM")
+    if m.bias_ref is not None and (m.bias_ref.tensor.dtype != t.dtype or m.bias_ref.tensor.device != t.device):
+        return f"bias {m.bias_ref.name} has dtype {m.bias_ref.tensor.dtype}, the weight {t.dtype}"
+    written = ctx.written_state()
+    for r in m.weights:
+        if r.node is not None and r.node in written:
+            return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
+                    f"in forward): a copy would be packed on every call; left to the plain GEMM")
+    grad = m.needs_grad()
+    if grad and m.block:
+        return ("the one-GEMM block in a graph that computes gradients: its biases' gradients go to each member "
+                "through fused_linear; left to it")
+    if grad and not opts.training:
+        return ("the graph computes gradients through it (training): packing is for inference unless "
+                "pack.training=True (a copy made again after every optimizer step; measured in docs/pack.md)")
+    k = t.shape[1]
+    if m.m is None:
+        m.kernel = ""
+        m.why = "row count M symbolic (dynamic shapes): the kernel is chosen per M when first seen"
+        return None
+    kernel = choose_kernel(opts, t.dtype, k, m.rows, m.m)
+    words = describe_choice(opts, t.dtype, k, m.rows, m.m)
+    if kernel == "plain":
+        return words
+    m.kernel, m.why = kernel, words
+    return None

@@ -1,0 +1,306 @@
+"""``wfpass::packed_linear``: a linear computed from the kernel library's own
+packed copy of its weight, made once and checked against the parameter on
+every call.
+
+Graph after ``pack_linears`` (Dynamo flavour; a single linear, and the Q/K/V
+block ``fuse_linears`` built, whose members are views of one block with
+``q_w`` at offset 0)::
+
+    y = wfpass.packed_linear(x, [w], b, 512, site)
+    qkv = wfpass.packed_linear(x, [q_w, k_w, v_w], b_block, 768, site)
+
+The op takes the **parameters themselves**, so the compiler sees which
+tensors the result depends on (AOTAutograd orders it after any write to
+them in the graph, and a write to a parameter before the call hands the op
+the written tensor). The packed copy is not a graph input: Inductor lowers
+oneDNN's packed linear only for frozen constants (``mkldnn_lowerings.py``,
+torch 2.13.0), so the op keeps it beside the parameter (``_COPIES``, keyed
+by the first member, dropped when that Parameter dies) and, per call,
+compares it with what it was made from:
+
+* each member's ``data_ptr`` (``param.data = ...``, ``.to()``,
+  ``load_state_dict(assign=True)``, a re-fused block move it) and
+  ``_version`` (every in-place write autograd counts: optimizer steps,
+  ``load_state_dict``, ``copy_`` under ``no_grad``);
+* a sample of 32 elements of the weight, compared bit for bit: writes
+  through ``param.data`` (PEFT's ``merge``) bypass the version counter.
+
+Any difference makes the copy again (counted ``repacked``). Per call the op
+also picks the kernel for this call's row count M (``choose.py``): the
+packed kernel where it was measured faster for this shape, else the plain
+GEMM on the parameter (``plain_calls``).
+
+The gradient formula is ATen ops on the parameters (``x @ W``,
+``gy.T @ x``), so AOTAutograd traces the backward and the packed copy never
+enters it.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .._torch import kernels as _k
+from ..records import Record
+from ..runtime import note
+from ..storage import layout_of
+
+__all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE"]
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, Tensor[] weights, Tensor[] biases, int rows, int site) -> Tensor")
+
+#: Elements of a weight compared bit for bit on every call.
+SAMPLE = 32
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PackSite:
+    """One packed call of one compiled graph: its report record, its
+    options, and the kernel chosen for each row count seen.
+
+    ``choose(m)`` returns ``"onednn"``, ``"mkl"`` or ``"plain"``; a site
+    asks it once per row count and remembers the answer."""
+
+    def __init__(self, record: Record, dtype: torch.dtype, in_features: int, rows: int, choose, max_bytes: Optional[int]):
+        self.record, self.dtype, self.in_features, self.rows = record, dtype, in_features, rows
+        self._choose, self.max_bytes = choose, max_bytes
+        self.by_rows: Dict[int, str] = {}
+        self.id = 0
+        self.names: List[str] = []  # the weights' names, for the record
+        # ``wfpass.apply`` graphs run eagerly, so the op sees whether this
+        # call computes a gradient: ``pack.training`` there; None in
+        # compiled graphs, where the guard decided from the graph.
+        self.eager_training: Optional[bool] = None
+        for c in ("packed_calls", "plain_calls", "repacked", "packed_bytes"):
+            record.stats.setdefault(c, 0)
+
+    def kernel_for(self, m: int) -> str:
+        k = self.by_rows.get(m)
+        if k is None:
+            k = self.by_rows[m] = self._choose(m)
+            self.record.detail.setdefault("kernels", {})[m] = k
+        return k
+
+
+# site id -> PackSite. Weak values: a site lives as long as the compiled
+# graph (or GraphModule) that calls it holds it; nothing here grows.
+_SITES: "weakref.WeakValueDictionary[int, PackSite]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def register_site(site: PackSite) -> int:
+    site.id = next(_IDS)
+    _SITES[site.id] = site
+    return site.id
+
+
+class _Copy:
+    """One packed copy and what it was made from."""
+
+    __slots__ = ("packed", "ptrs", "versions", "sample", "ref", "nbytes", "site")
+
+    def __init__(self, packed, ptrs, versions, sample, ref, nbytes, site):
+        self.packed, self.ptrs, self.versions, self.sample, self.ref = packed, ptrs, versions, sample, ref
+        self.nbytes, self.site = nbytes, site
+
+
+# id(first member) -> (weak ref to it, {(kernel, rows, m): _Copy}). The
+# copies belong to the parameter: its weak reference's callback drops them.
+_COPIES: Dict[int, Tuple["weakref.ref", Dict[tuple, _Copy]]] = {}
+_ALIVE = [0]  # bytes of every packed copy alive in the process
+
+
+def packed_bytes_alive() -> int:
+    """Bytes held by every packed copy alive in this process."""
+    return _ALIVE[0]
+
+
+def _release(c: _Copy) -> None:
+    _ALIVE[0] -= c.nbytes
+    st = c.site.record.stats if c.site is not None else None
+    if st is not None:
+        st["packed_bytes"] = max(0, st.get("packed_bytes", 0) - c.nbytes)
+
+
+def copies_of(w: torch.Tensor) -> Dict[tuple, _Copy]:
+    entry = _COPIES.get(id(w))
+    return entry[1] if entry is not None and entry[0]() is w else {}
+
+
+def drop_copies(w: torch.Tensor) -> int:
+    """Free the packed copies made from ``w`` (``wfpass.restore``); the next
+    call makes them again. Returns the bytes freed."""
+    entry = _COPIES.get(id(w))
+    if entry is None or entry[0]() is not w:
+        return 0
+    freed = 0
+    for c in entry[1].values():
+        _release(c)
+        freed += c.nbytes
+    entry[1].clear()
+    return freed
+
+
+def _table_for(w0: torch.Tensor, site: PackSite, weights: Sequence[torch.Tensor]) -> Dict[tuple, _Copy]:
+    key = id(w0)
+    entry = _COPIES.get(key)
+    if entry is not None and entry[0]() is w0:
+        return entry[1]
+    # Weights this site has not packed before (another layer through the
+    # same graph, new Parameters from ``load_state_dict(assign=True)``):
+    # the record is filed under them too, so ``wfpass.report`` finds it.
+    note(site.record, site.names, list(weights))
+
+    def gone(ref, key=key):
+        e = _COPIES.get(key)
+        if e is not None and e[0] is ref:
+            for c in e[1].values():
+                _release(c)
+            del _COPIES[key]
+
+    table: Dict[tuple, _Copy] = {}
+    _COPIES[key] = (weakref.ref(w0, gone), table)
+    return table
+
+
+def _laid_out(ts: Sequence[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """The block ``ts`` are views of, in order, as a ``[rows, ...]`` tensor
+    (``ts`` itself for one tensor); None where they are not laid out in one
+    block (a split-path group whose layout was lost: the graph goes on with
+    the separate parameters). The layout holds its block, so member
+    addresses equal to the layout's prove the members are views of it."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0
+    fs = layout_of(t0)
+    if fs is None or fs.block is None or not fs.holds(ts):
+        return None
+    if t0.dim() == 1:
+        return torch.as_strided(t0, (rows,), (1,), t0.storage_offset())
+    k = t0.shape[1]
+    return torch.as_strided(t0, (rows, k), (k, 1), t0.storage_offset())
+
+
+def _whole(ts: Sequence[torch.Tensor], rows: int, site: Optional["PackSite"]) -> Optional[torch.Tensor]:
+    """The block, or the members' concatenation for this call (counted)."""
+    if not ts:
+        return None
+    b = _laid_out(ts, rows)
+    if b is None:
+        if site is not None:
+            site.record.bump("unfused_layout_calls")
+        b = torch.cat(list(ts), 0)
+    return b
+
+
+def _sample_of(block: torch.Tensor) -> torch.Tensor:
+    flat = block.detach().reshape(-1)
+    step = max(1, flat.numel() // SAMPLE)
+    return flat.view(_INT_VIEW[flat.element_size()])[::step]
+
+
+def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: str, m: int) -> Optional[_Copy]:
+    """The packed copy for this call: the one made before if nothing it was
+    made from changed, else a new one; None where a new one would go over
+    ``max_bytes``."""
+    w0 = weights[0]
+    table = _table_for(w0, site, weights)
+    key = (kernel, rows, m if kernel == "mkl" else 0)
+    c = table.get(key)
+    ptrs = tuple(w.data_ptr() for w in weights)
+    versions = tuple(w._version for w in weights)
+    if c is not None and c.ptrs == ptrs and c.versions == versions and torch.equal(c.sample, c.ref):
+        return c
+    block = _laid_out(weights, rows)
+    if block is None:
+        return None  # not in one block this call: the plain GEMM over their concatenation
+    block = block.detach()
+    old = c.nbytes if c is not None else 0
+    if site.max_bytes is not None:
+        need = block.numel() * block.element_size()
+        if _ALIVE[0] - old + need > site.max_bytes:
+            site.record.bump("over_bound_calls")
+            return None
+    if block.stride(-1) != 1 or not block.is_contiguous():
+        block = block.contiguous()
+    if kernel == "mkl":
+        packed = _k.mkl_pack(block, m)
+    else:
+        packed = _k.onednn_pack(block)
+    nbytes = _k.onednn_nbytes(packed)
+    sample = _sample_of(block)
+    if c is not None:
+        _release(c)
+        site.record.bump("repacked")
+    new = _Copy(packed, ptrs, versions, sample, sample.clone(), nbytes, site)
+    table[key] = new
+    _ALIVE[0] += nbytes
+    site.record.bump("packed_bytes", nbytes)
+    return new
+
+
+def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor], rows: int, site: int) -> torch.Tensor:
+    s = _SITES.get(site)
+    k = weights[0].shape[1]
+    m = x.numel() // k if k else 0
+    if s is not None and m > 0:
+        kernel = s.kernel_for(m)
+        if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            kernel = "plain"
+        if kernel != "plain":
+            c = _fresh(s, weights, rows, kernel, m)
+            if c is not None:
+                s.record.stats["packed_calls"] += 1
+                bias = _whole(biases, rows, s)
+                if kernel == "mkl":
+                    y = _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m)
+                else:
+                    y = _k.onednn_linear(x, c.packed, bias)
+                return y if y.is_contiguous() else y.contiguous()
+        s.record.stats["plain_calls"] += 1
+    y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
+    return y if y.is_contiguous() else y.contiguous()
+
+
+def _packed_linear_fake(x, weights, biases, rows, site):
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("wfpass::packed_linear", _packed_linear_fake, lib=_LIB)
+
+
+def _setup(ctx, inputs, output):
+    x, weights, biases, rows, _site = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.rows, ctx.n, ctx.bias_rows = rows, len(weights), [b.shape[0] for b in biases]
+
+
+def _any(needs) -> bool:
+    return any(needs) if isinstance(needs, (list, tuple)) else bool(needs)
+
+
+def _grad(ctx, gy):
+    """The backward reads the parameters, never the packed copy: ``gx = gy @ W``,
+    ``gW = gy.T @ x`` split by member, ``gb = sum(gy)`` split by bias."""
+    x, *weights = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    gx = gws = gbs = None
+    gy2 = gy.reshape(-1, gy.shape[-1])
+    if _any(needs[0]):
+        w = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
+        gx = gy @ w
+    if _any(needs[1]):
+        g = gy2.t() @ x.reshape(-1, x.shape[-1])
+        gws = list(g.split([t.shape[0] for t in weights], 0))
+    if ctx.bias_rows and _any(needs[2]):
+        gbs = list(gy2.sum(0).split(ctx.bias_rows, 0))
+    return gx, gws, gbs, None, None
+
+
+torch.library.register_autograd("wfpass::packed_linear", _grad, setup_context=_setup, lib=_LIB)

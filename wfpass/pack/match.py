@@ -1,0 +1,122 @@
+"""The packed-weight format's matcher: every linear call whose weight could
+be packed, single or a block ``fuse_linears`` built.
+
+* single linears: ``linear(x, w, b)`` (Dynamo graphs; ``F.linear``) or a
+  ``call_module`` of an ``nn.Linear`` (``symbolic_trace`` graphs);
+* blocks: ``fused_linear(x, w_block, b_block, spec, *weights, *biases)``,
+  the one-GEMM call of a sibling group; its weights are the members, in
+  block order, the first at the block's start;
+* split groups: the linears of a sibling group ``fuse_linears`` left on
+  the split path (one GEMM per member, above ``fused_max_rows``), whose
+  weights are views of one block: packed as that block, one copy and one
+  call, so a model's prefill and decode graphs share one packed copy
+  instead of packing the block and each member.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg
+from ..linear.kernel import fused_linear
+from ..linear.match import rows_of
+from ..pipeline import Match
+from ..storage import layout_of
+
+__all__ = ["PackMatch", "pack_candidates"]
+
+
+class PackMatch(Match):
+    """One linear call (or one block's call) whose weight may be packed."""
+
+    def __init__(self, node: fx.Node, x: fx.Node, weights: List[Optional[TensorRef]], bias: Optional[fx.Node],
+                 bias_ref: Optional[TensorRef], rows: int, block: bool, members: Sequence[fx.Node] = (),
+                 bias_nodes: Sequence[fx.Node] = ()):
+        names = [w.name if w is not None else node.name for w in weights]
+        if bias_ref is not None and not block:
+            names.append(bias_ref.name)
+        super().__init__(names)
+        self.node, self.x, self.weights, self.bias, self.bias_ref = node, x, weights, bias, bias_ref
+        self.rows, self.block = rows, block
+        # A split group: its linear calls in block order, and their biases.
+        self.members, self.bias_nodes = list(members), list(bias_nodes)
+        self.m: Optional[int] = rows_of(x)  # M, None where symbolic or unknown
+        # Set by the guard of a taken match: the kernel for a static M and its row's words.
+        self.kernel, self.why = "", ""
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        w = self.weights[0]
+        return w.tensor.dtype if w is not None else None
+
+    def needs_grad(self) -> Optional[bool]:
+        """Does the graph compute a gradient through this call? None where the
+        graph does not say (``symbolic_trace`` graphs carry no values)."""
+        v = meta_value(self.node)
+        return bool(v.requires_grad) if isinstance(v, torch.Tensor) else None
+
+
+def _split_group(sites: List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]) -> Optional[PackMatch]:
+    """Linears over one input whose weights are, in order, all the members of
+    one intact sibling block: one block match (None otherwise)."""
+    fs = layout_of(sites[0][1].tensor)
+    members = fs.members
+    order = {id(t): i for i, t in enumerate(members)}
+    if len(sites) != len(members) or any(id(w.tensor) not in order for _, w, _ in sites):
+        return None
+    sites = sorted(sites, key=lambda s: order[id(s[1].tensor)])
+    biases = [b for _, _, b in sites]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None  # only some members have a bias: packed one by one
+    rows = sum(w.tensor.shape[0] for _, w, _ in sites)
+    first = min((n for n, _, _ in sites), key=lambda n: _position(n))
+    return PackMatch(first, sites[0][0].args[0] if sites[0][0].args else node_arg(sites[0][0], 0, "input"),
+                     [w for _, w, _ in sites], None, None, rows, block=True,
+                     members=[n for n, _, _ in sites], bias_nodes=[b for b in biases if b is not None])
+
+
+def _position(n: fx.Node) -> int:
+    i = 0
+    for other in n.graph.nodes:
+        if other is n:
+            return i
+        i += 1
+    return i
+
+
+def pack_candidates(gm: fx.GraphModule, ctx: PassContext) -> Iterator[PackMatch]:
+    singles: List[PackMatch] = []
+    groups: Dict[tuple, List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]] = {}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in LINEAR_TARGETS:
+            x, w, b = (node_arg(node, i, n) for i, n in enumerate(("input", "weight", "bias")))
+            if not isinstance(x, fx.Node):
+                continue
+            wr = ctx.resolve(w)
+            rows = wr.tensor.shape[0] if wr is not None and wr.tensor.dim() == 2 else 0
+            singles.append(PackMatch(node, x, [wr], b, ctx.resolve(b), rows, block=False))
+            fs = layout_of(wr.tensor) if wr is not None and wr.node is not None else None
+            if fs is not None and isinstance(fs.key, tuple) and fs.key[0] == "linear.weight" and fs.intact():
+                groups.setdefault((id(fs), x), []).append((node, wr, b if isinstance(b, fx.Node) else None))
+        elif node.op == "call_module":
+            mod = ctx.module_of(node)
+            if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
+                w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
+                b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
+                singles.append(PackMatch(node, node.args[0], [w], None, b, mod.out_features, block=False))
+        elif node.op == "call_function" and node.target is fused_linear:
+            x, _w_block, b_block, spec = node.args[:4]
+            sizes = spec[0]
+            weights = [ctx.resolve(a) for a in node.args[4:4 + len(sizes)]]
+            singles.append(PackMatch(node, x, weights, b_block, None, sum(sizes), block=True))
+    taken = set()
+    for sites in groups.values():
+        g = _split_group(sites)
+        if g is not None:
+            taken.update(g.members)
+            yield g
+    for m in singles:
+        if m.node not in taken:
+            yield m

@@ -1,0 +1,112 @@
+"""The packed-weight format's rewrite: the call becomes
+``wfpass::packed_linear`` over the parameters themselves, with a site that
+carries its record, its options and the kernel per row count.
+
+One record per weight (set): the same parameters in another graph (a
+recompile for another row count, the decode and prefill graphs of
+``generate()``) add their row counts and calls to it, as they share its
+packed copy.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict
+
+import torch
+import torch.fx as fx
+
+from .._torch import tensors as _tensors
+from ..graph import PassContext
+from ..linear.kernel import EagerBlock, EagerLayoutCheck
+from ..records import Record
+from .guards import choose_kernel, describe_choice
+from .kernel import PackSite, register_site
+from .match import PackMatch
+
+__all__ = ["rewrite_call", "OP"]
+
+OP = torch.ops.wfpass.packed_linear.default
+
+# first weight -> its record, while the weight lives.
+_RECORDS = _tensors.weak_id_key_dict()
+
+
+def _reason(rec: Record) -> str:
+    kind = rec.detail.get("what", "linear")
+    words = rec.detail.get("choices") or {}
+    parts = [words[m] for m in sorted(words)] or [rec.detail.get("pending", "")]
+    return f"{kind}: packed copy of the weight beside the parameter; " + "; ".join(p for p in parts if p)
+
+
+def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
+    opts = ctx.config.pack
+    w0 = m.weights[0].tensor
+    dtype, k, n = w0.dtype, w0.shape[1], m.rows
+    what = (f"{len(m.weights)} linears' block ({n}x{k} {str(dtype).replace('torch.', '')})" if m.block
+            else f"linear {n}x{k} {str(dtype).replace('torch.', '')}")
+    rec = _RECORDS.get(w0)
+    if rec is None or rec.params != m.params:
+        rec = ctx.report.add("pack", "rewritten", "", m.params, what=what)
+        _RECORDS[w0] = rec
+    else:
+        ctx.report.records.append(rec)
+    choices: Dict[int, str] = rec.detail.setdefault("choices", {})
+    if m.m is not None:
+        choices[m.m] = m.why
+    else:
+        rec.detail["pending"] = m.why
+    rec.reason = _reason(rec)
+
+    def choose(rows: int, opts=opts, dtype=dtype, k=k, n=n, rec=rec) -> str:
+        kernel = choose_kernel(opts, dtype, k, n, rows)
+        if rows not in rec.detail["choices"]:
+            rec.detail["choices"][rows] = describe_choice(opts, dtype, k, n, rows)
+            rec.reason = _reason(rec)
+        return kernel
+
+    site = PackSite(rec, dtype, k, n, choose, opts.max_bytes)
+    if m.m is not None:
+        site.by_rows[m.m] = m.kernel
+    site.names = [w.name for w in m.weights]
+    sid = register_site(site)
+    ctx.keep_alive(site)
+    if not ctx.is_dynamo:
+        # ``wfpass.apply`` graphs run eagerly: the op sees grad mode itself.
+        site.eager_training = opts.training
+
+    g = m.node.graph
+    node = m.node
+    with g.inserting_before(node):
+        if m.members:
+            # A split group: one call over the block, its columns split among the members.
+            x, w_nodes, biases = m.x, [w.node for w in m.weights], list(m.bias_nodes)
+        elif node.op == "call_module":
+            w_nodes = [ctx.get_attr_node(m.weights[0].name, node)]
+            biases = [ctx.get_attr_node(m.bias_ref.name, node)] if m.bias_ref is not None else []
+            x = m.x
+        elif m.block:
+            x, w_block, b_block = node.args[0], node.args[1], node.args[2]
+            w_nodes = list(node.args[4:4 + len(m.weights)])
+            biases = [b_block] if b_block is not None else []
+            if isinstance(getattr(w_block, "target", None), EagerBlock):
+                # ``wfpass.apply`` graphs: the block's layout check (and
+                # re-fuse) that EagerBlock made, kept for its effect.
+                g.call_function(EagerLayoutCheck(w_block.target.site, "linear_layout_check"), tuple(w_nodes))
+        else:
+            x = m.x
+            biases = [m.bias] if isinstance(m.bias, fx.Node) else []
+            w_nodes = [m.weights[0].node]
+        new = g.call_function(OP, (x, w_nodes, biases, n, sid))
+        if m.members:
+            sizes = [w.tensor.shape[0] for w in m.weights]
+            parts = g.call_function(torch.split, (new, sizes, -1))
+            outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sizes))]
+    if m.members:
+        for member, out in zip(m.members, outs):
+            out.meta.update({key: v for key, v in member.meta.items() if key in ("nn_module_stack", "stack_trace")})
+            member.replace_all_uses_with(out)
+            g.erase_node(member)
+        return
+    new.meta.update({key: v for key, v in node.meta.items() if key in ("nn_module_stack", "stack_trace", "val", "example_value")})
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
