@@ -203,7 +203,7 @@ LAYERS = [
     ("graph", ("wfpass.graph", "wfpass.bodies")),
     ("runtime", ("wfpass.runtime",)),
     ("capture policy", ("wfpass.capture",)),
-    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.batchnorm")),
+    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.pack", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
     ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_models", "wfpass.bench_report", "wfpass.bench_timing", "wfpass.demo", "wfpass.__main__")),
 ]

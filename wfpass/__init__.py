@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "apply", "backend", "explain", "last_report", "report", "restore",
     "register_format", "unregister_format", "registered_formats",
-    "Config", "RnnOptions", "Format", "ParamFormat", "Record", "Report",
+    "Config", "RnnOptions", "PackOptions", "Format", "ParamFormat", "Record", "Report",
 ]
 
 
@@ -18,7 +18,7 @@ def _load_api() -> None:
     """Import the public API (and with it torch) into this namespace."""
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, RnnOptions
+    from .config import Config, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .records import Record, Report
 
@@ -42,7 +42,7 @@ def _started_by_cli() -> bool:
 if TYPE_CHECKING:
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, RnnOptions
+    from .config import Config, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .records import Record, Report
 

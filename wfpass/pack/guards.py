@@ -83,6 +83,11 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
             return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
                     f"in forward): a copy would be packed on every call; left to the plain GEMM")
     grad = m.needs_grad()
+    if m.block and not m.members and not ctx.is_dynamo:
+        n_bias = len(m.node.args) - 4 - len(m.weights)
+        if 0 < n_bias < len(m.weights):
+            return ("only some members of the block have a bias, and a traced graph may compute gradients: "
+                    "left to fused_linear, which sends each bias its gradient")
     if grad and m.block:
         return ("the one-GEMM block in a graph that computes gradients: its biases' gradients go to each member "
                 "through fused_linear; left to it")

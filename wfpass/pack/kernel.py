@@ -290,7 +290,8 @@ def _grad(ctx, gy):
     ``gW = gy.T @ x`` split by member, ``gb = sum(gy)`` split by bias."""
     x, *weights = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    gx = gws = gbs = None
+    # List inputs take lists back, one entry (or None) per tensor.
+    gx, gws, gbs = None, [None] * len(weights), [None] * len(ctx.bias_rows)
     gy2 = gy.reshape(-1, gy.shape[-1])
     if _any(needs[0]):
         w = weights[0] if len(weights) == 1 else torch.cat(weights, 0)

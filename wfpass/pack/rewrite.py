@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .._torch import tensors as _tensors
-from ..graph import PassContext
+from ..graph import PassContext, node_arg
 from ..linear.kernel import EagerBlock, EagerLayoutCheck
 from ..records import Record
 from .guards import choose_kernel, describe_choice
@@ -76,6 +76,9 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
 
     g = m.node.graph
     node = m.node
+    # The input as the graph reads it now: an earlier rewrite may have
+    # replaced the node the matcher saw (a linear feeding this one).
+    m.x = node_arg(m.members[0] if m.members else node, 0, "input")
     with g.inserting_before(node):
         if m.members:
             # A split group: one call over the block, its columns split among the members.
@@ -87,7 +90,11 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
         elif m.block:
             x, w_block, b_block = node.args[0], node.args[1], node.args[2]
             w_nodes = list(node.args[4:4 + len(m.weights)])
-            biases = [b_block] if b_block is not None else []
+            b_nodes = list(node.args[4 + len(m.weights):])
+            # Every member has a bias: the members' biases, which the op
+            # reads as their block (gradients reach each); only some: the
+            # graph's bias vector (inference only, the guard made sure).
+            biases = b_nodes if len(b_nodes) == len(w_nodes) else ([b_block] if b_block is not None else [])
             if isinstance(getattr(w_block, "target", None), EagerBlock):
                 # ``wfpass.apply`` graphs: the block's layout check (and
                 # re-fuse) that EagerBlock made, kept for its effect.

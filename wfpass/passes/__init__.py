@@ -21,8 +21,6 @@ __all__ = ["BUILTIN_FORMATS", "PASS_NAMES", "run_passes"]
 
 BUILTIN_FORMATS: tuple = (
     FuseLinears(),
-    # Packs the blocks fuse_linears builds as one weight each.
-    PackLinears(after=("fuse_linears",)),
     # A folded cell loop is an RNN call that fuse_rnn then lowers.
     FoldCells(before=("fuse_rnn",)),
     FuseRnn(),
@@ -31,6 +29,10 @@ BUILTIN_FORMATS: tuple = (
     # fp32_batchnorm (wfpass/batchnorm/match.py), which looks through the
     # wrapper fp32_batchnorm puts around the ones it rewrote.
     FoldBatchNorm(after=("fp32_batchnorm",)),
+    # Last: it packs the blocks fuse_linears builds as one weight each, and
+    # only linears whose weight no format rewrites after it (a folded
+    # BatchNorm changes the weight its linear reads).
+    PackLinears(after=("fuse_linears", "fold_batchnorm")),
 )
 install_builtins(BUILTIN_FORMATS)
 

@@ -78,7 +78,10 @@ class FuseLinears(Format):
         return m.reason if isinstance(m, AlreadyFused) else group_problem(m, ctx)
 
     def skipped(self, m: Match, record, ctx: PassContext) -> None:
-        # Filed under the tensors too: ``wfpass.report(model)`` finds it by identity.
+        # Filed under the tensors too: ``wfpass.report(model)`` finds it by
+        # identity; a dry run files nothing under the model's tensors.
+        if ctx.config.dry_run:
+            return
         refs = m.refs()
         note(record, [r.name for r in refs], [r.tensor for r in refs])
 

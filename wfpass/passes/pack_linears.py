@@ -60,6 +60,8 @@ class PackLinears(Format):
         return pack_problem(m, ctx)
 
     def skipped(self, m: PackMatch, record, ctx: PassContext) -> None:
+        if ctx.config.dry_run:  # a dry run files nothing under the model's tensors
+            return
         refs = [r for r in m.weights if r is not None]
         note(record, [r.name for r in refs], [r.tensor for r in refs])
 

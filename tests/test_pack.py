@@ -1,0 +1,389 @@
+"""The packed-weight format (``pack_linears``): linears computed from oneDNN's
+or MKL's packed copy of the weight, made once and never stale.
+
+Every case compares against eager PyTorch on a deep copy. Packing is forced
+(``pack.mode='always'``) where a test is about correctness, so the decision
+does not depend on this machine's timings; one test checks the measured
+choice (``"auto"``) and its report row.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import wfpass
+from wfpass._torch import kernels as _k
+from wfpass.pack import kernel as pk
+
+BF16 = _k.onednn_packs(torch.bfloat16)
+ALWAYS = {"mode": "always"}
+OP = torch.ops.wfpass.packed_linear.default
+
+
+class Block(nn.Module):
+    """Q/K/V siblings, an output projection with a residual, a reused input,
+    and a head: single linears and a fused block around attention."""
+
+    def __init__(self, d=64, vocab=96):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        a = F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+        h = self.o(a) + x
+        return self.head(h + x)
+
+
+class Recorder:
+    """An inner compiler that keeps the graph it receives, then runs Inductor."""
+
+    def __init__(self, inner="inductor"):
+        self.graphs, self.inner = [], inner
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return gm.forward
+
+    def count(self, target) -> int:
+        return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _close(a, b, dtype):
+    tol = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}[dtype]
+    scale = max(1.0, b.abs().max().item())
+    torch.testing.assert_close(a.float() / scale, b.float() / scale, rtol=tol[0], atol=tol[1])
+
+
+def _compiled(model, **options):
+    rec = Recorder(options.pop("inner", "inductor"))
+    opts = {"pack": ALWAYS, **options}
+    return torch.compile(model, backend=wfpass.backend(inner=rec, **opts)), rec
+
+
+def _dtypes():
+    return [torch.float32] + ([torch.bfloat16] if BF16 else [])
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens):
+    torch.manual_seed(0)
+    model = Block().to(dtype).eval()
+    ref = copy.deepcopy(model)
+    compiled, rec = _compiled(model)
+    x = torch.randn(2, tokens, 64, dtype=dtype)
+    with torch.no_grad():
+        _close(compiled(x), ref(x), dtype)
+    # q/k/v: one packed call over their block (the one-GEMM block at 2 rows,
+    # the split-path group at 32 rows); o and head: one each.
+    assert rec.count(OP) == 3
+    assert rec.count(torch._C._nn.linear) == 0
+    rows = wfpass.last_report().find("pack", "rewritten")
+    assert len(rows) == 3 and all(r.stats["packed_calls"] == 1 for r in rows)
+    assert sum(r.stats["packed_bytes"] for r in rows) >= sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("weight"))
+    block = next(r for r in rows if len(r.params) == 3)
+    assert "block" in block.reason
+
+
+def test_prefill_and_decode_graphs_share_one_copy_of_a_block():
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    compiled, _ = _compiled(model)
+    with torch.no_grad():
+        for tokens in (16, 1, 1):
+            x = torch.randn(1, tokens, 64)
+            _close(compiled(x), ref(x), torch.float32)
+    copies = pk.copies_of(model.q.weight)
+    assert len(copies) == 1, copies.keys()
+    row = next(r for r in wfpass.report(model).find("pack") if "q.weight" in r.params)
+    assert "M=16" in row.reason and "M=1" in row.reason
+    assert row.stats["repacked"] == 0 and row.stats["packed_calls"] == 3
+
+
+def _changes():
+    """Ways a user changes weights between calls; each returns nothing and
+    is applied to the compiled model and to the eager reference alike."""
+
+    def sgd_step(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        (m(torch.ones(1, 3, 64)) * torch.linspace(-1, 1, 96)).sum().backward()
+        opt.step()
+
+    def load(m):
+        g = torch.Generator().manual_seed(5)
+        m.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()})
+
+    def load_assign(m):
+        g = torch.Generator().manual_seed(6)
+        m.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()}, assign=True)
+
+    def data_assign(m):
+        m.o.weight.data = m.o.weight.data * 2
+        m.k.weight.data = m.k.weight.data + 1
+
+    def data_inplace(m):  # what PEFT's merge does: bypasses the version counter
+        m.head.weight.data += 0.5
+        m.v.weight.data -= 0.25
+
+    def to_and_back(m):
+        m.to(torch.float64)
+        m.to(torch.float32)
+
+    def no_grad_copy(m):
+        with torch.no_grad():
+            m.q.weight.copy_(m.q.weight * -1)
+
+    return [sgd_step, load, load_assign, data_assign, data_inplace, to_and_back, no_grad_copy]
+
+
+@pytest.mark.parametrize("change", _changes(), ids=lambda f: f.__name__)
+def test_a_weight_change_is_seen_on_the_next_call(change):
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    compiled, _ = _compiled(model)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        _close(compiled(x), ref(x), torch.float32)
+    change(model)
+    change(ref)
+    with torch.no_grad():
+        before = ref(x)
+        _close(compiled(x), before, torch.float32)
+        _close(compiled(x), before, torch.float32)  # and stays right
+    if change.__name__ in ("sgd_step", "load", "data_inplace", "no_grad_copy"):
+        # The same Parameters, written in place: their copies were made again.
+        stats = [r.stats for r in wfpass.report(model).find("pack", "rewritten")]
+        assert any(s["repacked"] for s in stats), stats
+
+
+def test_peft_merge_and_unmerge_are_seen():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = Block().eval()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["o", "head"], init_lora_weights=False))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=wfpass.backend(pack=ALWAYS))
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        _close(compiled(x), ref(x), torch.float32)
+        for step in ("merge_adapter", "unmerge_adapter", "merge_adapter"):
+            getattr(model, step)()
+            getattr(ref, step)()
+            _close(compiled(x), ref(x), torch.float32)
+    # The merged base weights were packed again: merging writes through .data.
+    rows = wfpass.report(model).find("pack", "rewritten")
+    assert any(r.stats["repacked"] for r in rows), [r.stats for r in rows]
+
+
+def test_a_pre_hook_writing_the_weight_in_the_graph_is_left_to_the_plain_gemm():
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    def grow(mod, args):
+        with torch.no_grad():
+            mod.weight.mul_(1.01)
+
+    for m in (model, ref):
+        m.o.register_forward_pre_hook(grow)
+    compiled, rec = _compiled(model)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            _close(compiled(x), ref(x), torch.float32)
+    skipped = [r for r in wfpass.last_report().find("pack", "skipped") if "o.weight" in r.params]
+    assert skipped and "written in place inside the graph" in skipped[0].reason
+    torch.testing.assert_close(model.o.weight, ref.o.weight)
+
+
+def test_training_graphs_are_not_packed_by_default_and_train_like_eager_with_pack_training():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 64)
+    R = torch.randn(2, 8, 96)
+    # Default: a graph that computes gradients keeps the plain GEMM, with the reason.
+    model = Block()
+    compiled, rec = _compiled(model)
+    (compiled(x) * R).sum().backward()
+    assert rec.count(OP) == 0
+    rows = wfpass.last_report().find("pack", "skipped")
+    assert rows and all("computes gradients" in r.reason for r in rows)
+    # pack.training=True: forward on the packed copy, backward on the
+    # parameters; five SGD steps equal eager's (the copy is made again after each).
+    model = Block()
+    ref = copy.deepcopy(model)
+    compiled, rec = _compiled(model, pack={"mode": "always", "training": True})
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    for _ in range(5):
+        out, rout = compiled(x), ref(x)
+        _close(out, rout, torch.float32)
+        (out * R).sum().backward()
+        (rout * R).sum().backward()
+        gmax = max(p.grad.abs().max().item() for p in ref.parameters())
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * gmax, n
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+    assert rec.count(OP) == 2  # o and head; q/k/v's one-GEMM block keeps fused_linear in training
+    rows = wfpass.report(model).find("pack", "rewritten")
+    assert rows and all(r.stats["repacked"] >= 4 for r in rows)
+
+
+def test_dynamic_row_counts_after_a_recompile_choose_per_call():
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    compiled, rec = _compiled(model)
+    with torch.no_grad():
+        for tokens in (3, 5, 7, 9, 5):  # the second size makes Dynamo recompile with a symbolic length
+            x = torch.randn(1, tokens, 64)
+            _close(compiled(x), ref(x), torch.float32)
+    head = next(r for r in wfpass.report(model).find("pack", "rewritten") if r.params == ["head.weight"])
+    assert {3, 5, 7, 9} <= set(head.detail["choices"]), head.detail["choices"]
+    assert head.stats["packed_calls"] == 5 and head.stats["repacked"] == 0
+
+
+def test_regional_compilation_packs_each_layer_once():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[Block(vocab=64) for _ in range(3)]).eval()
+    ref = copy.deepcopy(layers)
+    for layer in layers:
+        layer.compile(backend=wfpass.backend(pack=ALWAYS))
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            _close(layers(x), ref(x), torch.float32)
+    for layer in layers:
+        assert len(pk.copies_of(layer.head.weight)) == 1
+        row = next(r for r in wfpass.report(layer).find("pack", "rewritten") if r.params == ["head.weight"])
+        assert row.stats["repacked"] == 0
+
+
+def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(1, 1, 64)
+    alive = pk.packed_bytes_alive()
+    compiled, _ = _compiled(model, pack={"mode": "always", "max_bytes": alive + 64 * 64 * 4 * 3 + 1})
+    with torch.no_grad():
+        _close(compiled(x), ref(x), torch.float32)
+    assert pk.packed_bytes_alive() <= alive + 64 * 64 * 4 * 3 + 1
+    over = [r for r in wfpass.report(model).find("pack", "rewritten") if r.stats.get("over_bound_calls")]
+    assert over, "some copy should have been refused by the bound"
+    model2 = Block().eval()
+    compiled2, rec2 = _compiled(model2, pack={"mode": "always", "max_bytes": 0})
+    with torch.no_grad():
+        compiled2(x)
+    assert rec2.count(OP) == 0
+    assert all("max_bytes=0" in r.reason for r in wfpass.last_report().find("pack"))
+
+
+def test_copies_die_with_their_model():
+    gc.collect()
+    start = pk.packed_bytes_alive()
+    x = torch.randn(1, 1, 64)
+    for i in range(20):
+        model = Block().eval()
+        compiled = torch.compile(model, backend=wfpass.backend(pack=ALWAYS))
+        with torch.no_grad():
+            compiled(x)
+        assert pk.packed_bytes_alive() > start
+        del model, compiled
+        torch._dynamo.reset()
+        gc.collect()
+    assert pk.packed_bytes_alive() == start
+    assert not pk._COPIES or all(ref() is not None for ref, _ in pk._COPIES.values())
+
+
+def test_restore_frees_the_copies_and_the_next_call_packs_again():
+    model = Block().eval()
+    compiled = torch.compile(model, backend=wfpass.backend(pack=ALWAYS))
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        y = compiled(x)
+        assert pk.copies_of(model.head.weight)
+        wfpass.restore(model)
+        assert not pk.copies_of(model.head.weight)
+        torch.testing.assert_close(compiled(x), y)
+    assert pk.copies_of(model.head.weight)
+
+
+def test_auto_mode_measures_and_says_so():
+    model = Block().eval()
+    compiled = torch.compile(model, backend=wfpass.backend(inner="eager"))
+    with torch.no_grad():
+        compiled(torch.randn(1, 1, 64))
+    rows = wfpass.last_report().find("pack")
+    assert len(rows) == 3
+    for r in rows:
+        # Either way the row says what was measured for M=1.
+        assert "M=1" in r.reason and " us" in r.reason, r.reason
+
+
+def test_not_packed_rows_name_the_reason():
+    model = Block().double().eval()
+    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", pack=ALWAYS))
+    with torch.no_grad():
+        compiled(torch.randn(1, 1, 64, dtype=torch.float64))
+    rows = wfpass.last_report().find("pack", "skipped")
+    assert len(rows) == 3 and all("no packed kernel for torch.float64" in r.reason for r in rows)
+    if not _k.onednn_packs(torch.float16):
+        m16 = nn.Linear(64, 64).half().eval()
+        torch.compile(m16, backend=wfpass.backend(inner="eager", pack=ALWAYS))(torch.randn(2, 64).half())
+        (row,) = wfpass.last_report().find("pack", "skipped")
+        assert "cannot multiply torch.float16 on this CPU" in row.reason
+
+
+def test_traced_graphs_pack_too():
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    gm = torch.fx.symbolic_trace(model)
+    report = wfpass.apply(gm, pack=ALWAYS, linear_path="fused")
+    assert len(report.find("pack", "rewritten")) == 3
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        _close(gm(x), ref(x), torch.float32)
+        gm.head.weight.mul_(2)
+        ref.head.weight.mul_(2)
+        _close(gm(x), ref(x), torch.float32)
+    # Eagerly run with gradients: the op takes the plain GEMM (pack.training off) and trains.
+    out = gm(x)
+    (out * torch.randn_like(out)).sum().backward()
+    assert gm.head.weight.grad is not None
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="pack.mode"):
+        wfpass.backend(pack={"mode": "sometimes"})
+    with pytest.raises(ValueError, match="pack.colour"):
+        wfpass.backend(pack={"colour": 1})
+    with pytest.raises(TypeError, match="pack.training"):
+        wfpass.PackOptions(training="yes")
+    with pytest.raises(ValueError, match="pack.max_bytes"):
+        wfpass.PackOptions(max_bytes=-1)
+    with pytest.raises(TypeError, match="'pack'"):
+        wfpass.backend(pack=3)
+
+
+def test_opcheck():
+    site = pk.PackSite(wfpass.records.Record("pack", "rewritten", "", []), torch.float32, 16, 8,
+                       lambda m: "onednn", None)
+    sid = pk.register_site(site)
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    torch.library.opcheck(OP, (x, [w], [b], 8, sid))
+    torch.library.opcheck(OP, (x, [w], [], 8, sid))
+    assert site.record.stats["packed_calls"] > 0
