@@ -23,6 +23,7 @@ from wfpass.pack import kernel as pk
 BF16 = _k.onednn_packs(torch.bfloat16)
 ALWAYS = {"mode": "always"}
 OP = torch.ops.wfpass.packed_linear.default
+OP_TRAIN = torch.ops.wfpass.packed_linear_train.default
 
 
 class Block(nn.Module):
@@ -234,7 +235,7 @@ def test_training_graphs_are_not_packed_by_default_and_train_like_eager_with_pac
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * gmax, n
         opt.step(), ropt.step()
         opt.zero_grad(), ropt.zero_grad()
-    assert rec.count(OP) == 2  # o and head; q/k/v's one-GEMM block keeps fused_linear in training
+    assert rec.count(OP_TRAIN) == 2 and rec.count(OP) == 0  # o and head; q/k/v's one-GEMM block keeps fused_linear in training
     rows = wfpass.report(model).find("pack", "rewritten")
     assert rows and all(r.stats["repacked"] >= 4 for r in rows)
 
@@ -384,6 +385,8 @@ def test_opcheck():
     x = torch.randn(3, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)
     b = torch.randn(8, requires_grad=True)
-    torch.library.opcheck(OP, (x, [w], [b], 8, sid))
-    torch.library.opcheck(OP, (x, [w], [], 8, sid))
+    torch.library.opcheck(OP_TRAIN, (x, [w], [b], 8, sid))
+    torch.library.opcheck(OP_TRAIN, (x, [w], [], 8, sid))
+    with torch.no_grad():
+        torch.library.opcheck(OP, (x.detach(), [w.detach()], [b.detach()], 8, sid))
     assert site.record.stats["packed_calls"] > 0

@@ -51,7 +51,14 @@ from ..storage import layout_of
 __all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
-_LIB.define("packed_linear(Tensor x, Tensor[] weights, Tensor[] biases, int rows, int site) -> Tensor")
+# Two ops over one kernel: ``packed_linear`` for graphs that compute no
+# gradient through the call (most calls: no autograd wrapper to pass
+# through, a few microseconds a call), ``packed_linear_train`` with the
+# gradient formula below for those that do (``pack.training``) and for
+# ``wfpass.apply`` graphs, which run eagerly either way.
+_SCHEMA = "(Tensor x, Tensor[] weights, Tensor[] biases, int rows, int site) -> Tensor"
+_LIB.define("packed_linear" + _SCHEMA)
+_LIB.define("packed_linear_train" + _SCHEMA)
 
 #: Elements of a weight compared bit for bit on every call.
 SAMPLE = 32
@@ -271,8 +278,9 @@ def _packed_linear_fake(x, weights, biases, rows, site):
     return x.new_empty((*x.shape[:-1], rows))
 
 
-_LIB.impl("packed_linear", _packed_linear, "CPU")
-torch.library.register_fake("wfpass::packed_linear", _packed_linear_fake, lib=_LIB)
+for _name in ("packed_linear", "packed_linear_train"):
+    _LIB.impl(_name, _packed_linear, "CPU")
+    torch.library.register_fake("wfpass::" + _name, _packed_linear_fake, lib=_LIB)
 
 
 def _setup(ctx, inputs, output):
@@ -304,4 +312,4 @@ def _grad(ctx, gy):
     return gx, gws, gbs, None, None
 
 
-torch.library.register_autograd("wfpass::packed_linear", _grad, setup_context=_setup, lib=_LIB)
+torch.library.register_autograd("wfpass::packed_linear_train", _grad, setup_context=_setup, lib=_LIB)

@@ -23,9 +23,10 @@ from .guards import choose_kernel, describe_choice
 from .kernel import PackSite, register_site
 from .match import PackMatch
 
-__all__ = ["rewrite_call", "OP"]
+__all__ = ["rewrite_call", "OP", "OP_TRAIN"]
 
-OP = torch.ops.wfpass.packed_linear.default
+OP = torch.ops.wfpass.packed_linear.default  # no gradient through the call (the guard made sure)
+OP_TRAIN = torch.ops.wfpass.packed_linear_train.default  # with its gradient formula
 
 # first weight -> its record, while the weight lives.
 _RECORDS = _tensors.weak_id_key_dict()
@@ -103,7 +104,8 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
             x = m.x
             biases = [m.bias] if isinstance(m.bias, fx.Node) else []
             w_nodes = [m.weights[0].node]
-        new = g.call_function(OP, (x, w_nodes, biases, n, sid))
+        op = OP if ctx.is_dynamo and not m.needs_grad() else OP_TRAIN
+        new = g.call_function(op, (x, w_nodes, biases, n, sid))
         if m.members:
             sizes = [w.tensor.shape[0] for w in m.weights]
             parts = g.call_function(torch.split, (new, sizes, -1))
