@@ -379,8 +379,7 @@ def test_options_are_checked():
 
 
 def test_opcheck():
-    site = pk.PackSite(wfpass.records.Record("pack", "rewritten", "", []), torch.float32, 16, 8,
-                       lambda m: "onednn", None)
+    site = pk.PackSite(wfpass.records.Record("pack", "rewritten", "", []), lambda m: "onednn", None)
     sid = pk.register_site(site)
     x = torch.randn(3, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)

@@ -77,7 +77,7 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
                     f"plain GEMM")
     if m.bias_ref is not None and (m.bias_ref.tensor.dtype != t.dtype or m.bias_ref.tensor.device != t.device):
         return f"bias {m.bias_ref.name} has dtype {m.bias_ref.tensor.dtype}, the weight {t.dtype}"
-    written = ctx.written_state()
+    written = m.written
     for r in m.weights:
         if r.node is not None and r.node in written:
             return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "

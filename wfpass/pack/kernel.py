@@ -6,8 +6,8 @@ Graph after ``pack_linears`` (Dynamo flavour; a single linear, and the Q/K/V
 block ``fuse_linears`` built, whose members are views of one block with
 ``q_w`` at offset 0)::
 
-    y = wfpass.packed_linear(x, [w], b, 512, site)
-    qkv = wfpass.packed_linear(x, [q_w, k_w, v_w], b_block, 768, site)
+    y = wfpass.packed_linear(x, [w], [b], 512, site)
+    qkv = wfpass.packed_linear(x, [q_w, k_w, v_w], [q_b, k_b, v_b], 768, site)
 
 The op takes the **parameters themselves**, so the compiler sees which
 tensors the result depends on (AOTAutograd orders it after any write to
@@ -73,9 +73,8 @@ class PackSite:
     ``choose(m)`` returns ``"onednn"``, ``"mkl"`` or ``"plain"``; a site
     asks it once per row count and remembers the answer."""
 
-    def __init__(self, record: Record, dtype: torch.dtype, in_features: int, rows: int, choose, max_bytes: Optional[int]):
-        self.record, self.dtype, self.in_features, self.rows = record, dtype, in_features, rows
-        self._choose, self.max_bytes = choose, max_bytes
+    def __init__(self, record: Record, choose, max_bytes: Optional[int]):
+        self.record, self._choose, self.max_bytes = record, choose, max_bytes
         self.by_rows: Dict[int, str] = {}
         self.id = 0
         self.names: List[str] = []  # the weights' names, for the record
@@ -90,7 +89,6 @@ class PackSite:
         k = self.by_rows.get(m)
         if k is None:
             k = self.by_rows[m] = self._choose(m)
-            self.record.detail.setdefault("kernels", {})[m] = k
         return k
 
 
@@ -139,18 +137,22 @@ def copies_of(w: torch.Tensor) -> Dict[tuple, _Copy]:
     return entry[1] if entry is not None and entry[0]() is w else {}
 
 
+def _release_all(table: Dict[tuple, _Copy]) -> int:
+    freed = 0
+    for c in table.values():
+        _release(c)
+        freed += c.nbytes
+    table.clear()
+    return freed
+
+
 def drop_copies(w: torch.Tensor) -> int:
     """Free the packed copies made from ``w`` (``wfpass.restore``); the next
     call makes them again. Returns the bytes freed."""
     entry = _COPIES.get(id(w))
     if entry is None or entry[0]() is not w:
         return 0
-    freed = 0
-    for c in entry[1].values():
-        _release(c)
-        freed += c.nbytes
-    entry[1].clear()
-    return freed
+    return _release_all(entry[1])
 
 
 def _table_for(w0: torch.Tensor, site: PackSite, weights: Sequence[torch.Tensor]) -> Dict[tuple, _Copy]:
@@ -166,8 +168,7 @@ def _table_for(w0: torch.Tensor, site: PackSite, weights: Sequence[torch.Tensor]
     def gone(ref, key=key):
         e = _COPIES.get(key)
         if e is not None and e[0] is ref:
-            for c in e[1].values():
-                _release(c)
+            _release_all(e[1])
             del _COPIES[key]
 
     table: Dict[tuple, _Copy] = {}
@@ -233,7 +234,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         if _ALIVE[0] - old + need > site.max_bytes:
             site.record.bump("over_bound_calls")
             return None
-    if block.stride(-1) != 1 or not block.is_contiguous():
+    if not block.is_contiguous():
         block = block.contiguous()
     if kernel == "mkl":
         packed = _k.mkl_pack(block, m)
@@ -286,7 +287,7 @@ for _name in ("packed_linear", "packed_linear_train"):
 def _setup(ctx, inputs, output):
     x, weights, biases, rows, _site = inputs
     ctx.save_for_backward(x, *weights)
-    ctx.rows, ctx.n, ctx.bias_rows = rows, len(weights), [b.shape[0] for b in biases]
+    ctx.bias_rows = [b.shape[0] for b in biases]
 
 
 def _any(needs) -> bool:

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg
+from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg
 from ..linear.kernel import fused_linear
 from ..linear.match import rows_of
 from ..pipeline import Match
@@ -45,11 +45,9 @@ class PackMatch(Match):
         self.m: Optional[int] = rows_of(x)  # M, None where symbolic or unknown
         # Set by the guard of a taken match: the kernel for a static M and its row's words.
         self.kernel, self.why = "", ""
-
-    @property
-    def dtype(self) -> Optional[torch.dtype]:
-        w = self.weights[0]
-        return w.tensor.dtype if w is not None else None
+        # The graph's in-place writes to its inputs and attributes
+        # (``graph.mutated_state``), found once per run by the matcher.
+        self.written: Dict[fx.Node, str] = {}
 
     def needs_grad(self) -> Optional[bool]:
         """Does the graph compute a gradient through this call? None where the
@@ -58,32 +56,23 @@ class PackMatch(Match):
         return bool(v.requires_grad) if isinstance(v, torch.Tensor) else None
 
 
-def _split_group(sites: List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]) -> Optional[PackMatch]:
-    """Linears over one input whose weights are, in order, all the members of
-    one intact sibling block: one block match (None otherwise)."""
+def _split_group(x: fx.Node, sites: List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]) -> Optional[PackMatch]:
+    """Linears over one input ``x`` (``sites`` in graph order) whose weights
+    are all the members of one intact sibling block: one block match, its
+    members in block order (None otherwise)."""
     fs = layout_of(sites[0][1].tensor)
     members = fs.members
     order = {id(t): i for i, t in enumerate(members)}
     if len(sites) != len(members) or any(id(w.tensor) not in order for _, w, _ in sites):
         return None
+    first = sites[0][0]  # the new call goes before the first of them in the graph
     sites = sorted(sites, key=lambda s: order[id(s[1].tensor)])
     biases = [b for _, _, b in sites]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None  # only some members have a bias: packed one by one
     rows = sum(w.tensor.shape[0] for _, w, _ in sites)
-    first = min((n for n, _, _ in sites), key=lambda n: _position(n))
-    return PackMatch(first, sites[0][0].args[0] if sites[0][0].args else node_arg(sites[0][0], 0, "input"),
-                     [w for _, w, _ in sites], None, None, rows, block=True,
+    return PackMatch(first, x, [w for _, w, _ in sites], None, None, rows, block=True,
                      members=[n for n, _, _ in sites], bias_nodes=[b for b in biases if b is not None])
-
-
-def _position(n: fx.Node) -> int:
-    i = 0
-    for other in n.graph.nodes:
-        if other is n:
-            return i
-        i += 1
-    return i
 
 
 def pack_candidates(gm: fx.GraphModule, ctx: PassContext) -> Iterator[PackMatch]:
@@ -111,12 +100,15 @@ def pack_candidates(gm: fx.GraphModule, ctx: PassContext) -> Iterator[PackMatch]
             sizes = spec[0]
             weights = [ctx.resolve(a) for a in node.args[4:4 + len(sizes)]]
             singles.append(PackMatch(node, x, weights, b_block, None, sum(sizes), block=True))
+    written = mutated_state(gm)
     taken = set()
-    for sites in groups.values():
-        g = _split_group(sites)
+    for (_, x), sites in groups.items():
+        g = _split_group(x, sites)
         if g is not None:
             taken.update(g.members)
+            g.written = written
             yield g
     for m in singles:
         if m.node not in taken:
+            m.written = written
             yield m

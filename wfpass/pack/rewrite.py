@@ -65,7 +65,7 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
             rec.reason = _reason(rec)
         return kernel
 
-    site = PackSite(rec, dtype, k, n, choose, opts.max_bytes)
+    site = PackSite(rec, choose, opts.max_bytes)
     if m.m is not None:
         site.by_rows[m.m] = m.kernel
     site.names = [w.name for w in m.weights]

@@ -9,8 +9,8 @@ a Q/K/V group at decode sizes)::
 
 After::
 
-    y = wfpass.packed_linear(x, [w], b, 512, site)
-    qkv = wfpass.packed_linear(x, [q_w, k_w, v_w], b_block, 768, site)
+    y = wfpass.packed_linear(x, [w], [b], 512, site)
+    qkv = wfpass.packed_linear(x, [q_w, k_w, v_w], [q_b, k_b, v_b], 768, site)
 
 The op reads the parameters (the compiler sees the dependency) and, per
 call, finds the packed copy made from them, checks it against them and
