@@ -270,8 +270,16 @@ def _md(results, train_results, command: str) -> str:
     import torch
 
     lines = [f"<!-- made by: {command} -->", "", "# Packed weights: measured", "",
-             f"`{command}`, on {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}.", "",
-             "Each variant ran in its own process; rounds interleave them. HF `LlamaForCausalLM` built from a config "
+             f"`{command}`, on {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}.", ""]
+    if results:
+        lines += _generate_md(results)
+    if train_results:
+        lines += _train_md(train_results)
+    return "\n".join(lines) + "\n"
+
+
+def _generate_md(results) -> list:
+    lines = ["Each variant ran in its own process; rounds interleave them. HF `LlamaForCausalLM` built from a config "
              f"(vocab 8000), `generate()` of {NEW} new tokens after {PROMPT}, greedy, batch 1, "
              "`model.forward = torch.compile(model.forward, backend=...)`.", "",
              "**x faster** = the baseline's time / wformat's time (above 1: wformat is faster).", "",
@@ -302,18 +310,21 @@ def _md(results, train_results, command: str) -> str:
                 moved = f", changed by {c['logits_changed_by']:.3g}" if "logits_changed_by" in c else ""
                 cells.append(f"{c['max_logit_diff']:.3g} (tokens {'equal' if c['tokens_equal'] else 'differ'}{moved})")
             lines.append(f"| {r['config']} | {r['threads']} | {v} | " + " | ".join(cells) + " |")
-    if train_results:
-        lines += ["", "Training step (forward, backward of a fixed projection of the last hidden state, SGD step), "
-                  "bf16 decoder, ms, median over rounds; x faster = Inductor's time / the variant's:", "",
-                  "| model | threads | rows | Inductor | wformat (packing off in training) | x faster | "
-                  "wformat, pack.training=True | x faster |", "|---|---|---|---|---|---|---|---|"]
-        for r in train_results:
-            for rows in (8, 64, 512):
-                med = {v: statistics.median(r["ms"][v][rows]) for v in r["ms"]}
-                lines.append(f"| {r['config']} | {r['threads']} | {rows} | {med['inductor']:.1f} | {med['wformat']:.1f} | "
-                             f"{med['inductor'] / med['wformat']:.2f} | {med['wformat-pack-training']:.1f} | "
-                             f"{med['inductor'] / med['wformat-pack-training']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _train_md(train_results) -> list:
+    lines = ["", "Training step (forward, backward of a fixed projection of the last hidden state, SGD step), "
+             "bf16 decoder, ms, median over rounds; x faster = Inductor's time / the variant's:", "",
+             "| model | threads | rows | Inductor | wformat (packing off in training) | x faster | "
+             "wformat, pack.training=True | x faster |", "|---|---|---|---|---|---|---|---|"]
+    for r in train_results:
+        for rows in (8, 64, 512):
+            med = {v: statistics.median(r["ms"][v][rows]) for v in r["ms"]}
+            lines.append(f"| {r['config']} | {r['threads']} | {rows} | {med['inductor']:.1f} | {med['wformat']:.1f} | "
+                         f"{med['inductor'] / med['wformat']:.2f} | {med['wformat-pack-training']:.1f} | "
+                         f"{med['inductor'] / med['wformat-pack-training']:.2f} |")
+    return lines
 
 
 def main(argv=None) -> None:
@@ -323,6 +334,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--train", action="store_true", help="also the training steps (bf16 configs)")
+    ap.add_argument("--train-only", action="store_true", help="only the training steps (bf16 configs)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--out")
     ap.add_argument("--json", help="also write the raw results here")
@@ -330,12 +342,14 @@ def main(argv=None) -> None:
     if a.worker:
         worker(a.config[0], a.worker, a.threads[0], a.train)
         return
+    a.train = a.train or a.train_only
     results, train_results = [], []
     for config in a.config:
         for threads in a.threads:
-            r = run_generate(config, threads, a.rounds, tuple(a.variants))
-            print(json.dumps(r), flush=True)
-            results.append(r)
+            if not a.train_only:
+                r = run_generate(config, threads, a.rounds, tuple(a.variants))
+                print(json.dumps(r), flush=True)
+                results.append(r)
             if a.train and "bf16" in config:
                 t = run_train(config, threads, a.rounds)
                 print(json.dumps(t), flush=True)
