@@ -351,6 +351,36 @@ def test_lstm_layer_op_passes_torch_library_opcheck(train, zero_state):
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
+@pytest.mark.parametrize("mode", ["GRU", "RNN_TANH", "RNN_RELU"])
+@pytest.mark.parametrize("bias,state,reverse", [(True, True, False), (False, False, True)])
+def test_rnn_layer_op_passes_opcheck_and_equals_eager_autograd(mode, bias, state, reverse):
+    """``wfpass::rnn_layer`` (GRU / plain RNN as one op, hand-written
+    backward) against ATen's kernel under eager autograd, float64, both
+    outputs in the loss; and torch.library's opcheck."""
+    torch.manual_seed(0)
+    g = 3 if mode == "GRU" else 1
+    T, B, I, H = 6, 3, 4, 5
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    x, w_ih, w_hh = mk(T, B, I), mk(g * H, I), mk(g * H, H)
+    b_ih, b_hh = (mk(g * H), mk(g * H)) if bias else (None, None)
+    hx = mk(1, B, H) if state else None
+    ins = [t for t in (x, w_ih, w_hh, b_ih, b_hh, hx) if t is not None]
+    R, Rh = torch.randn(T, B, H, dtype=torch.float64), torch.randn(1, B, H, dtype=torch.float64)
+    out, hy = torch.ops.wfpass.rnn_layer(x, w_ih, w_hh, b_ih, b_hh, hx, mode, reverse)
+    grads = torch.autograd.grad((out * R).sum() + (hy * Rh).sum(), ins)
+    kernel = {"GRU": torch.gru, "RNN_TANH": torch.rnn_tanh, "RNN_RELU": torch.rnn_relu}[mode]
+    h0 = hx if state else torch.zeros(1, B, H, dtype=torch.float64)
+    params = [w_ih, w_hh] + ([b_ih, b_hh] if bias else [])
+    rout, rhy = kernel(x.flip(0) if reverse else x, h0, params, bias, 1, 0.0, True, False, False)
+    rout = rout.flip(0) if reverse else rout
+    rgrads = torch.autograd.grad((rout * R).sum() + (rhy * Rh).sum(), ins)
+    torch.testing.assert_close(out, rout, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hy, rhy, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, rgrads):
+        assert (a - b).abs().max() <= 1e-10 * b.abs().max(), (a - b).abs().max()
+    torch.library.opcheck(torch.ops.wfpass.rnn_layer.default, (x, w_ih, w_hh, b_ih, b_hh, hx, mode, reverse))
+
+
 def test_assign_load_then_old_parameters_freed_mid_compile():
     """After load_state_dict(assign=True) nn.GRU's ``_flat_weight_refs`` still
     point at the old Parameters; if those die between Dynamo's trace and its
@@ -376,10 +406,17 @@ def test_assign_load_then_old_parameters_freed_mid_compile():
     torch.testing.assert_close(h, rh)
 
 
-def test_aot_graphs_hold_one_op_per_layer_each_way():
-    """AOTAutograd's forward graph holds one oneDNN layer op per layer and its
-    backward graph ATen's own backward formula for each, the same graphs
-    for T = 8 and 200: compile time does not grow with T."""
+LAYER_OPS = {nn.LSTM: (torch.ops.wfpass.lstm_layer.default, torch.ops.wfpass.lstm_layer_backward.default),
+             nn.GRU: (torch.ops.wfpass.rnn_layer.default, torch.ops.wfpass.rnn_layer_backward.default),
+             nn.RNN: (torch.ops.wfpass.rnn_layer.default, torch.ops.wfpass.rnn_layer_backward.default)}
+
+
+@pytest.mark.parametrize("cls", list(LAYER_OPS), ids=lambda c: c.__name__)
+def test_aot_graphs_hold_one_op_per_layer_each_way(cls):
+    """AOTAutograd's forward graph holds one layer op per layer (oneDNN's
+    LSTM layer; ATen's native GRU / RNN) and its backward graph one backward
+    op for each, the same graphs for T = 8 and 200: compile time does not
+    grow with T."""
     from torch._dynamo.backends.common import aot_autograd
 
     sizes = []
@@ -395,11 +432,12 @@ def test_aot_graphs_hold_one_op_per_layer_each_way():
             graphs["bw"] = gm
             return gm.forward
 
-        model = Net(nn.LSTM, num_layers=2)
+        model = Net(cls, num_layers=2)
         fn = torch.compile(model, backend=wfpass.backend(inner=aot_autograd(fw_compiler=fw, bw_compiler=bw), seq_threshold=N))
         fn(torch.randn(T, 2, 5))[0].sum().backward()
-        assert count_targets(graphs["fw"], torch.ops.wfpass.lstm_layer.default) == 2
-        assert count_targets(graphs["bw"], torch.ops.wfpass.lstm_layer_backward.default) == 2
+        fw_op, bw_op = LAYER_OPS[cls]
+        assert count_targets(graphs["fw"], fw_op) == 2
+        assert count_targets(graphs["bw"], bw_op) == 2
         sizes.append((len(graphs["fw"].graph.nodes), len(graphs["bw"].graph.nodes)))
     assert len(set(sizes)) == 1, sizes
 
@@ -433,6 +471,39 @@ def test_dynamic_lengths(inner):
         expected.sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls,path", [(nn.LSTM, "mkldnn"), (nn.GRU, "native")], ids=["lstm", "gru"])
+def test_training_after_dynamic_recompile_stays_one_op_per_layer(cls, path):
+    """Varying batches make Dynamo recompile with a symbolic length and
+    batch; training then still runs one op per layer (oneDNN's LSTM layer,
+    whose workspace size is a size known when the op has run; ATen's native
+    GRU), not an unrolled recurrence, and every gradient equals eager's
+    (SGD steps over mixed shapes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), cls(16, 16, num_layers=2))
+    ref = copy.deepcopy(model)
+    rec = Recorder(inner="inductor", seq_threshold=N)
+    fn = torch.compile(model, backend=rec.backend)
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for T, B in ((16, 1), (16, 3), (24, 2), (9, 5)):
+        tok = torch.randint(0, 50, (T, B))
+        R = torch.randn(T, B, 16)
+        (out, st), (rout, rst) = fn(tok), ref(tok)
+        st, rst = (st, rst) if cls is nn.LSTM else ((st, st), (rst, rst))
+        torch.testing.assert_close(out, rout, rtol=1e-4, atol=1e-5)
+        ((out * R).sum() + st[0].sum() + 2 * st[1].sum()).backward()
+        ((rout * R).sum() + rst[0].sum() + 2 * rst[1].sum()).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            scale = q.grad.abs().max().clamp_min(1e-6)
+            assert ((p.grad - q.grad).abs().max() / scale) < 1e-4, (T, B, n)
+        opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
+    dyn = [g for g in rec.graphs if any(isinstance(d, torch.SymInt) for p in g.graph.find_nodes(op="placeholder")
+                                        for d in getattr(p.meta.get("example_value"), "shape", ()))]
+    assert dyn, "no graph with a symbolic shape was compiled"
+    for g in dyn:
+        paths = [n.target.path for n in g.graph.nodes if isinstance(n.target, rnn_ops.RnnForward)]
+        assert paths == [path], paths
 
 
 # -- layout lost ----------------------------------------------------------------

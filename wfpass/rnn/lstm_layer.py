@@ -76,8 +76,13 @@ def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size
     T, B = input.shape[0], input.shape[1]
     n = 0
     if train:
-        # Static shapes only: the pass takes this op for a symbolic T only without grad.
-        n = workspace_numel(int(T), int(B), int(input.shape[2]), hidden_size, input.dtype, has_biases)
+        if all(isinstance(d, int) for d in input.shape):
+            n = workspace_numel(T, B, int(input.shape[2]), hidden_size, input.dtype, has_biases)
+        else:
+            # A symbolic T or batch: oneDNN's size is no formula of them, so
+            # it is a size known only when the op has run (an unbacked
+            # symbol), which AOTAutograd saves for the backward like any size.
+            n = torch.library.get_ctx().new_dynamic_size()
     state = (1, B, hidden_size)
     return (input.new_empty((T, B, hidden_size)), input.new_empty(state), input.new_empty(state),
             input.new_empty((n,), dtype=torch.uint8))

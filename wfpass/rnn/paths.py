@@ -20,8 +20,10 @@ that carry their own derivative formulas:
   not take (``proj_size``, some dtypes) take this path at every static T.
 * ``aten``: the same ``torch.lstm`` / ``gru`` / ``rnn_tanh`` call as eager,
   which AOTAutograd decomposes into ATen ops as it would without wfpass;
-  only for a symbolic T where the two paths above cannot run (training
-  through oneDNN needs a static shape; the loop needs a static T).
+  only for a symbolic T where the two paths above cannot run (the loop
+  needs a static T). oneDNN runs symbolic shapes too, with and without
+  grad: the size of its training workspace is then a size known when the
+  op has run (an unbacked symbol, ``lstm_layer.py``).
 
 No state is kept between the forward and the backward that AOTAutograd
 does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
@@ -41,9 +43,10 @@ import torch.nn.functional as F
 
 from .._torch import kernels as _kernels
 from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
+from . import native_layer  # registers wfpass::rnn_layer, which native_path calls
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "choose_path", "paths_differ", "RnnForward"]
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "paths_differ", "RnnForward"]
 
 
 def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
@@ -168,18 +171,39 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
     return out, torch.cat([h for h, _ in finals], 0), torch.cat([c for _, c in finals], 0)
 
 
-def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, need_grad: bool,
-                static_batch: bool = True) -> str:
+def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+    """A CPU GRU or plain RNN as ``wfpass::rnn_layer`` calls, one per layer
+    and direction: ATen's native kernel as one op whatever T is, with a
+    backward op of its own (``native_layer.py``); dropout between layers
+    like ``nn.GRU``."""
+    per = spec.weights_per_layer
+    h0 = hx[0]
+
+    def direction(layer_in, k, reverse):
+        w = ws[k * per : (k + 1) * per]
+        b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
+        y, hy = torch.ops.wfpass.rnn_layer.default(
+            layer_in.contiguous(), w[0], w[1], b_ih, b_hh, None if h0 is None else h0[k : k + 1].contiguous(),
+            spec.mode, reverse)
+        return y, (hy, None)
+
+    out, finals = _layers(spec, x, train, p, direction)
+    return out, torch.cat([h for h, _ in finals], 0)
+
+
+def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int) -> str:
     """The path for a call of ``steps`` time steps (None: symbolic, unknown
-    until run time): ``loop`` at or below the threshold, else the fused
-    kernel where PyTorch has one for this RNN (``mkldnn``), else ``aten``.
-    Training through oneDNN needs static shapes (its workspace size is
-    measured per shape), so a symbolic shape with grad takes ``aten``."""
-    if steps is not None and steps <= threshold and paths_differ(spec, x):
+    until run time): ``loop`` at or below the threshold, else one op per
+    layer: oneDNN's LSTM layer (``mkldnn``) or ATen's native GRU / plain RNN
+    (``native``), with or without grad, for static and symbolic shapes
+    alike; ``loop`` or ``aten`` for the rest (LSTMs with ``proj_size`` or
+    in a dtype oneDNN does not take)."""
+    if steps is not None and steps <= threshold:
         return "loop"
-    if (x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0
-            and _kernels.mkldnn_rnn_dtype(x.dtype) and (not need_grad or (steps is not None and static_batch))):
+    if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
         return "mkldnn"
+    if x.device.type == "cpu" and spec.mode in native_layer.MODES:
+        return "native"
     if steps is not None:
         # No fused kernel for this RNN: the per-step ops, written out here.
         # Not ATen's decomposition of torch.gru/rnn_tanh, which drops the
@@ -213,12 +237,15 @@ class RnnForward:
         spec = self.spec
         p = spec.dropout
         ws, has_b = weights, spec.has_biases
-        if self.path != "mkldnn" and any(h is None for h in hx):
-            # A zero state (None): the oneDNN op fills its own; the others get it here.
+        if self.path not in ("mkldnn", "native") and any(h is None for h in hx):
+            # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
         if self.path == "mkldnn":
             need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif self.path == "native":
+            out, hy = native_path(spec, x, hx, ws, has_b, self.train, p)
+            cy = None
         elif self.path == "loop":
             outs = _loop(spec, x, hx, ws, has_b, self.train, p)
             out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)

@@ -56,10 +56,7 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
         steps = _static_steps(s)
         v = meta_value(s.x)
         n = _compile_threshold(ctx, s, spec, record)
-        need_grad = torch.is_grad_enabled() and (
-            any(w.requires_grad for w in ws) or (isinstance(v, torch.Tensor) and v.requires_grad))
-        static_batch = isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
-        path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n, need_grad, static_batch)
+        path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n)
         # Counted by length, as the report's threshold reads: GRUs and plain
         # RNNs run the same kernels on both sides of N on the CPU.
         counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
