@@ -1,6 +1,10 @@
-"""Python loops of LSTM cells: eager, Inductor, wformat and eager ``nn.LSTM``, side by side.
+"""Python loops of RNN cells: eager, Inductor, wformat and the eager RNN module, side by side.
 
     python benchmarks/bench_cells.py --out docs/cells_results.md [--rounds 7] [--lengths 8 32 128 512]
+    python benchmarks/bench_cells.py --cell GRU --out docs/cells_gru_results.md
+
+``--cell LSTM`` (default), ``GRU`` or ``RNN`` (tanh) picks the cell and the
+module compared with it (``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``).
 
 The model: ``nn.LSTMCell(64, 128)`` stepped over T steps in a Python loop,
 batch 4 (and a 2-layer stack, ``LSTMCell(64, 128)`` then ``LSTMCell(128,
@@ -34,14 +38,20 @@ import time
 IN, HID, BATCH = 64, 128, 4
 
 
-def _models(layers: int, T: int):
+CELLS = {"LSTM": ("LSTMCell", "LSTM"), "GRU": ("GRUCell", "GRU"), "RNN": ("RNNCell", "RNN")}
+
+
+def _models(layers: int, T: int, kind: str = "LSTM"):
     import torch
     import torch.nn as nn
+
+    cell_cls, rnn_cls = (getattr(nn, n) for n in CELLS[kind])
+    lstm = kind == "LSTM"
 
     class CellLoop(nn.Module):
         def __init__(self):
             super().__init__()
-            self.cells = nn.ModuleList([nn.LSTMCell(IN if i == 0 else HID, HID) for i in range(layers)])
+            self.cells = nn.ModuleList([cell_cls(IN if i == 0 else HID, HID) for i in range(layers)])
 
         def forward(self, x):
             sts = [None] * layers
@@ -50,14 +60,14 @@ def _models(layers: int, T: int):
                 inp = x[t]
                 for k, cell in enumerate(self.cells):
                     sts[k] = cell(inp) if sts[k] is None else cell(inp, sts[k])
-                    inp = sts[k][0]
+                    inp = sts[k][0] if lstm else sts[k]
                 outs.append(inp)
             return torch.stack(outs)
 
     class Fused(nn.Module):
         def __init__(self, loop):
             super().__init__()
-            self.lstm = nn.LSTM(IN, HID, num_layers=layers)
+            self.lstm = rnn_cls(IN, HID, num_layers=layers)
             with torch.no_grad():
                 for k, cell in enumerate(loop.cells):
                     for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
@@ -85,7 +95,7 @@ def _alarm(signum, frame):
 
 
 def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float, skip_inductor: bool,
-            threads: int) -> dict:
+            threads: int, kind: str = "LSTM") -> dict:
     import copy
 
     import torch
@@ -93,7 +103,7 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
     import wfpass
 
     torch.set_num_threads(threads)
-    loop, fused = _models(layers, T)
+    loop, fused = _models(layers, T, kind)
     x = torch.randn(T, BATCH, IN)
     R = torch.randn(T, BATCH, HID)
     train = mode == "train"
@@ -108,7 +118,7 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
                     fn(x)
         return go
 
-    variants = {"eager loop": step(loop), "eager nn.LSTM": step(fused)}
+    variants = {"eager loop": step(loop), f"eager nn.{CELLS[kind][1]}": step(fused)}
     compile_s = {}
     for name, backend in (("wformat", "wformat"), ("inductor", "inductor")):
         if name == "inductor" and skip_inductor:
@@ -172,12 +182,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: steadiest on a shared machine, where threads that wait for each "
                          "other turn any other load into 10x swings)")
+    ap.add_argument("--cell", choices=list(CELLS), default="LSTM", help="the cell looped over (default LSTM)")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--skip-inductor", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         layers, T, mode = int(a.one[0]), int(a.one[1]), a.one[2]
-        print(json.dumps(run_one(layers, T, mode, a.rounds, a.reps, a.compile_limit, a.skip_inductor, a.threads)))
+        print(json.dumps(run_one(layers, T, mode, a.rounds, a.reps, a.compile_limit, a.skip_inductor, a.threads, a.cell)))
         return
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     rows = []
@@ -199,7 +210,7 @@ def main() -> None:
                     rows.append(r)
                     continue
                 cmd = [sys.executable, __file__, "--one", str(layers), str(T), mode, "--rounds", str(a.rounds),
-                       "--reps", str(a.reps), "--compile-limit", str(a.compile_limit), "--threads", str(a.threads)]
+                       "--reps", str(a.reps), "--compile-limit", str(a.compile_limit), "--threads", str(a.threads), "--cell", a.cell]
                 if too_slow:
                     cmd.append("--skip-inductor")
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -216,23 +227,24 @@ def main() -> None:
                       f"inductor {_fmt(r['compile_s']['inductor'], ' s')}; ms {r['ms']}", file=sys.stderr, flush=True)
     import torch
 
+    mod = f"nn.{CELLS[a.cell][1]}"
     lines = [
-        "# LSTM cell loops: measured",
+        f"# {a.cell} cell loops: measured",
         "",
         f"Command: `python benchmarks/bench_cells.py {' '.join(sys.argv[1:])}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores ({a.threads} intra-op thread(s)), torch {torch.__version__}, "
         f"{platform.python_version()}; {a.rounds} interleaved rounds of {a.reps} calls, medians. "
-        f"Model: `LSTMCell({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
+        f"Model: `{CELLS[a.cell][0]}({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
         "",
         "Compile + first step: a fresh process, Inductor caches off ('of which Dynamo': the same with "
         "`backend=\"eager\"`, Dynamo's trace alone, measured after the others); 'n/a' = stopped after "
         f"{a.compile_limit:.0f} s (or not tried: a shorter T already took longer). Speed: wformat's time relative to "
-        "the eager loop and to eager `nn.LSTM` with the same weights (x > 1: wformat faster); spread = (max - min) / "
+        f"the eager loop and to eager `{mod}` with the same weights (x > 1: wformat faster); spread = (max - min) / "
         "median of the round medians.",
         "",
         "| layers | mode | T | compile+1st: Inductor | compile+1st: wformat | of which Dynamo | eager loop ms | Inductor ms | wformat ms "
-        "| eager nn.LSTM ms | wformat vs eager loop | wformat vs nn.LSTM | wformat vs Inductor | spread (wformat) |",
+        f"| eager {mod} ms | wformat vs eager loop | wformat vs {mod} | wformat vs Inductor | spread (wformat) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -242,7 +254,7 @@ def main() -> None:
         lines.append(
             f"| {r['layers']} | {r['mode']} | {r['T']} | {_fmt(r['compile_s']['inductor'], ' s')} | "
             f"{_fmt(r['compile_s']['wformat'], ' s')} | {_fmt(r['compile_s']['dynamo'], ' s')} | {ms['eager loop']:.2f} | {_fmt(ind)} | {_fmt(w)} | "
-            f"{ms['eager nn.LSTM']:.2f} | {ms['eager loop'] / w:.2f}x | {ms['eager nn.LSTM'] / w:.2f}x | "
+            f"{ms['eager ' + mod]:.2f} | {ms['eager loop'] / w:.2f}x | {ms['eager ' + mod] / w:.2f}x | "
             f"{'n/a' if ind is None else f'{ind / w:.2f}x'} | {r['spread']['wformat']:.0%} |")
     text = "\n".join(lines) + "\n"
     if a.out:
@@ -272,7 +284,7 @@ def _plot(rows, path: str) -> None:
             if pts:
                 axes[0].plot(*zip(*pts), style, marker="o", color=color, label=f"{name}, {layers} layer(s)")
         for name, color in (("eager loop", "tab:gray"), ("inductor", "tab:red"), ("wformat", "tab:blue"),
-                            ("eager nn.LSTM", "tab:green")):
+                            (next(k for k in sel[0]["ms"] if k.startswith("eager nn.")), "tab:green")):
             pts = [(t, r["ms"][name]) for t, r in zip(Ts, sel) if name in r["ms"]]
             if pts:
                 axes[1].plot(*zip(*pts), style, marker="o", color=color, label=f"{name}, {layers} layer(s)")

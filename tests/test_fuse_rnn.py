@@ -349,6 +349,26 @@ def test_lstm_layer_op_passes_torch_library_opcheck(train, zero_state):
     # the workspace is oneDNN's scratch memory, whose bytes differ run to run.
     torch.library.opcheck(torch.ops.wfpass.lstm_layer.default, (x, *ws, h, c, False, H, True, train),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    if train:
+        # The backward op: its fake, and what its schema cannot say. oneDNN
+        # writes scratch bytes into the workspace it is given (opcheck's
+        # schema test reports the mutation; eager PyTorch's own
+        # MkldnnRnnLayerBackward0 does the same to its saved workspace).
+        # The schema still calls it read-only, because nothing the kernel
+        # reads depends on those bytes: a second backward over the same
+        # workspace (retain_graph, recomputation) gives the same gradients,
+        # bit for bit. Declared mutable, AOTAutograd would copy the whole
+        # workspace per layer per step.
+        y, hy, cy, ws_ = torch.ops.wfpass.lstm_layer.default(x, *ws, h, c, False, H, True, True)
+        args = [t.detach() for t in (x, *ws)] + [h, c] + [t.detach() for t in (y, hy, cy)]
+        args += [torch.randn_like(y), None, None, False, H, True, ws_]
+        torch.library.opcheck(torch.ops.wfpass.lstm_layer_backward.default, tuple(args),
+                              test_utils=("test_faketensor",))
+        first = torch.ops.wfpass.lstm_layer_backward.default(*args)
+        again = torch.ops.wfpass.lstm_layer_backward.default(*args)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+        assert len({g.untyped_storage().data_ptr() for g in first}) == len(first)  # no output aliases another
 
 
 @pytest.mark.parametrize("mode", ["GRU", "RNN_TANH", "RNN_RELU"])

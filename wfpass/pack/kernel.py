@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .._torch import aot as _aot
 from .._torch import kernels as _k
 from ..records import Record
 from ..runtime import note
@@ -314,3 +315,5 @@ def _grad(ctx, gy):
 
 
 torch.library.register_autograd("wfpass::packed_linear_train", _grad, setup_context=_setup, lib=_LIB)
+# Compiled forward graphs call the same kernel without the autograd kernel.
+_aot.register_twin(torch.ops.wfpass.packed_linear_train.default, torch.ops.wfpass.packed_linear.default)

@@ -10,6 +10,14 @@ op (fresh outputs, nothing hidden), whose autograd formula is ATen's own
 ``mkldnn_rnn_layer_backward`` over the op's saved inputs and outputs.
 The workspace's size is oneDNN's business, so the fake implementation
 measures it once per shape (``workspace_numel``).
+
+Graphs that compute no gradient through the call need no workspace and
+call ``aten.mkldnn_rnn_layer`` itself (``paths.mkldnn_path``).
+``wfpass::lstm_layer_fw`` is ``lstm_layer`` without an autograd kernel, for
+the forward graphs AOTAutograd has already differentiated
+(``aot.register_twin``): torch.library's Python autograd kernel runs on
+every call, grad mode on or off, and cost ~30 us per layer call here
+(T = 16, batch 1: a 157 us kernel called in 189 us; torch 2.13.0).
 """
 from __future__ import annotations
 
@@ -26,11 +34,19 @@ _LIB.define(
     "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
     "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
 )
+_LIB.define(  # the same, without an autograd kernel: what compiled forward graphs call (aot.register_twin)
+    "lstm_layer_fw(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
+    "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
+)
 _LIB.define(
     "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
     "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
     "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
+
+
+_MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
+_MKLDNN_RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 
 
 def _zero_hx(input, hx, hidden_size):
@@ -42,13 +58,21 @@ def _zero_hx(input, hx, hidden_size):
 
 
 def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
-    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
-    with torch.enable_grad() if train else torch.no_grad():
-        y, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer.default(
-            input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1, has_biases, False, False, train)
+    if hx is None or cx is None:  # the kernel only reads its states: one zero tensor serves both
+        zero = input.new_zeros((1, input.shape[1], hidden_size))
+        hx, cx = (zero if hx is None else hx), (zero if cx is None else cx)
+    prev = torch.is_grad_enabled()
+    torch.set_grad_enabled(train)  # the kernel returns its workspace only with grad mode on
+    try:
+        y, hy, cy, ws = _MKLDNN_RNN_LAYER(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1,
+                                          has_biases, False, False, train)
+    finally:
+        torch.set_grad_enabled(prev)
     if ws is None or not train:
         ws = input.new_empty(0, dtype=torch.uint8)
     return y, hy, cy, ws
+
+
 
 
 _WORKSPACE: Dict[tuple, int] = {}
@@ -90,29 +114,28 @@ def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size
 
 def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
                          reverse, hidden_size, has_biases, workspace):
-    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
-    grads = torch.ops.aten.mkldnn_rnn_layer_backward.default(
+    if hx is None or cx is None:
+        zero = input.new_zeros((1, input.shape[1], hidden_size))
+        hx, cx = (zero if hx is None else hx), (zero if cx is None else cx)
+    grads = _MKLDNN_RNN_LAYER_BACKWARD(
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
         hidden_size, 1, has_biases, True, False, [], False, workspace)
-    # An op may not return aliases of its inputs or of each other, and its
-    # outputs must have the strides and dtype its fake promises
-    # (``empty_like``): copy a gradient only where the kernel's answer breaks
-    # a rule. oneDNN returns some bf16 gradients in float32 (seen for the
-    # input's, torch 2.13.0): a bf16 linear before the LSTM then failed in
-    # the backward with "expected m1 and m2 to have the same dtype".
-    refs = (input, w_ih, w_hh, b_ih, b_hh, hx, cx)
-    taken = {t.untyped_storage().data_ptr() for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy,
-                                                       grad_output, grad_hy, grad_cy, workspace)
-             if t is not None and t.numel()}
+    # An op's outputs must have the strides and dtype its fake promises
+    # (``empty_like``) and may not alias each other: copy a gradient only
+    # where the kernel's answer breaks a rule. oneDNN returns some bf16
+    # gradients in float32 (seen for the input's, torch 2.13.0): a bf16
+    # linear before the LSTM then failed in the backward with "expected m1
+    # and m2 to have the same dtype". The kernel allocates its gradients
+    # (none aliases an input: opcheck's schema test in the tests); this
+    # runs per call, so it checks only what can go wrong.
     out = []
-    for g, ref in zip(grads, refs):
+    seen = set()
+    for g, ref in zip(grads, (input, w_ih, w_hh, b_ih, b_hh, hx, cx)):
         if g is None:
             g = torch.zeros_like(ref)
-        elif (g.dtype != ref.dtype or g.stride() != ref.stride()
-              or (g.numel() and g.untyped_storage().data_ptr() in taken)):
+        elif g.dtype != ref.dtype or g.stride() != ref.stride() or g.untyped_storage().data_ptr() in seen:
             g = torch.empty_like(ref).copy_(g)
-        if g.numel():
-            taken.add(g.untyped_storage().data_ptr())
+        seen.add(g.untyped_storage().data_ptr())
         out.append(g)
     return tuple(out)
 
@@ -125,6 +148,8 @@ def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy,
 
 _LIB.impl("lstm_layer", _lstm_layer, "CompositeExplicitAutograd")
 _LIB.impl("lstm_layer_backward", _lstm_layer_backward, "CompositeExplicitAutograd")
+_LIB.impl("lstm_layer_fw", _lstm_layer, "CPU")
+torch.library.register_fake("wfpass::lstm_layer_fw", _lstm_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::lstm_layer", _lstm_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::lstm_layer_backward", _lstm_layer_backward_fake, lib=_LIB)
 
@@ -149,3 +174,4 @@ def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
 
 
 torch.library.register_autograd("wfpass::lstm_layer", _lstm_layer_grad, setup_context=_lstm_layer_setup, lib=_LIB)
+_aot.register_twin(torch.ops.wfpass.lstm_layer.default, torch.ops.wfpass.lstm_layer_fw.default)

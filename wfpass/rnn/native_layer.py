@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from .._torch import aot as _aot
+
 __all__ = ["MODES"]
 
 #: The modes this op runs, with their ATen kernels (``torch.gru`` etc.).
@@ -51,6 +53,10 @@ MODES = ("GRU", "RNN_TANH", "RNN_RELU")
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _LIB.define(
     "rnn_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, "
+    "bool reverse) -> (Tensor, Tensor)"
+)
+_LIB.define(  # the same, without an autograd kernel: what compiled forward graphs call (aot.register_twin)
+    "rnn_layer_fw(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, "
     "bool reverse) -> (Tensor, Tensor)"
 )
 _LIB.define(
@@ -174,6 +180,8 @@ def _rnn_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_out
 
 _LIB.impl("rnn_layer", _rnn_layer, "CompositeExplicitAutograd")
 _LIB.impl("rnn_layer_backward", _rnn_layer_backward, "CompositeExplicitAutograd")
+_LIB.impl("rnn_layer_fw", _rnn_layer, "CPU")
+torch.library.register_fake("wfpass::rnn_layer_fw", _rnn_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::rnn_layer", _rnn_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::rnn_layer_backward", _rnn_layer_backward_fake, lib=_LIB)
 
@@ -195,3 +203,4 @@ def _grad(ctx, g_out, g_hy):
 
 
 torch.library.register_autograd("wfpass::rnn_layer", _grad, setup_context=_setup, lib=_LIB)
+_aot.register_twin(torch.ops.wfpass.rnn_layer.default, torch.ops.wfpass.rnn_layer_fw.default)

@@ -161,10 +161,20 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
         w = ws[k * per : (k + 1) * per]
         w0, w1 = w[0], w[1]
         w2, w3 = (w[2], w[3]) if has_b else (w0.new_zeros(w0.shape[0]),) * 2
-        y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
-            layer_in.contiguous(), w0, w1, w2, w3, None if h0 is None else h0[k : k + 1].contiguous(),
-            None if c0 is None else c0[k : k + 1].contiguous(), reverse, spec.hidden_size, has_b, need_grad,
-        )
+        h = None if h0 is None else h0[k : k + 1].contiguous()
+        c = None if c0 is None else c0[k : k + 1].contiguous()
+        if need_grad:
+            y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
+                layer_in.contiguous(), w0, w1, w2, w3, h, c, reverse, spec.hidden_size, has_b, True)
+        else:
+            # No gradient through this call: ATen's op itself, which the
+            # compiled graph calls without a trip through Python.
+            B, H = layer_in.shape[1], spec.hidden_size
+            if h is None or c is None:  # read only: one zero state serves both
+                zero = layer_in.new_zeros((1, B, H))
+                h, c = (zero if h is None else h), (zero if c is None else c)
+            y, hy, cy, _ws = torch.ops.aten.mkldnn_rnn_layer.default(
+                layer_in.contiguous(), w0, w1, w2, w3, h, c, reverse, [], 2, H, 1, has_b, False, False, False)
         return y, (hy, cy)
 
     out, finals = _layers(spec, x, train, p, direction)
