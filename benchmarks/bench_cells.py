@@ -184,7 +184,9 @@ def main() -> None:
                          "other turn any other load into 10x swings)")
     ap.add_argument("--cell", choices=list(CELLS), default="LSTM", help="the cell looped over (default LSTM)")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
-    ap.add_argument("--skip-inductor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-inductor", action="store_true",
+                    help="leave torch.compile's default (Inductor) out: its cold compile of an unrolled loop takes "
+                         "minutes at long T")
     a = ap.parse_args()
     if a.one:
         layers, T, mode = int(a.one[0]), int(a.one[1]), a.one[2]
@@ -211,7 +213,7 @@ def main() -> None:
                     continue
                 cmd = [sys.executable, __file__, "--one", str(layers), str(T), mode, "--rounds", str(a.rounds),
                        "--reps", str(a.reps), "--compile-limit", str(a.compile_limit), "--threads", str(a.threads), "--cell", a.cell]
-                if too_slow:
+                if too_slow or a.skip_inductor:
                     cmd.append("--skip-inductor")
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if p.returncode != 0:

@@ -462,6 +462,32 @@ def test_aot_graphs_hold_one_op_per_layer_each_way(cls):
     assert len(set(sizes)) == 1, sizes
 
 
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_compiled_forward_graphs_call_the_ops_without_autograd_kernels(cls, monkeypatch):
+    """Under Inductor, the forward graph AOTAutograd made calls the layer
+    op's twin without torch.library's Python autograd kernel (a cost per
+    call, run even under no_grad), the backward graph the backward op, and
+    the numbers are eager's."""
+    from wfpass._torch import aot
+
+    seen = []
+    real = aot.use_twins
+
+    def spy(gm):
+        before = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        n = real(gm)
+        seen.append((n, before, {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+        return n
+
+    monkeypatch.setattr(aot, "use_twins", spy)
+    model = Net(cls, num_layers=2)
+    assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=wfpass.backend(seq_threshold=N)),
+                        [torch.randn(9, 3, 5, requires_grad=True)])
+    fw = [after for n, before, after in seen if n]
+    assert len(fw) == 1 and any(t.endswith("_fw.default") for t in fw[0]), seen
+    assert any(any(t.endswith("layer_backward.default") for t in after) for _, _, after in seen)
+
+
 # -- dynamic lengths -------------------------------------------------------------
 
 
