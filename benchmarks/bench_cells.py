@@ -120,11 +120,14 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
 
     variants = {"eager loop": step(loop), f"eager nn.{CELLS[kind][1]}": step(fused)}
     compile_s = {}
-    for name, backend in (("wformat", "wformat"), ("inductor", "inductor")):
+    for name, backend in (("wformat", "wformat"), ("inductor", "inductor"), ("wformat module", "wformat")):
         if name == "inductor" and skip_inductor:
             compile_s[name] = None
             continue
-        m = copy.deepcopy(loop)  # a model of its own: no torch._dynamo.reset(), which would recompile the others
+        # A model of its own: no torch._dynamo.reset(), which would recompile
+        # the others. "wformat module": the RNN module itself (nn.LSTM /
+        # nn.GRU with the same weights) under wformat.
+        m = copy.deepcopy(fused if name == "wformat module" else loop)
         cm = torch.compile(m, backend=backend)
         fn = step(cm)
         signal.signal(signal.SIGALRM, _alarm)
@@ -142,9 +145,9 @@ def run_one(layers: int, T: int, mode: str, rounds: int, reps: int, limit: float
         finally:
             signal.alarm(0)
         variants[name] = fn
-        if name == "wformat":
+        if name.startswith("wformat"):
             folded = [r for r in wfpass.report(m).records if r.pattern == "rnn" and r.action == "rewritten"]
-            assert folded, "wformat did not fold the loop"
+            assert folded, f"{name}: wformat did not rewrite the RNN"
     # Dynamo alone (its trace grows with T whatever the backend does);
     # measured after the others, so without the process's one-time costs.
     t0 = time.perf_counter()
@@ -239,25 +242,30 @@ def main() -> None:
         f"{platform.python_version()}; {a.rounds} interleaved rounds of {a.reps} calls, medians. "
         f"Model: `{CELLS[a.cell][0]}({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
         "",
-        "Compile + first step: a fresh process, Inductor caches off ('of which Dynamo': the same with "
-        "`backend=\"eager\"`, Dynamo's trace alone, measured after the others); 'n/a' = stopped after "
-        f"{a.compile_limit:.0f} s (or not tried: a shorter T already took longer). Speed: wformat's time relative to "
-        f"the eager loop and to eager `{mod}` with the same weights (x > 1: wformat faster); spread = (max - min) / "
-        "median of the round medians.",
+        "Compile + first step: a fresh process, Inductor caches off. 'Dynamo alone': a separate compile of the "
+        "same loop with `backend=\"eager\"` (Dynamo's trace of the Python loop, no backend work), measured after "
+        "the others; it is not a part of the wformat column and can exceed it on a noisy machine. 'n/a' = stopped "
+        f"after {a.compile_limit:.0f} s, or not run (`--skip-inductor`, or a shorter T already took longer). "
+        f"**x faster = baseline time / wformat time.** 'wformat {mod}': the module itself compiled with wformat. "
+        "Spread = (max - min) / median of wformat's round medians.",
         "",
-        "| layers | mode | T | compile+1st: Inductor | compile+1st: wformat | of which Dynamo | eager loop ms | Inductor ms | wformat ms "
-        f"| eager {mod} ms | wformat vs eager loop | wformat vs {mod} | wformat vs Inductor | spread (wformat) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layers | mode | T | compile+1st: Inductor | compile+1st: wformat | Dynamo alone | eager loop ms | Inductor ms "
+        f"| wformat ms | eager {mod} ms | wformat {mod} ms | x faster vs eager loop | vs eager {mod} | vs Inductor "
+        f"| wformat {mod} vs eager {mod} | spread (wformat) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
         w = ms.get("wformat")
         ind = ms.get("inductor")
+        wm = ms.get("wformat module")
+        base = ms["eager " + mod]
         lines.append(
             f"| {r['layers']} | {r['mode']} | {r['T']} | {_fmt(r['compile_s']['inductor'], ' s')} | "
-            f"{_fmt(r['compile_s']['wformat'], ' s')} | {_fmt(r['compile_s']['dynamo'], ' s')} | {ms['eager loop']:.2f} | {_fmt(ind)} | {_fmt(w)} | "
-            f"{ms['eager ' + mod]:.2f} | {ms['eager loop'] / w:.2f}x | {ms['eager ' + mod] / w:.2f}x | "
-            f"{'n/a' if ind is None else f'{ind / w:.2f}x'} | {r['spread']['wformat']:.0%} |")
+            f"{_fmt(r['compile_s']['wformat'], ' s')} | {_fmt(r['compile_s']['dynamo'], ' s')} | {ms['eager loop']:.2f} | "
+            f"{_fmt(ind)} | {_fmt(w)} | {base:.2f} | {_fmt(wm)} | {ms['eager loop'] / w:.2f}x | {base / w:.2f}x | "
+            f"{'n/a' if ind is None else f'{ind / w:.2f}x'} | {'n/a' if wm is None else f'{base / wm:.2f}x'} | "
+            f"{r['spread']['wformat']:.0%} |")
     text = "\n".join(lines) + "\n"
     if a.out:
         with open(a.out, "w") as f:

@@ -63,7 +63,7 @@ def test_builtins_stay_and_ordering_constraints_are_checked():
     with pytest.raises(ValueError, match="'fp32_batchnorn', which is not registered"):
         wfpass.register_format(Typo)
     assert [f.name for f in wfpass.registered_formats()] == list(PASS_NAMES)
-    with pytest.raises(ValueError, match="unknown format names"):
+    with pytest.raises(ValueError, match="unknown names"):
         wfpass.Config(passes=("fuse_rnn", "early_for_test"))
 
 
@@ -72,6 +72,19 @@ def test_passes_option_selects_formats():
     torch.compile(model, backend=wfpass.backend(inner="aot_eager", passes=("fp32_batchnorm",)))(torch.randn(1, 32))
     assert not wfpass.last_report().records
     assert model.q.weight.untyped_storage().data_ptr() != model.v.weight.untyped_storage().data_ptr()
+
+
+def test_passes_accepts_the_report_pattern_names():
+    """The names the report prints select every format filing rows under
+    them; an unknown name's error lists both kinds."""
+    assert wfpass.Config(passes=["rnn"]).passes == ("fold_cells", "fuse_rnn")
+    assert wfpass.Config(passes=("linear", "fp32_batchnorm")).passes == ("fuse_linears", "fp32_batchnorm")
+    assert set(wfpass.Config(passes=("batchnorm",)).passes) == {"fold_batchnorm", "fp32_batchnorm"}
+    with pytest.raises(ValueError, match=r"unknown names \['lstm'\].*'fuse_rnn'.*'rnn'"):
+        wfpass.Config(passes=("lstm",))
+    model = QKV()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager", passes=("linear",)))(torch.randn(1, 32))
+    assert {r.pattern for r in wfpass.last_report().records} == {"linear"}
 
 
 def test_user_param_format_on_traced_graph_and_restore():

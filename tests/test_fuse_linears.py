@@ -166,6 +166,19 @@ def test_five_optimizer_steps_equal_eager(opt_cls, kw):
     assert len({m.weight.untyped_storage().data_ptr() for m in (model.q, model.k, model.v)}) == 1
 
 
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_apply_graph_names_a_parameter_that_changed_shape(path):
+    """A member replaced by a Parameter of another shape after tracing: the
+    rewritten graph says which parameter, not a split-size error."""
+    model = QKV()
+    gm = fx.symbolic_trace(model)
+    wfpass.apply(gm, pack={"mode": "off"}, linear_path=path)
+    gm(torch.randn(2, 32))
+    model.k.weight = nn.Parameter(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match=r"'k\.weight' has shape \(8, 32\).*changed shape after the model was traced"):
+        gm(torch.randn(2, 32))
+
+
 def test_symbolic_trace_apply_and_idempotence():
     torch.manual_seed(0)
     model = QKV()

@@ -55,3 +55,4 @@ def test_first_screen_says_what_it_gives_and_links_its_sources():
 def test_relative_links_resolve():
     for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", README):
         assert (ROOT / target).exists(), target
+

@@ -7,7 +7,7 @@ typo fails at ``torch.compile`` time instead of deep inside a kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import pipeline
 
@@ -140,7 +140,10 @@ class Config:
                       ``INNER_BACKENDS`` or a backend callable.
     passes:           names of the formats to run (``None``: every registered
                       one, in pipeline order: ``wfpass/passes/__init__.py``
-                      lists the built-ins, users' formats follow).
+                      lists the built-ins, users' formats follow), or the
+                      report's pattern names, each standing for every format
+                      that reports under it (``"rnn"``: ``fold_cells`` and
+                      ``fuse_rnn``).
     linear_path:      ``"auto"`` picks per group from the static row count M
                       (``fused`` when M <= ``fused_max_rows``), or force one.
     fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
@@ -180,13 +183,21 @@ class Config:
                 f"wfpass option 'inner' must be a string {INNER_BACKENDS} or a callable, got {type(self.inner).__name__}"
             )
         if self.passes is not None:
-            known = pipeline.registered_names()
+            formats = pipeline.registered()
+            known = tuple(f.name for f in formats)
+            # The report's pattern names ("rnn", "linear", "batchnorm", "pack")
+            # stand for every format that files rows under them.
+            by_pattern: Dict[str, list] = {}
+            for f in formats:
+                by_pattern.setdefault(getattr(f, "pattern", None) or f.name, []).append(f.name)
+            allowed = f"format names {list(known)} or the report's pattern names {sorted(by_pattern)}"
             if isinstance(self.passes, str) or not isinstance(self.passes, (tuple, list)):
-                raise TypeError(f"wfpass option 'passes' must be a tuple of format names from {known}, got {self.passes!r}")
-            unknown = [p for p in self.passes if p not in known]
+                raise TypeError(f"wfpass option 'passes' must be a tuple of {allowed}, got {self.passes!r}")
+            unknown = [p for p in self.passes if p not in known and p not in by_pattern]
             if unknown:
-                raise ValueError(f"wfpass option 'passes' has unknown format names {unknown}; allowed: {known}")
-            object.__setattr__(self, "passes", tuple(self.passes))
+                raise ValueError(f"wfpass option 'passes' has unknown names {unknown}; allowed: {allowed}")
+            chosen = {n for p in self.passes for n in ([p] if p in known else by_pattern[p])}
+            object.__setattr__(self, "passes", tuple(n for n in known if n in chosen))
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"wfpass option 'linear_path' must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
         _check_int("fused_max_rows", self.fused_max_rows, 0)

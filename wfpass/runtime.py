@@ -115,7 +115,21 @@ class GroupSite:
         fs = layout_of(members[0])
         if fs is not None and fs.key == self.key and fs.holds(members):
             return fs
+        self._check_sizes(members)
         return self.prepare(list(members), [])
+
+    def _check_sizes(self, members: Sequence[torch.Tensor]) -> None:
+        """A member whose size is no longer the one the graph was rewritten
+        for (a parameter replaced by one of another shape after tracing):
+        say which, instead of a shape error deep inside the fused call."""
+        ends = self.offsets[1:] + [self.numel]
+        for name, m, start, end in zip(self.names, members, self.offsets, ends):
+            if m.numel() != end - start:
+                raise RuntimeError(
+                    f"wfpass: {name!r} has shape {tuple(m.shape)} ({m.numel()} elements), but the graph "
+                    f"wfpass.apply rewrote reads {end - start} elements for it: the parameter changed shape after "
+                    "the model was traced. Trace the model again (torch.fx.symbolic_trace) and apply wfpass to "
+                    "the new graph.")
 
     def _record_for(self, members, args=()) -> Record:
         """The compile-time record for the set the pass fused; a new record for

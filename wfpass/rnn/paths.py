@@ -163,25 +163,21 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
         w2, w3 = (w[2], w[3]) if has_b else (w0.new_zeros(w0.shape[0]),) * 2
         h = None if h0 is None else h0[k : k + 1].contiguous()
         c = None if c0 is None else c0[k : k + 1].contiguous()
-        if need_grad:
-            y, hy, cy, _ws = torch.ops.wfpass.lstm_layer.default(
-                layer_in.contiguous(), w0, w1, w2, w3, h, c, reverse, spec.hidden_size, has_b, True)
-        else:
-            # No gradient through this call: ATen's op itself, which the
-            # compiled graph calls without a trip through Python.
-            B, H = layer_in.shape[1], spec.hidden_size
-            if h is None or c is None:  # read only: one zero state serves both
-                zero = layer_in.new_zeros((1, B, H))
-                h, c = (zero if h is None else h), (zero if c is None else c)
-            y, hy, cy, _ws = torch.ops.aten.mkldnn_rnn_layer.default(
-                layer_in.contiguous(), w0, w1, w2, w3, h, c, reverse, [], 2, H, 1, has_b, False, False, False)
+        # With grad: the op with an autograd formula (compiled forward graphs
+        # then call its twin, ``lstm_layer_fw``). Without: that twin itself,
+        # no workspace and no autograd kernel; not ``aten.mkldnn_rnn_layer``
+        # directly, which would need the zero state as a tensor built in the
+        # graph: a kernel Inductor compiles, 7 s more per cold compile of a
+        # folded cell loop (measured), for 5 us per call.
+        op = torch.ops.wfpass.lstm_layer.default if need_grad else torch.ops.wfpass.lstm_layer_fw.default
+        y, hy, cy, _ws = op(layer_in.contiguous(), w0, w1, w2, w3, h, c, reverse, spec.hidden_size, has_b, need_grad)
         return y, (hy, cy)
 
     out, finals = _layers(spec, x, train, p, direction)
     return out, torch.cat([h for h, _ in finals], 0), torch.cat([c for _, c in finals], 0)
 
 
-def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
+def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool = True):
     """A CPU GRU or plain RNN as ``wfpass::rnn_layer`` calls, one per layer
     and direction: ATen's native kernel as one op whatever T is, with a
     backward op of its own (``native_layer.py``); dropout between layers
@@ -192,9 +188,9 @@ def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float):
     def direction(layer_in, k, reverse):
         w = ws[k * per : (k + 1) * per]
         b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
-        y, hy = torch.ops.wfpass.rnn_layer.default(
-            layer_in.contiguous(), w[0], w[1], b_ih, b_hh, None if h0 is None else h0[k : k + 1].contiguous(),
-            spec.mode, reverse)
+        op = torch.ops.wfpass.rnn_layer.default if need_grad else torch.ops.wfpass.rnn_layer_fw.default
+        y, hy = op(layer_in.contiguous(), w[0], w[1], b_ih, b_hh, None if h0 is None else h0[k : k + 1].contiguous(),
+                   spec.mode, reverse)
         return y, (hy, None)
 
     out, finals = _layers(spec, x, train, p, direction)
@@ -250,11 +246,11 @@ class RnnForward:
         if self.path not in ("mkldnn", "native") and any(h is None for h in hx):
             # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
+        need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
         if self.path == "mkldnn":
-            need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
         elif self.path == "native":
-            out, hy = native_path(spec, x, hx, ws, has_b, self.train, p)
+            out, hy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
             cy = None
         elif self.path == "loop":
             outs = _loop(spec, x, hx, ws, has_b, self.train, p)
