@@ -220,8 +220,10 @@ def _md(results, command: str) -> str:
         "rounds interleaved; a cell is the median over rounds of a per-call median, in ms. "
         "**x faster = baseline time / wformat time** (above 1: wformat is faster).",
         "",
-        "`torch.compile` default (Inductor) graph-breaks around `nn.LSTM`, which then runs eagerly between "
-        "two compiled graphs; wformat compiles the LSTM into the graph as one oneDNN LSTM call per layer.",
+        "`torch.compile` default (Inductor) does not put `nn.LSTM` in its graph (Dynamo breaks the graph on RNN "
+        "modules); for these models its first calls compiled little or nothing (see *First calls*) and its "
+        "times are eager's within noise: read its columns as a second eager run, a gauge of this machine's "
+        "noise. wformat compiles the LSTM into the graph as one oneDNN LSTM call per layer.",
         "",
     ]
     for r in results:

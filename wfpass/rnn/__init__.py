@@ -12,10 +12,12 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ``guards.py``             guards and layout: why a call is left alone, or its spec
                           (the offsets of its weights in the flat block)
 ``rewrite.py``            the rewrite: the group and its block, the graph's new call
-``paths.py``              the kernels: ``fused`` / ``loop`` / ``mkldnn`` / ``aten``
-                          paths, which one a call takes, ``RnnForward``
+``paths.py``              the kernels: ``fused`` / ``loop`` / ``mkldnn`` / ``native`` /
+                          ``aten`` paths, which one a call takes, ``RnnForward``
 ``lstm_layer.py``         the ``wfpass::lstm_layer`` op (oneDNN's LSTM layer, trainable
                           under AOTAutograd)
+``native_layer.py``       the ``wfpass::rnn_layer`` op (ATen's GRU / plain RNN kernel as
+                          one op, with a backward that handles all steps at once)
 ``auto.py``               ``seq_threshold="auto"``: the paths timed once per shape
 ``eager.py``              the calls of ``wfpass.apply`` graphs, which run eagerly:
                           ``RnnModuleCall``, ``CellLoopCall``
