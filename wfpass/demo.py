@@ -141,29 +141,32 @@ def _decode(rounds: int, progress):
     from .bench_models import Decoder
     from .bench_timing import interleaved
 
-    print("3. Decoding one token with packed weights: LLaMA-like decoder, 2 layers, d_model 256, no grad")
+    print("3. Decoding one token with packed weights: LLaMA-like decoder in bf16, 2 layers, d_model 512, no grad")
     torch.manual_seed(0)
-    model = Decoder(d=256, layers=2, heads=8, kv_heads=2, ffn=688)
+    model = Decoder(d=512, layers=2, heads=8, kv_heads=2, ffn=1376).to(torch.bfloat16)
     eager = copy.deepcopy(model)
     params_before: List[nn.Parameter] = list(model.parameters())
     storage_before = _param_storage(model)
     compiled = torch.compile(model, backend="wformat")
     inductor = torch.compile(copy.deepcopy(eager))
-    x = torch.randn(1, 1, 256)
+    x = torch.randn(1, 1, 512, dtype=torch.bfloat16)
     with progress.working("compiling Inductor and wformat"), torch.no_grad():
         out, ref = compiled(x), eager(x)
         inductor(x)
     progress.close()
-    err = (out - ref).abs().max().item()
-    ok = err <= 1e-4
-    print(f"   checked against eager: max |wformat - eager| = {err:.1e} (tolerance 1e-4)")
+    # bf16 keeps 8 bits of mantissa: a different summation order moves the
+    # last bit, so the check is relative to the output's size.
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    ok = err <= 2e-2
+    print(f"   checked against eager: max |wformat - eager| / max |eager| = {err:.1e} (tolerance 2e-2, bf16)")
     runs = {k: (lambda m=m: m(x)) for k, m in (("eager", eager), ("inductor", inductor), ("wformat", compiled))}
     with progress.working(f"timing, {rounds} interleaved rounds"), torch.no_grad():
-        t = interleaved(runs, rounds, 0.05)
+        t = interleaved(runs, rounds, 0.1)
     progress.close()
     print(f"   ms per token: eager {t['eager'].cell()}, Inductor {t['inductor'].cell()}, wformat {t['wformat'].cell()}")
     print(f"   wformat is {_ratio(t['inductor'], t['wformat'], 'Inductor')}; {_ratio(t['eager'], t['wformat'], 'eager')}")
-    print("   (larger models gain more: docs/pack_results.md)\n")
+    print("   (the report below says which linears run from a packed copy and why; HF LLaMA generate(): "
+          "docs/pack_results.md)\n")
     return ok, model, eager, params_before, storage_before
 
 
