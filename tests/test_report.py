@@ -146,3 +146,23 @@ def test_header_counts_actions_and_empty_report():
     long_title = Report("wfpass report for AVeryLongModelName (every graph, recompile and graph break)")
     long_title.records = rep.records
     assert all(len(line) <= 60 for line in long_title.render(60).splitlines())
+
+
+def test_a_row_over_several_graphs_names_every_path_and_the_report_sums_calls():
+    """Two static graphs, one at 1 row (one GEMM) and one at 8 rows (one GEMM
+    per member): the one row that counts both names both paths with their
+    counters, and the report's first lines say how often each path ran."""
+    from models import QKV
+
+    torch._dynamo.reset()
+    model = QKV()
+    fn = torch.compile(model, backend=wfpass.backend(inner="eager", pack={"mode": "off"}), dynamic=False)
+    for rows in (1, 8, 8):
+        fn(torch.randn(rows, 32))
+    (rec,) = wfpass.report(model).find("linear", "rewritten")
+    assert rec.stats["fused_calls"] == 1 and rec.stats["split_calls"] == 2
+    assert "M=1 <= fused_max_rows=4: one GEMM (fused_calls)" in rec.reason
+    assert "M=8 > fused_max_rows=4: one GEMM per member over views of the fused block (split_calls)" in rec.reason
+    text = wfpass.report(model).render(width=200)
+    line = text.splitlines()[1]
+    assert line.startswith("calls so far: linear: ") and "fused_calls=1" in line and "split_calls=2" in line

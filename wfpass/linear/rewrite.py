@@ -38,6 +38,20 @@ def reuse_layout(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]
     return fs
 
 
+def _note_path(record, why: str, counter: str) -> None:
+    """Add this graph's path to the record (``detail["paths"]``: the row
+    count's condition -> what runs, and the counter that counts it) and
+    write the record's text from all of them, so a row whose counters sum
+    several graphs names every path they took."""
+    cond, _, what = why.partition(": ")
+    paths = record.detail.setdefault("paths", {})
+    paths[cond] = f"{what} ({counter})"
+    text = record.detail.get("_text")
+    if text is not None:
+        head, tail = text
+        record.reason = f"{head}; " + "; ".join(f"{c}: {w}" for c, w in paths.items()) + tail
+
+
 def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
     """Move the group's weights (and biases) into one block and rewrite its
     calls; ``m`` has passed ``narrow`` and ``guard``, which set its path and
@@ -58,14 +72,20 @@ def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
     fs = reuse_layout(weights, layout.weight_key)
     bfs = reuse_layout(biases, layout.bias_key) if fuse_biases else None
     bias_note = "" if fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
+    counter = {"fused": "fused_calls", "split": "split_calls"}[path]
     if fs is not None and fs.record is not None and fs.record.pattern == "linear":
         # The same parameters in another graph (a recompile, a graph break):
-        # one record, whose counters add up over every graph.
+        # one record, whose counters add up over every graph, and whose text
+        # names every path those graphs took.
         record = fs.record
         ctx.report.records.append(record)
+        _note_path(record, why, counter)
     else:
         how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-        record = ctx.report.add("linear", "rewritten", f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {how}; {why}{bias_note}{region}", params, **detail)
+        head = f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {how}"
+        record = ctx.report.add("linear", "rewritten", f"{head}; {why}{bias_note}{region}", params, **detail)
+        record.detail["_text"] = (head, bias_note + region)
+        _note_path(record, why, counter)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
     if fs is None:
         fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
