@@ -271,6 +271,9 @@ def test_regional_compilation_packs_each_layer_once():
 
 
 def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():
+    # Copies of earlier tests' models that die while this test runs would
+    # free room under the bound: collect them first, so the bound is this test's.
+    gc.collect()
     torch.manual_seed(0)
     model = Block().eval()
     ref = copy.deepcopy(model)
@@ -391,3 +394,27 @@ def test_opcheck():
     with torch.no_grad():
         torch.library.opcheck(OP, (x.detach(), [w.detach()], [b.detach()], 8, sid))
     assert site.record.stats["packed_calls"] > 0
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_one_gemm_block_in_a_training_graph_is_never_packed(inner):
+    """fuse_linears' one-GEMM block call carries no recorded value; the pack
+    format reads whether it trains from the flag fuse_linears copied from
+    its members, so even ``mode="always"`` leaves a training block alone and
+    every gradient (the input's included) equals eager's. (Before the flag,
+    the block was taken for an inference call whenever the kernel timing
+    favoured packing: the input's gradient was lost.)"""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from models import QKV
+    from wftest import assert_same_fwd_bwd
+
+    model = QKV()
+    x = torch.randn(1, 1, 32, requires_grad=True)
+    assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=wfpass.backend(inner=inner, pack={"mode": "always"})),
+                        [x])
+    rows = {r.action for r in wfpass.report(model).records if r.pattern == "pack" and "q.weight" in " ".join(r.params)}
+    assert rows == {"skipped"}, wfpass.report(model)
+    (lin,) = wfpass.report(model).find("linear", "rewritten")
+    assert lin.stats["fused_calls"] == 1

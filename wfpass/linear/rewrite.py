@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..graph import PassContext
+from ..graph import PassContext, meta_value
 from ..runtime import GroupSite
 from ..storage import FusedStorage, fuse, layout_of_set, re_fuse
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
@@ -146,6 +146,13 @@ def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
         elif biases:
             b_block = g.call_function(bias_vector, (list(sizes), list(has_bias), *b_nodes))
         y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
+        # Whether the graph computes a gradient through the block: the
+        # members' recorded values say (grad mode and inputs included); a
+        # later format (pack) must not take a call that trains for one that
+        # does not.
+        vals = [meta_value(s.node) for s in sites]
+        if all(isinstance(v, torch.Tensor) for v in vals):
+            y.meta["wfpass_requires_grad"] = any(v.requires_grad for v in vals)
         parts = g.call_function(torch.split, (y, list(sizes), -1))
         outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sites))]
     for s, out in zip(sites, outs):

@@ -83,6 +83,8 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
             return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
                     f"in forward): a copy would be packed on every call; left to the plain GEMM")
     grad = m.needs_grad()
+    if grad is None and ctx.is_dynamo:
+        grad = True  # a Dynamo call whose value says nothing: assume it trains, never the reverse
     if m.block and not m.members and not ctx.is_dynamo:
         n_bias = len(m.node.args) - 4 - len(m.weights)
         if 0 < n_bias < len(m.weights):

@@ -51,9 +51,14 @@ class PackMatch(Match):
 
     def needs_grad(self) -> Optional[bool]:
         """Does the graph compute a gradient through this call? None where the
-        graph does not say (``symbolic_trace`` graphs carry no values)."""
+        graph does not say (``symbolic_trace`` graphs carry no values). A
+        block call ``fuse_linears`` made carries no value, but the flag it
+        took from the members' values."""
         v = meta_value(self.node)
-        return bool(v.requires_grad) if isinstance(v, torch.Tensor) else None
+        if isinstance(v, torch.Tensor):
+            return bool(v.requires_grad)
+        flag = self.node.meta.get("wfpass_requires_grad")
+        return bool(flag) if flag is not None else None
 
 
 def _split_group(x: fx.Node, sites: List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]) -> Optional[PackMatch]:

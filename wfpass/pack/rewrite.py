@@ -104,7 +104,7 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
             x = m.x
             biases = [m.bias] if isinstance(m.bias, fx.Node) else []
             w_nodes = [m.weights[0].node]
-        op = OP if ctx.is_dynamo and not m.needs_grad() else OP_TRAIN
+        op = OP if ctx.is_dynamo and m.needs_grad() is False else OP_TRAIN  # unknown: the op with a gradient
         new = g.call_function(op, (x, w_nodes, biases, n, sid))
         if m.members:
             sizes = [w.tensor.shape[0] for w in m.weights]
