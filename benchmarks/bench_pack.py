@@ -28,9 +28,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+import _worker  # benchmarks/_worker.py, beside this script
 
 CONFIGS = {
     "d512-bf16": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -202,31 +203,9 @@ def _train_worker(model, variant: str, out) -> None:
 # -- the coordinator ----------------------------------------------------------------
 
 
-class Worker:
-    def __init__(self, config: str, variant: str, threads: int, train: bool):
-        args = [sys.executable, __file__, "--worker", variant, "--config", config, "--threads", str(threads)]
-        if train:
-            args.append("--train")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.variant = variant
-
-    def ask(self, cmd: str = "") -> dict:
-        if cmd:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.variant} died")
-        return json.loads(line)
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write("quit\n")
-            self.p.stdin.flush()
-        except BrokenPipeError:
-            pass
-        self.p.wait(timeout=60)
+def Worker(config: str, variant: str, threads: int, train: bool) -> _worker.Worker:
+    args = ["--worker", variant, "--config", config, "--threads", str(threads)] + (["--train"] if train else [])
+    return _worker.Worker(__file__, args, variant, threads)
 
 
 def run_generate(config: str, threads: int, rounds: int, variants=VARIANTS, stale: bool = True) -> dict:
@@ -286,18 +265,24 @@ def _generate_md(results) -> list:
              "| model | threads | eager ms/token | Inductor | Inductor freezing | wformat | x faster than freezing | "
              "x faster than Inductor | x faster than eager | spread of wformat (min-max) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    def ms(med, v):  # a variant left out with --variants: "-"
+        return f"{med[v]:.2f}" if v in med else "-"
+
+    def ratio(med, v):
+        return f"{med[v] / med['wformat']:.2f}" if v in med and "wformat" in med else "-"
+
     for r in results:
         med = {v: statistics.median(ts) for v, ts in r["ms"].items()}
-        wf = r["ms"]["wformat"]
-        lines.append(f"| {r['config']} | {r['threads']} | {med['eager']:.2f} | {med['inductor']:.2f} | "
-                     f"{med['freezing']:.2f} | {med['wformat']:.2f} | {med['freezing'] / med['wformat']:.2f} | "
-                     f"{med['inductor'] / med['wformat']:.2f} | {med['eager'] / med['wformat']:.2f} | "
-                     f"{min(wf):.2f}-{max(wf):.2f} |")
+        wf = r["ms"].get("wformat") or [float("nan")]
+        lines.append(f"| {r['config']} | {r['threads']} | {ms(med, 'eager')} | {ms(med, 'inductor')} | "
+                     f"{ms(med, 'freezing')} | {ms(med, 'wformat')} | {ratio(med, 'freezing')} | "
+                     f"{ratio(med, 'inductor')} | {ratio(med, 'eager')} | {min(wf):.2f}-{max(wf):.2f} |")
     lines += ["", "First `generate()`, compile included (Inductor's caches off), seconds:", "",
               "| model | threads | Inductor | Inductor freezing | wformat |", "|---|---|---|---|---|"]
     for r in results:
         f = r["first_s"]
-        lines.append(f"| {r['config']} | {r['threads']} | {f['inductor']:.1f} | {f['freezing']:.1f} | {f['wformat']:.1f} |")
+        lines.append(f"| {r['config']} | {r['threads']} | "
+                     + " | ".join(f"{f[v]:.1f}" if v in f else "-" for v in ("inductor", "freezing", "wformat")) + " |")
     lines += ["", "Weights changed between `generate()` calls: largest difference of the logits (8 greedy steps) from "
               "eager's with the same new weights, and whether the tokens match. `changed by`: how far eager's own "
               "logits moved, for scale.", "",

@@ -33,9 +33,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+
+import _worker  # benchmarks/_worker.py, beside this script
 
 LENGTHS, BATCHES = (1, 16, 64, 256), (1, 8)
 LM_VARIANTS = ("eager", "inductor-static", "inductor-recompiled", "wformat-static", "wformat-recompiled")
@@ -157,29 +158,9 @@ def worker(model_name: str, variant: str, threads: int) -> None:
 # -- the coordinator ----------------------------------------------------------------
 
 
-class Worker:
-    def __init__(self, model_name: str, variant: str, threads: int):
-        args = [sys.executable, __file__, "--worker", variant, "--model", model_name, "--threads", str(threads)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.variant = variant
-
-    def ask(self, cmd: str = "") -> dict:
-        if cmd:
-            self.p.stdin.write(cmd + "\n")
-            self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.variant} died")
-        return json.loads(line)
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write("quit\n")
-            self.p.stdin.flush()
-        except BrokenPipeError:
-            pass
-        self.p.wait(timeout=60)
+def Worker(model_name: str, variant: str, threads: int) -> _worker.Worker:
+    return _worker.Worker(__file__, ["--worker", variant, "--model", model_name, "--threads", str(threads)], variant,
+                          threads)
 
 
 def run(model_name: str, threads: int, rounds: int, log) -> dict:
