@@ -11,13 +11,12 @@ op (fresh outputs, nothing hidden), whose autograd formula is ATen's own
 The workspace's size is oneDNN's business, so the fake implementation
 measures it once per shape (``workspace_numel``).
 
-Graphs that compute no gradient through the call need no workspace and
-call ``aten.mkldnn_rnn_layer`` itself (``paths.mkldnn_path``).
-``wfpass::lstm_layer_fw`` is ``lstm_layer`` without an autograd kernel, for
-the forward graphs AOTAutograd has already differentiated
-(``aot.register_twin``): torch.library's Python autograd kernel runs on
-every call, grad mode on or off, and cost ~30 us per layer call here
-(T = 16, batch 1: a 157 us kernel called in 189 us; torch 2.13.0).
+``wfpass::lstm_layer_fw`` is ``lstm_layer`` without an autograd kernel,
+for graphs that compute no gradient through the call (``train=False``: no
+workspace either) and for the forward graphs AOTAutograd has already
+differentiated (``aot.register_twin``): torch.library's Python autograd
+kernel runs on every call, grad mode on or off, and cost ~30 us per layer
+call here (T = 16, batch 1: a 157 us kernel called in 189 us; torch 2.13.0).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import torch
 
 from .._torch import aot as _aot
 
-__all__ = ["workspace_numel"]
+__all__ = ["workspace_numel", "zero_states"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _LIB.define(
@@ -49,18 +48,20 @@ _MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
 _MKLDNN_RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 
 
-def _zero_hx(input, hx, hidden_size):
-    """``None`` -> the zero state ``[1, B, H]``. Made here, inside the op,
-    rather than in the graph: a zeros tensor in the graph is a kernel
-    Inductor must generate and compile (seconds of C++ compile on a cold
-    cache, measured), for a value the op can fill itself."""
-    return input.new_zeros((1, input.shape[1], hidden_size)) if hx is None else hx
+def zero_states(input, hidden_size, *states):
+    """``states`` with each ``None`` replaced by the zero state ``[1, B, H]``.
+    Made here, inside the op, rather than in the graph: a zeros tensor in
+    the graph is a kernel Inductor must generate and compile (seconds of C++
+    compile on a cold cache, measured), for a value the op can fill itself.
+    One zero tensor serves every ``None``: the kernels only read their states."""
+    if all(s is not None for s in states):
+        return states
+    zero = input.new_zeros((1, input.shape[1], hidden_size))
+    return tuple(zero if s is None else s for s in states)
 
 
 def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
-    if hx is None or cx is None:  # the kernel only reads its states: one zero tensor serves both
-        zero = input.new_zeros((1, input.shape[1], hidden_size))
-        hx, cx = (zero if hx is None else hx), (zero if cx is None else cx)
+    hx, cx = zero_states(input, hidden_size, hx, cx)
     prev = torch.is_grad_enabled()
     torch.set_grad_enabled(train)  # the kernel returns its workspace only with grad mode on
     try:
@@ -71,8 +72,6 @@ def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has
     if ws is None or not train:
         ws = input.new_empty(0, dtype=torch.uint8)
     return y, hy, cy, ws
-
-
 
 
 _WORKSPACE: Dict[tuple, int] = {}
@@ -114,9 +113,7 @@ def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size
 
 def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
                          reverse, hidden_size, has_biases, workspace):
-    if hx is None or cx is None:
-        zero = input.new_zeros((1, input.shape[1], hidden_size))
-        hx, cx = (zero if hx is None else hx), (zero if cx is None else cx)
+    hx, cx = zero_states(input, hidden_size, hx, cx)
     grads = _MKLDNN_RNN_LAYER_BACKWARD(
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy, reverse, 2,
         hidden_size, 1, has_biases, True, False, [], False, workspace)
@@ -142,7 +139,7 @@ def _lstm_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, 
 
 def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy, cy, grad_output, grad_hy, grad_cy,
                               reverse, hidden_size, has_biases, workspace):
-    hx, cx = _zero_hx(input, hx, hidden_size), _zero_hx(input, cx, hidden_size)
+    hx, cx = zero_states(input, hidden_size, hx, cx)
     return tuple(torch.empty_like(t) for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx))
 
 

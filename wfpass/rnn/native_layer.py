@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from .._torch import aot as _aot
+from .lstm_layer import zero_states
 
 __all__ = ["MODES"]
 
@@ -71,16 +72,10 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"wfpass::rnn_layer: mode must be one of {MODES}, got {mode!r}")
 
 
-def _state(input: torch.Tensor, hx, hidden_size: int) -> torch.Tensor:
-    """``None`` -> the zero state ``[1, B, H]``, made inside the op rather
-    than as a zeros kernel in the graph."""
-    return input.new_zeros((1, input.shape[1], hidden_size)) if hx is None else hx
-
-
 def _rnn_layer(input, w_ih, w_hh, b_ih, b_hh, hx, mode, reverse):
     _check_mode(mode)
     H = w_hh.shape[1]
-    h0 = _state(input, hx, H)
+    (h0,) = zero_states(input, H, hx)
     params = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
     x = input.flip(0) if reverse else input
     fn = {"GRU": torch.gru, "RNN_TANH": torch.rnn_tanh, "RNN_RELU": torch.rnn_relu}[mode]
@@ -145,7 +140,7 @@ def _rnn_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_output, 
     _check_mode(mode)
     T, B, I = input.shape
     H = w_hh.shape[1]
-    h0 = _state(input, hx, H)
+    (h0,) = zero_states(input, H, hx)
     x, out, gout = input, output, grad_output
     if reverse:  # a reversed layer is the forward recurrence over the flipped sequence
         x, out = x.flip(0), out.flip(0)
@@ -163,18 +158,19 @@ def _rnn_layer_backward(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_output, 
     dw_hh = torch.mm(dgh.t(), h_prev.reshape(T * B, H))
     if b_ih is not None:
         db_ih, db_hh = dgi.sum(0), dgh.sum(0)
-    else:
-        db_ih = db_hh = None
-    db_ih = db_ih if db_ih is not None else input.new_empty(0)
-    db_hh = db_hh if db_hh is not None else input.new_empty(0)
+    else:  # no biases: empty placeholders (the autograd formula returns None for them)
+        db_ih, db_hh = input.new_empty(0), input.new_empty(0)
     return dx.contiguous(), dw_ih, dw_hh, db_ih, db_hh, dh0.unsqueeze(0).clone()
 
 
 def _rnn_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_output, grad_hy, mode, reverse):
     _check_mode(mode)
     B, H = input.shape[1], w_hh.shape[1]
-    bias = (lambda b: torch.empty_like(b)) if b_ih is not None else (lambda b: input.new_empty(0))
-    return (torch.empty_like(input), torch.empty_like(w_ih), torch.empty_like(w_hh), bias(b_ih), bias(b_hh),
+    if b_ih is not None:
+        biases = (torch.empty_like(b_ih), torch.empty_like(b_hh))
+    else:
+        biases = (input.new_empty(0), input.new_empty(0))
+    return (torch.empty_like(input), torch.empty_like(w_ih), torch.empty_like(w_hh), *biases,
             input.new_empty((1, B, H)))
 
 

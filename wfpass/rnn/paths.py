@@ -177,7 +177,7 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
     return out, torch.cat([h for h, _ in finals], 0), torch.cat([c for _, c in finals], 0)
 
 
-def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool = True):
+def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
     """A CPU GRU or plain RNN as ``wfpass::rnn_layer`` calls, one per layer
     and direction: ATen's native kernel as one op whatever T is, with a
     backward op of its own (``native_layer.py``); dropout between layers
