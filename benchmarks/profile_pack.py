@@ -6,9 +6,11 @@ One linear (no bias) compiled with ``pack={"mode": "always"}``, one token;
 interleaved in one process, medians over rounds, 1 thread:
 
 * ``kernel``: oneDNN's packed linear called directly on the packed copy;
-* ``op body``: the Python function behind ``wfpass::packed_linear``
-  (the stale check, the counters, the kernel);
-* ``op``: ``torch.ops.wfpass.packed_linear`` (the dispatcher added);
+* ``Python kernel``: the Python function behind ``wfpass::packed_linear``
+  (the stale check, the counters, the kernel), called directly;
+* ``op``: ``torch.ops.wfpass.packed_linear`` as a compiled graph calls it:
+  the C++ kernel (``wfpass/_torch/native``) when it is built, else the Python one
+  behind the dispatcher (``WFPASS_NATIVE=0`` to see that);
 * ``plain``: ``F.linear`` on the unpacked weight.
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     packed = _k.onednn_pack(ws[0].detach())
     fns = {
         "kernel": lambda: _k.onednn_linear(x, packed, None),
-        "op body": lambda: pk._packed_linear(x, ws, [], a.rows, site),
+        "Python kernel": lambda: pk._packed_linear(x, ws, [], a.rows, site),
         "op": lambda: torch.ops.wfpass.packed_linear.default(x, ws, [], a.rows, site),
         "plain": lambda: F.linear(x, ws[0]),
     }
@@ -64,12 +66,14 @@ def main(argv=None) -> None:
             for k, f in fns.items():
                 res[k].append(_per_call(f, 500))
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"linear {a.rows}x{a.k} {a.dtype}, 1 row, 1 thread, median of {a.rounds} interleaved rounds (us per call):")
-    for k, v in med.items():
-        print(f"  {k:8s} {v:7.1f}")
-    print(f"  op body over the kernel: {med['op body'] - med['kernel']:.1f} us; the dispatcher on top: "
-          f"{med['op'] - med['op body']:.1f} us")
+    from wfpass._torch import native as _native
 
+    print(f"linear {a.rows}x{a.k} {a.dtype}, 1 row, 1 thread, median of {a.rounds} interleaved rounds (us per call); "
+          f"the op runs {_native.status()}:")
+    for k, v in med.items():
+        print(f"  {k:14s} {v:7.1f}")
+    print(f"  the op over the kernel: {med['op'] - med['kernel']:.1f} us; "
+          f"the Python kernel over the kernel: {med['Python kernel'] - med['kernel']:.1f} us")
 
 if __name__ == "__main__":
     main()

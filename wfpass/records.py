@@ -15,13 +15,85 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Record", "Report", "terminal_width", "print_at_exit_if_asked"]
+__all__ = ["Record", "Report", "Stats", "terminal_width", "print_at_exit_if_asked"]
 
 log = logging.getLogger("wfpass")
 
 
 #: ``"would rewrite"`` is a dry run's (``wfpass.explain``) word for ``"rewritten"``.
 ACTIONS = ("rewritten", "skipped", "would rewrite")
+
+
+class Stats(dict):
+    """A record's counters: a dict that first adds what counters kept
+    outside Python (the C++ kernels', ``wfpass/_torch/native``) hold, whenever it
+    is read. ``pull`` adds such a source: a callable that returns
+    ``{counter: calls since its last call}``, or None once its source is
+    gone (then it is dropped)."""
+
+    __slots__ = ("_pulls",)
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._pulls: list = []
+
+    def pull(self, fn) -> None:
+        self._pulls.append(fn)
+
+    def _sync(self) -> None:
+        if not self._pulls:
+            return
+        keep = []
+        for fn in self._pulls:
+            got = fn()
+            if got is None:
+                continue
+            keep.append(fn)
+            for k, n in got.items():
+                if n:
+                    dict.__setitem__(self, k, dict.get(self, k, 0) + n)
+        self._pulls[:] = keep
+
+    def __getitem__(self, k):
+        self._sync()
+        return dict.__getitem__(self, k)
+
+    def get(self, k, default=None):
+        self._sync()
+        return dict.get(self, k, default)
+
+    def items(self):
+        self._sync()
+        return dict.items(self)
+
+    def values(self):
+        self._sync()
+        return dict.values(self)
+
+    def keys(self):
+        self._sync()
+        return dict.keys(self)
+
+    def __iter__(self):
+        self._sync()
+        return dict.__iter__(self)
+
+    def __eq__(self, other):
+        self._sync()
+        return dict.__eq__(self, other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        self._sync()
+        return dict.__repr__(self)
+
+    def copy(self) -> Dict[str, int]:
+        self._sync()
+        return dict(dict.items(self))
+
+    def __reduce__(self):
+        return (dict, (self.copy(),))
 
 
 @dataclasses.dataclass
@@ -32,7 +104,7 @@ class Record:
     action: str
     reason: str
     params: List[str]
-    stats: Dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: Dict[str, int] = dataclasses.field(default_factory=Stats)
     detail: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,7 +129,7 @@ class Record:
             "action": self.action,
             "reason": self.reason,
             "params": list(self.params),
-            "stats": dict(self.stats),
+            "stats": dict(self.stats.items()),
             "detail": _jsonable({k: v for k, v in self.detail.items() if not k.startswith("_")}),
         }
 

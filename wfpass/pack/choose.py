@@ -23,20 +23,30 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
+from .._torch import native as _native
 from .._torch import aot as _aot, kernels as _k
 
-__all__ = ["MARGIN", "OP_COST_S", "EXACT_ROWS", "bucket", "measure", "measured", "kernels_for_dtype"]
+__all__ = ["MARGIN", "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured", "kernels_for_dtype"]
 
 #: A packed kernel must take at most this fraction of the plain GEMM's time.
 MARGIN = 0.97
 
 #: What a call of the packed op costs beyond its kernel, added to every
 #: packed candidate's time before the comparison: the plain GEMM runs inside
-#: the compiled graph, the packed kernel behind a Python op that checks its
-#: copy. 15-29 us measured (``benchmarks/profile_pack.py``, a 2752x512 bf16
-#: block, torch 2.13.0, 1 thread); the low end, so a kernel that wins by
-#: more than that is still taken.
-OP_COST_S = 15e-6
+#: the compiled graph, the packed kernel behind an op that checks its copy.
+#: Measured with ``benchmarks/profile_pack.py`` (one row, 1 thread, torch
+#: 2.13.0): 0.5-2.5 us with the C++ kernel (``wfpass/_torch/native``), 15-29 us
+#: with the Python one; the high end of the first, the low end of the
+#: second, so a kernel that wins by more is still taken.
+OP_COST_NATIVE_S = 3e-6
+OP_COST_PYTHON_S = 15e-6
+
+
+def op_cost_s() -> float:
+    """The op's own cost per call in this process (C++ or Python kernel)."""
+    return OP_COST_NATIVE_S if _native.loaded() else OP_COST_PYTHON_S
+
+
 #: Row counts measured exactly; above it, at the next power of two.
 EXACT_ROWS = 8
 
@@ -106,7 +116,8 @@ def measured(dtype: torch.dtype, k: int, n: int, m: int) -> Tuple[str, Dict[str,
     """The kernel to run at this shape, and the times that chose it."""
     times = measure(dtype, k, n, m)
     plain = times["plain"]
-    cost = {k: t + OP_COST_S for k, t in times.items() if k != "plain"}
+    op = op_cost_s()
+    cost = {k: t + op for k, t in times.items() if k != "plain"}
     best = "plain"
     if "onednn" in cost and cost["onednn"] <= MARGIN * plain:
         best = "onednn"

@@ -33,7 +33,7 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
         return f"M={m}: oneDNN's packed kernel (pack.mode='always', not measured)"
     kernel, times = choose.measured(dtype, k, n, m)
     us = {name: t * 1e6 for name, t in times.items()}
-    op = choose.OP_COST_S * 1e6
+    op = choose.op_cost_s() * 1e6
     if kernel == "plain":
         alt = ", ".join(f"{name} {us[name]:.0f} us" for name in us if name != "plain")
         return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed measured {alt}, plus {op:.0f} us for the "

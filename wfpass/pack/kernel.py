@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .._torch import native as _native
 from .._torch import aot as _aot
 from .._torch import kernels as _k
 from ..records import Record
@@ -100,9 +101,52 @@ _IDS = itertools.count(1)
 
 
 def register_site(site: PackSite) -> int:
+    _ensure_kernels()
     site.id = next(_IDS)
     _SITES[site.id] = site
+    if _NATIVE:
+        # The C++ kernel counts the calls it answers itself; the record
+        # reads them when it is read, and once more when the site dies.
+        stats = site.record.stats
+        pull = _NativeCounts(site.id)
+        if hasattr(stats, "pull"):
+            stats.pull(pull)
+        weakref.finalize(site, _retire, site.id, pull, stats)
     return site.id
+
+
+_KERNEL_CODE = {"plain": 0, "onednn": 1, "mkl": 2}
+
+
+class _NativeCounts:
+    """The C++ kernel's counts for one site since the last read."""
+
+    __slots__ = ("sid", "dead")
+
+    def __init__(self, sid: int):
+        self.sid, self.dead = sid, False
+
+    def __call__(self):
+        if self.dead:
+            return None
+        packed, plain = torch.ops.wfpass._pack_take_counts(self.sid)
+        return {"packed_calls": packed, "plain_calls": plain}
+
+
+def _retire(sid: int, pull: "_NativeCounts", stats) -> None:
+    got = pull()
+    pull.dead = True
+    if got:
+        for k, n in got.items():
+            dict.__setitem__(stats, k, dict.get(stats, k, 0) + n)
+    torch.ops.wfpass._pack_forget(sid)
+
+
+def _hand_to_native(s: PackSite, m: int, kernel: str, packed, weights, rows: int) -> None:
+    """Tell the C++ kernel what this call decided, so it answers the next
+    calls of this site and row count itself while nothing changes."""
+    et = -1 if s.eager_training is None else int(bool(s.eager_training))
+    torch.ops.wfpass._pack_put(s.id, m, _KERNEL_CODE[kernel], packed, list(weights), rows, SAMPLE, et)
 
 
 class _Copy:
@@ -258,7 +302,7 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
     k = weights[0].shape[1]
     m = x.numel() // k if k else 0
     if s is not None and m > 0:
-        kernel = s.kernel_for(m)
+        kernel = chosen = s.kernel_for(m)
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
         if kernel != "plain":
@@ -270,7 +314,11 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                     y = _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m)
                 else:
                     y = _k.onednn_linear(x, c.packed, bias)
+                if _NATIVE:
+                    _hand_to_native(s, m, kernel, c.packed, weights, rows)
                 return y if y.is_contiguous() else y.contiguous()
+        elif chosen == "plain" and _NATIVE:
+            _hand_to_native(s, m, kernel, None, weights, rows)
         s.record.stats["plain_calls"] += 1
     y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
     return y if y.is_contiguous() else y.contiguous()
@@ -280,9 +328,32 @@ def _packed_linear_fake(x, weights, biases, rows, site):
     return x.new_empty((*x.shape[:-1], rows))
 
 
+# The C++ kernel (wfpass/_torch/native/pack.cpp) answers every call whose site,
+# row count and copy the Python kernel already checked, and hands the rest
+# to ``packed_linear_slow``: this same Python function.
+_LIB.define("packed_linear_slow" + _SCHEMA)
+_LIB.impl("packed_linear_slow", _packed_linear, "CPU")
 for _name in ("packed_linear", "packed_linear_train"):
-    _LIB.impl(_name, _packed_linear, "CPU")
     torch.library.register_fake("wfpass::" + _name, _packed_linear_fake, lib=_LIB)
+_NATIVE = False
+
+
+def _ensure_kernels() -> None:
+    """Give ``packed_linear`` its CPU kernel, once, before the first graph
+    that calls it exists: the C++ one (built on first use, see
+    ``wfpass/_torch/native``), else this Python function. Done at the first
+    rewrite, not at import: ``import wfpass`` builds nothing."""
+    global _NATIVE, _KERNELS_SET
+    if _KERNELS_SET:
+        return
+    _KERNELS_SET = True
+    _NATIVE = _native.load() is None
+    if not _NATIVE:
+        for name in ("packed_linear", "packed_linear_train"):
+            _LIB.impl(name, _packed_linear, "CPU")
+
+
+_KERNELS_SET = False
 
 
 def _setup(ctx, inputs, output):

@@ -1,0 +1,122 @@
+"""wfpass's C++ kernels: built on first use with the machine's C++ compiler,
+cached, loaded into torch's dispatcher; Python kernels where they cannot be.
+
+Only per-call work lives here (``pack.cpp``: the packed linear's copy check
+and kernel call, 15-29 us a call in Python, measured by
+``benchmarks/profile_pack.py``). Every decision stays in Python, which hands
+the C++ kernel what it decided; the ops' schemas, fake implementations and
+gradient formulas are registered in Python as before, so the compiler sees
+the same ops either way.
+
+The library is built once per source text and torch version into
+``$WFPASS_CACHE`` (default ``~/.cache/wfpass``): ``g++`` with torch's headers,
+about half a minute on 2 cores, then loaded in milliseconds. Set
+``WFPASS_NATIVE=0`` to use the Python kernels. Where there is no compiler
+or the build fails, wfpass runs the Python kernels and :func:`status` says
+why; nothing else changes.
+
+Compiler flags and paths come from ``torch.utils.cpp_extension``
+(``include_paths``, ``library_paths``) and ``torch._C._GLIBCXX_USE_CXX11_ABI``
+(private; torch 2.13.0).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["load", "status", "loaded"]
+
+_HERE = Path(__file__).resolve().parent
+_SOURCES = ("pack.cpp",)
+
+# None: not tried yet; "": loaded; else why not.
+_STATE: list = [None]
+
+
+def loaded() -> bool:
+    """Are the C++ kernels in use in this process?"""
+    return load() is None
+
+
+def status() -> str:
+    """One line for the report: which kernels the ops run on, and why."""
+    why = load()
+    if why is None:
+        return "C++ kernels (wfpass/_torch/native, built with this machine's compiler)"
+    return f"Python kernels ({why})"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("WFPASS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "wfpass")
+    return Path(root)
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_HERE / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()[:16]
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _build(target: Path) -> None:
+    from torch.utils import cpp_extension as ce
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libdirs = ce.library_paths()
+    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    cmd += [f"-I{p}" for p in ce.include_paths()]
+    cmd += [str(_HERE / s) for s in _SOURCES]
+    cmd += [f"-L{p}" for p in libdirs] + [f"-Wl,-rpath,{p}" for p in libdirs]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: two processes building at once
+    # (benchmark workers) each finish with a whole file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} failed: {r.stderr.strip()[-600:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> Optional[str]:
+    """Build (once) and load the C++ kernels. Returns None when they are
+    loaded, else the reason the Python kernels are used."""
+    if _STATE[0] is not None:
+        return _STATE[0] or None
+    why = ""
+    if os.environ.get("WFPASS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        why = "WFPASS_NATIVE=0"
+    elif not torch.backends.mkldnn.is_available():
+        why = "this torch has no oneDNN"
+    else:
+        target = _cache_dir() / f"wfpass_native-{_digest()}.so"
+        try:
+            if not target.exists():
+                _build(target)
+            torch.ops.load_library(str(target))
+        except Exception as e:  # noqa: BLE001 - any failure: the Python kernels, and say why
+            why = f"the C++ build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    _STATE[0] = why
+    return why or None

@@ -1,0 +1,250 @@
+// wfpass::packed_linear's CPU kernel in C++: the per-call check and the
+// kernel call without Python.
+//
+// The Python kernel (wfpass/pack/kernel.py) owns the packed copies, decides
+// which kernel each row count runs and makes copies again when a parameter
+// changed. After each call it hands this file what it decided
+// (wfpass::_pack_put): the kernel for (site, M), a *weak* reference to the
+// packed copy, and what the copy was made from (the members' addresses and
+// version counters, a sample of the weight's bits). A later call with the
+// same site and M checks exactly what the Python kernel checks and, when
+// all of it holds, runs the kernel here; anything else (a new M, a changed
+// parameter, a copy Python dropped, members no longer one block, a call
+// that needs autograd) goes to the Python kernel (wfpass::packed_linear_slow),
+// so there is one source of truth for every decision.
+//
+// Built and loaded by wfpass/_torch/native/__init__.py. Checked on torch 2.13.0.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+enum Kernel : int64_t { PLAIN = 0, ONEDNN = 1, MKL = 2 };
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct Entry {
+  int64_t kernel = PLAIN;
+  WeakImpl packed{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> versions;
+  int64_t step = 1;  // the sample: every step-th element of the block
+  int64_t esize = 0;
+  std::vector<uint8_t> ref;
+};
+
+struct Site {
+  std::unordered_map<int64_t, Entry> by_m;
+  int64_t packed_calls = 0, plain_calls = 0;
+  int64_t eager_training = -1;  // -1: a compiled graph; 0/1: pack.training of a wfpass.apply graph
+};
+
+std::mutex mu;
+std::unordered_map<int64_t, Site> sites;
+
+// The members as one [rows, ...] block: themselves when there is one
+// (contiguous), else proven views of one storage laid end to end
+// (contiguous, consecutive addresses), as the layout fuse_linears made.
+// Undefined where they are not: the Python kernel concatenates and counts it.
+at::Tensor block_of(at::TensorList ts, int64_t rows) {
+  if (ts.empty()) return at::Tensor();
+  const at::Tensor& t0 = ts[0];
+  if (!t0.is_contiguous()) return at::Tensor();
+  if (ts.size() == 1) return t0;
+  const auto* st = t0.storage().unsafeGetStorageImpl();
+  const char* next = static_cast<const char*>(t0.data_ptr());
+  int64_t total = 0;
+  for (const auto& t : ts) {
+    if (!t.is_contiguous() || t.storage().unsafeGetStorageImpl() != st || t.scalar_type() != t0.scalar_type() ||
+        static_cast<const char*>(t.data_ptr()) != next)
+      return at::Tensor();
+    next += t.numel() * t.element_size();
+    total += t.size(0);
+  }
+  if (total != rows) return at::Tensor();
+  if (t0.dim() == 1) return t0.as_strided({rows}, {1}, t0.storage_offset());
+  const int64_t k = t0.size(1);
+  return t0.as_strided({rows, k}, {k, 1}, t0.storage_offset());
+}
+
+void take_sample(const at::Tensor& block, int64_t step, int64_t esize, std::vector<uint8_t>& out) {
+  const auto* base = static_cast<const uint8_t*>(block.data_ptr());
+  const int64_t n = block.numel();
+  out.clear();
+  for (int64_t i = 0; i < n; i += step) out.insert(out.end(), base + i * esize, base + (i + 1) * esize);
+}
+
+bool sample_equal(const at::Tensor& block, const Entry& e) {
+  const auto* base = static_cast<const uint8_t*>(block.data_ptr());
+  const int64_t n = block.numel();
+  const uint8_t* ref = e.ref.data();
+  size_t j = 0;
+  for (int64_t i = 0; i < n; i += e.step, j += e.esize) {
+    if (j + e.esize > e.ref.size() || std::memcmp(base + i * e.esize, ref + j, e.esize) != 0) return false;
+  }
+  return j == e.ref.size();
+}
+
+// Is the copy still what the members hold? Their addresses and version
+// counters, and a sample of the block's bits (writes through ``.data``
+// bypass the version counter): the Python kernel's check.
+bool fresh(const Entry& e, at::TensorList weights, const at::Tensor& block) {
+  if (e.ptrs.size() != weights.size()) return false;
+  for (size_t i = 0; i < weights.size(); ++i)
+    if (weights[i].data_ptr() != e.ptrs[i] || weights[i]._version() != e.versions[i]) return false;
+  return sample_equal(block, e);
+}
+
+bool needs_autograd(const at::Tensor& x, at::TensorList weights) {
+  if (!c10::GradMode::is_enabled()) return false;
+  if (x.requires_grad()) return true;
+  for (const auto& w : weights)
+    if (w.requires_grad()) return true;
+  return false;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
+}
+
+at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w,
+                      const std::optional<at::Tensor>& bias, int64_t m) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, w, bias, m);
+}
+
+at::Tensor slow(const at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t rows, int64_t site) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wfpass::packed_linear_slow", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, int64_t, int64_t)>();
+  return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), x, weights, biases, rows, site);
+}
+
+at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t rows,
+                         int64_t site) {
+  if (weights.empty() || weights[0].dim() != 2) return slow(x, weights, biases, rows, site);
+  const int64_t k = weights[0].size(1);
+  const int64_t m = k ? x.numel() / k : 0;
+  if (m <= 0) return slow(x, weights, biases, rows, site);
+  const at::Tensor block = block_of(weights, rows);
+  if (!block.defined()) return slow(x, weights, biases, rows, site);
+  std::optional<at::Tensor> bias;
+  if (!biases.empty()) {
+    at::Tensor b = block_of(biases, rows);
+    if (!b.defined()) return slow(x, weights, biases, rows, site);
+    bias = b;
+  }
+  at::Tensor packed;
+  int64_t kernel = -1;  // stays -1 where the Python kernel must answer
+  {
+    // Decide under the lock, call outside it: the Python kernel hands its
+    // decision back through _pack_put, which takes the lock.
+    std::lock_guard<std::mutex> g(mu);
+    auto s = sites.find(site);
+    if (s != sites.end()) {
+      Site& st = s->second;
+      auto it = st.by_m.find(m);
+      if (it != st.by_m.end() && !(st.eager_training == 0 && needs_autograd(x, weights))) {
+        const Entry& e = it->second;
+        if (e.kernel == PLAIN) {
+          kernel = PLAIN;
+          ++st.plain_calls;
+        } else if (fresh(e, weights, block)) {
+          auto p = e.packed.lock();
+          if (p) {
+            packed = at::Tensor(std::move(p));
+            kernel = e.kernel;
+            ++st.packed_calls;
+          }
+        }
+      }
+    }
+  }
+  if (kernel < 0) return slow(x, weights, biases, rows, site);
+  at::Tensor y;
+  if (kernel == ONEDNN)
+    y = onednn_linear(x, packed, bias);
+  else if (kernel == MKL)
+    y = mkl_linear(x, packed, block, bias, m);
+  else
+    y = at::linear(x, block, bias);
+  return y.is_contiguous() ? y : y.contiguous();
+}
+
+// What the Python kernel decided for (site, M): the kernel, and for a packed
+// one the copy and what it was made from (read off the members now, right
+// after the Python kernel checked or made the copy).
+void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::Tensor>& packed,
+              at::TensorList weights, int64_t rows, int64_t sample, int64_t eager_training) {
+  Entry e;
+  e.kernel = kernel;
+  if (kernel != PLAIN) {
+    const at::Tensor block = block_of(weights, rows);
+    if (!packed.has_value() || !block.defined()) return;  // the Python kernel keeps answering
+    e.packed = WeakImpl(packed->getIntrusivePtr());
+    for (const auto& w : weights) {
+      e.ptrs.push_back(w.data_ptr());
+      e.versions.push_back(w._version());
+    }
+    e.esize = block.element_size();
+    e.step = std::max<int64_t>(1, block.numel() / sample);
+    take_sample(block, e.step, e.esize, e.ref);
+  }
+  std::lock_guard<std::mutex> g(mu);
+  Site& st = sites[site];
+  st.eager_training = eager_training;
+  st.by_m[m] = std::move(e);
+}
+
+// The calls the C++ kernel counted since the last time, as [packed, plain]; zeroed.
+std::vector<int64_t> pack_take_counts(int64_t site) {
+  std::lock_guard<std::mutex> g(mu);
+  auto s = sites.find(site);
+  if (s == sites.end()) return {0, 0};
+  std::vector<int64_t> out{s->second.packed_calls, s->second.plain_calls};
+  s->second.packed_calls = s->second.plain_calls = 0;
+  return out;
+}
+
+// Forget a site's entries: its graph died, or a copy was dropped.
+void pack_forget(int64_t site) {
+  std::lock_guard<std::mutex> g(mu);
+  sites.erase(site);
+}
+
+int64_t pack_sites() {
+  std::lock_guard<std::mutex> g(mu);
+  return static_cast<int64_t>(sites.size());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wfpass, m) {
+  m.def("_pack_put(int site, int m, int kernel, Tensor? packed, Tensor[] weights, int rows, int sample, "
+        "int eager_training) -> ()",
+        pack_put);
+  m.def("_pack_take_counts(int site) -> int[]", pack_take_counts);
+  m.def("_pack_forget(int site) -> ()", pack_forget);
+  m.def("_pack_sites() -> int", pack_sites);
+}
+
+TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
+  m.impl("packed_linear", packed_linear);
+  m.impl("packed_linear_train", packed_linear);
+}
