@@ -1021,3 +1021,52 @@ def test_bf16_linear_then_lstm_trains_like_eager():
         assert p.grad.dtype == torch.bfloat16
         err = (p.grad.float() - q.grad.float()).abs().max() / q.grad.float().abs().max()
         assert err < 3e-2, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_and_python_kernels_of_the_layer_ops_give_the_same_bits(dtype):
+    """The RNN layer ops' C++ kernels (``_torch/native/rnn.cpp``) make the
+    same ATen calls as their Python kernels: every output, workspace and
+    gradient equal bit for bit, so the rest of the suite, run on the C++
+    kernels, also speaks for the Python ones (no compiler, WFPASS_NATIVE=0)."""
+    from wfpass._torch import native
+    from wfpass.rnn import lstm_layer as ll, native_layer as nl
+
+    if not native.loaded():
+        pytest.skip(native.status())
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no bf16 oneDNN on this CPU")
+    g = torch.Generator().manual_seed(0)
+    T, B, I, H = 7, 3, 10, 12
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, h0, c0 = r(T, B, I), r(1, B, H), r(1, B, H)
+    w = (r(4 * H, I), r(4 * H, H), r(4 * H), r(4 * H))
+    for states in ((h0, c0), (None, None)):
+        for reverse in (False, True):
+            py = ll._lstm_layer(x, *w, *states, reverse, H, True, True)
+            cpp = torch.ops.wfpass.lstm_layer_fw(x, *w, *states, reverse, H, True, True)
+            for a, b in zip(py[:3], cpp[:3]):
+                assert torch.equal(a, b)
+            # The workspace holds oneDNN's scratch too (bytes no one reads): its size, then the
+            # backward from either workspace below.
+            assert py[3].shape == cpp[3].shape and py[3].numel() > 0
+            gy, ghy, gcy = r(T, B, H), r(1, B, H), r(1, B, H)
+            args = (x, *w, *states, *py[:3], gy, ghy, gcy, reverse, H, True)
+            py_g = ll._lstm_layer_backward(*args, py[3].clone())
+            cpp_g = torch.ops.wfpass.lstm_layer_backward(*args, cpp[3].clone())
+            for a, b in zip(py_g, cpp_g):
+                assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    for mode in nl.MODES:
+        k = 3 if mode == "GRU" else 1
+        wg = (r(k * H, I), r(k * H, H), r(k * H), r(k * H))
+        for state in (h0, None):
+            for reverse in (False, True):
+                py = nl._rnn_layer(x, *wg, state, mode, reverse)
+                cpp = torch.ops.wfpass.rnn_layer_fw(x, *wg, state, mode, reverse)
+                for a, b in zip(py, cpp):
+                    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        torch.ops.wfpass.rnn_layer_fw(x, *wg, None, "LSTM", False)

@@ -418,3 +418,75 @@ def test_a_one_gemm_block_in_a_training_graph_is_never_packed(inner):
     assert rows == {"skipped"}, wfpass.report(model)
     (lin,) = wfpass.report(model).find("linear", "rewritten")
     assert lin.stats["fused_calls"] == 1
+
+
+# -- the C++ kernel (wfpass/_torch/native) --------------------------------------------
+
+from wfpass._torch import native  # noqa: E402
+
+
+def test_the_cpp_kernel_is_in_use_where_a_compiler_is():
+    import os
+    import shutil
+
+    if os.environ.get("WFPASS_NATIVE", "1") == "0" or not shutil.which("g++"):
+        pytest.skip("no g++ here, or WFPASS_NATIVE=0: the Python kernel is the one in use")
+    assert native.loaded(), native.status()
+
+
+def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(monkeypatch):
+    if not native.loaded():
+        pytest.skip(native.status())
+    fresh_calls = []
+    real = pk._fresh
+    monkeypatch.setattr(pk, "_fresh", lambda *a: fresh_calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False)).eval()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", pack=ALWAYS))
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        for _ in range(5):
+            _close(compiled(x), ref(x), torch.float32)
+    assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
+    rows = wfpass.report(model).find("pack", "rewritten")
+    assert [r.stats["packed_calls"] for r in rows] == [5, 5]
+    for m in (model, ref):  # a write the version counter misses, then one it sees
+        m[0].weight.data.mul_(-1)
+        with torch.no_grad():
+            m[1].weight.add_(1)
+    with torch.no_grad():
+        _close(compiled(x), ref(x), torch.float32)
+        _close(compiled(x), ref(x), torch.float32)
+    assert len(fresh_calls) == 4  # each stale copy went back to Python once, was made again
+    assert [r.stats["repacked"] for r in rows] == [1, 1]
+    assert [r.stats["packed_calls"] for r in rows] == [7, 7]
+
+
+def test_a_failed_build_leaves_the_python_kernel_and_says_why(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("from wfpass._torch import native; print(native.status())")
+    env = {**__import__("os").environ, "CXX": "/bin/false", "WFPASS_CACHE": str(tmp_path), "WFPASS_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Python kernels (the C++ build failed: false failed" in out.stdout, out.stdout
+
+
+def test_the_python_kernel_alone_passes_the_change_tests():
+    """The same tests with the C++ kernel off (``WFPASS_NATIVE=0``): the
+    Python kernel stays correct where no compiler is."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("WFPASS_NATIVE", "1") == "0":
+        pytest.skip("this run is the Python kernel's already")
+    env = {**os.environ, "WFPASS_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "weight_change or peft or prefill or copies_die or dynamic_row or opcheck"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ._torch import aot as _aot, distributed as _distributed, dynamo as _dynamo
+from ._torch import aot as _aot, distributed as _distributed, dynamo as _dynamo, native as _native
 from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
 from .records import Report
@@ -69,6 +69,9 @@ class PassContext:
         self._root_names: Dict[str, Dict[int, str]] = {}  # source root -> id(tensor) -> state_dict name
         self.sites: List[Any] = []  # runtime.GroupSite of every fused group (Dynamo graphs)
         self.kept: List[Any] = []  # runtime state the rewritten graph's calls need alive (``keep_alive``)
+        # The C++ kernels of wfpass's ops: built on the first compile on this
+        # machine, loaded before any rewritten graph can call them.
+        _native.load()
 
     def defer(self, move: Callable[[], None], at_first_call: bool = False) -> None:
         """Queue a storage move (fuse, cast). Dynamo's fake tensors recorded

@@ -101,10 +101,9 @@ _IDS = itertools.count(1)
 
 
 def register_site(site: PackSite) -> int:
-    _ensure_kernels()
     site.id = next(_IDS)
     _SITES[site.id] = site
-    if _NATIVE:
+    if _native.is_loaded():
         # The C++ kernel counts the calls it answers itself; the record
         # reads them when it is read, and once more when the site dies.
         stats = site.record.stats
@@ -314,10 +313,10 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                     y = _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m)
                 else:
                     y = _k.onednn_linear(x, c.packed, bias)
-                if _NATIVE:
+                if _native.is_loaded():
                     _hand_to_native(s, m, kernel, c.packed, weights, rows)
                 return y if y.is_contiguous() else y.contiguous()
-        elif chosen == "plain" and _NATIVE:
+        elif chosen == "plain" and _native.is_loaded():
             _hand_to_native(s, m, kernel, None, weights, rows)
         s.record.stats["plain_calls"] += 1
     y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
@@ -335,25 +334,10 @@ _LIB.define("packed_linear_slow" + _SCHEMA)
 _LIB.impl("packed_linear_slow", _packed_linear, "CPU")
 for _name in ("packed_linear", "packed_linear_train"):
     torch.library.register_fake("wfpass::" + _name, _packed_linear_fake, lib=_LIB)
-_NATIVE = False
-
-
-def _ensure_kernels() -> None:
-    """Give ``packed_linear`` its CPU kernel, once, before the first graph
-    that calls it exists: the C++ one (built on first use, see
-    ``wfpass/_torch/native``), else this Python function. Done at the first
-    rewrite, not at import: ``import wfpass`` builds nothing."""
-    global _NATIVE, _KERNELS_SET
-    if _KERNELS_SET:
-        return
-    _KERNELS_SET = True
-    _NATIVE = _native.load() is None
-    if not _NATIVE:
-        for name in ("packed_linear", "packed_linear_train"):
-            _LIB.impl(name, _packed_linear, "CPU")
-
-
-_KERNELS_SET = False
+# The Python kernel serves every backend key; the C++ one, once loaded
+# (``_torch/native``: at the first compile), takes the CPU key before it.
+for _name in ("packed_linear", "packed_linear_train"):
+    _LIB.impl(_name, _packed_linear, "CompositeExplicitAutograd")
 
 
 def _setup(ctx, inputs, output):

@@ -145,7 +145,9 @@ def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy,
 
 _LIB.impl("lstm_layer", _lstm_layer, "CompositeExplicitAutograd")
 _LIB.impl("lstm_layer_backward", _lstm_layer_backward, "CompositeExplicitAutograd")
-_LIB.impl("lstm_layer_fw", _lstm_layer, "CPU")
+# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# before this CompositeExplicitAutograd registration once they are loaded.
+_LIB.impl("lstm_layer_fw", _lstm_layer, "CompositeExplicitAutograd")
 torch.library.register_fake("wfpass::lstm_layer_fw", _lstm_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::lstm_layer", _lstm_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::lstm_layer_backward", _lstm_layer_backward_fake, lib=_LIB)

@@ -176,7 +176,9 @@ def _rnn_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_out
 
 _LIB.impl("rnn_layer", _rnn_layer, "CompositeExplicitAutograd")
 _LIB.impl("rnn_layer_backward", _rnn_layer_backward, "CompositeExplicitAutograd")
-_LIB.impl("rnn_layer_fw", _rnn_layer, "CPU")
+# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# before these CompositeExplicitAutograd registrations once they are loaded.
+_LIB.impl("rnn_layer_fw", _rnn_layer, "CompositeExplicitAutograd")
 torch.library.register_fake("wfpass::rnn_layer_fw", _rnn_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::rnn_layer", _rnn_layer_fake, lib=_LIB)
 torch.library.register_fake("wfpass::rnn_layer_backward", _rnn_layer_backward_fake, lib=_LIB)

@@ -32,18 +32,24 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded"]
+__all__ = ["load", "status", "loaded", "is_loaded"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp",)
+_SOURCES = ("pack.cpp", "rnn.cpp")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]
 
 
 def loaded() -> bool:
-    """Are the C++ kernels in use in this process?"""
+    """Are the C++ kernels in use in this process? (Builds and loads them
+    the first time it is asked.)"""
     return load() is None
+
+
+def is_loaded() -> bool:
+    """Are they loaded already? Never builds."""
+    return _STATE[0] == ""
 
 
 def status() -> str:
