@@ -5,6 +5,7 @@
     python benchmarks/profile_rnn.py split    # the LM at T=16 batch 1: forward and forward+backward, eager vs wformat
     python benchmarks/profile_rnn.py guards   # Dynamo's guard evaluation per call
     python benchmarks/profile_rnn.py ops      # wfpass::rnn_layer (GRU, RNN) against eager autograd over the same kernel
+    python benchmarks/profile_rnn.py opcost   # one LSTM layer call: oneDNN's kernel, the op (C++ kernel), its Python kernel
 
 One thread; every comparison interleaved in one process (variants in turn,
 round after round), medians over rounds.
@@ -123,6 +124,32 @@ def guards() -> None:
     print(f"T=1 batch 1 inference: {a:.1f} us with guards, {b:.1f} us without: guards {a - b:.1f} us per call")
 
 
+def opcost() -> None:
+    """What the layer op adds to oneDNN's LSTM layer kernel per call
+    (inference, T=16, batch 1, 128 -> 128): the ATen kernel called
+    directly, ``wfpass::lstm_layer_fw`` (its C++ kernel where built), and
+    the op's Python kernel called as a function."""
+    from wfpass._torch import native
+    from wfpass.rnn import lstm_layer as ll
+
+    native.load()
+    T, B, I, H = 16, 1, 128, 128
+    x = torch.randn(T, B, I)
+    w = (torch.randn(4 * H, I), torch.randn(4 * H, H), torch.randn(4 * H), torch.randn(4 * H))
+    h = torch.zeros(1, B, H)
+    fns = {
+        "oneDNN kernel": lambda: torch.ops.aten.mkldnn_rnn_layer.default(x, *w, h, h, False, [], 2, H, 1, True,
+                                                                          False, False, False),
+        "the op": lambda: torch.ops.wfpass.lstm_layer_fw.default(x, *w, None, None, False, H, True, False),
+        "Python kernel": lambda: ll._lstm_layer(x, *w, None, None, False, H, True, False),
+    }
+    with torch.no_grad():
+        res = interleaved(fns, 300, 7)
+    print(f"one LSTM layer call, T=16 batch 1, inference; the op runs {native.status()}:")
+    for k, v in res.items():
+        print(f"  {k:14s} {v:7.1f} us")
+
+
 def ops() -> None:
     import wfpass.rnn.native_layer  # noqa: F401  (registers wfpass::rnn_layer)
 
@@ -157,7 +184,7 @@ def ops() -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["kernel", "floor", "split", "guards", "ops"])
+    ap.add_argument("what", choices=["kernel", "floor", "split", "guards", "ops", "opcost"])
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64
