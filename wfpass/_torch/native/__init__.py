@@ -61,8 +61,19 @@ def status() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("WFPASS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "wfpass")
-    return Path(root)
+    """``$WFPASS_CACHE``, else ``~/.cache/wfpass``, else (no writable home,
+    as in some containers) a folder of this user's under the temp dir."""
+    root = os.environ.get("WFPASS_CACHE")
+    if root:
+        return Path(root)
+    home = Path(os.path.expanduser("~")) / ".cache" / "wfpass"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"wfpass-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def _digest() -> str:
