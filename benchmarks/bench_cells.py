@@ -302,7 +302,15 @@ def _plot(rows, path: str) -> None:
                 title="Cold compile, training step")
     axes[1].set(xscale="log", yscale="log", xlabel="T (steps)", ylabel="ms per training step",
                 title="Steady state, training step")
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    lengths = sorted({r["T"] for r in rows})
     for ax in axes:
+        # The measured lengths as plain ticks (log axes' default minor
+        # labels overlap at these few points).
+        ax.set_xticks(lengths, [str(t) for t in lengths])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -105,7 +105,9 @@ def time_interleaved(fns: Dict[str, Callable[[int], None]], reps: int) -> Dict[s
 
 
 def paired_ratio(times, name, base) -> float:
-    return statistics.median(a / b for a, b in zip(times[name], times[base]))
+    """x faster: the median over rounds of (base's time / name's time) in the
+    same round; above 1, ``name`` is faster than ``base``."""
+    return statistics.median(b / a for a, b in zip(times[name], times[base]))
 
 
 def run_config(args, width, stages, batch, size, log):
@@ -156,7 +158,7 @@ def run_config(args, width, stages, batch, size, log):
         t = time_interleaved(calls, args.reps)
     med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
     ratios = {n: paired_ratio(t, n, "inductor") for n in t}
-    eager_fold = paired_ratio(t, "wformat[eager]+fold", "wformat[eager]")
+    eager_fold = paired_ratio(t, "wformat[eager]+fold", "wformat[eager]")  # x faster folded than unfolded
     return dict(width=width, stages=stages, batch=batch, size=size, pairs=len(pairs), weight_bytes=weight_bytes,
                 med=med, ratios=ratios, errs=errs, eager_fold=eager_fold)
 
@@ -185,15 +187,17 @@ def main(argv=None):
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, torch {torch.__version__} "
              f"({torch.get_num_threads()} thread(s)), shared with other jobs. Model: transformers `ResNetModel` "
              f"(basic blocks, depth {args.depth} per stage), bf16, eval, `no_grad`. {args.reps} interleaved rounds; "
-             "ms per call is the median; the ratio is the median over rounds of (variant / inductor) in the same round.\n",
+             "ms per call is the median. **x faster** (in brackets) = Inductor's time / the variant's time, the median "
+             "over rounds of that ratio in the same round: above 1, the variant is faster than Inductor's unfolded model; "
+             "for `fold_only` (the fold computed alone), how many times that computation fits in Inductor's whole forward.\n",
              "| width, stages, input | conv weights (bytes) | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for r in rows:
         cells = [f"{r['med'][n]:.2f} ms ({r['ratios'][n]:.3f}x)" for n in names]
         lines.append(f"| {r['width']}, {r['stages']}, {r['batch']}x3x{r['size']}x{r['size']} | {r['weight_bytes']:,} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Without Inductor, folded / unfolded (`wformat[eager]+fold` / `wformat[eager]`, median of per-round "
-                 "ratios): " + "; ".join(f"{r['width']}/{r['batch']}x{r['size']}: {r['eager_fold']:.3f}x" for r in rows) + "\n")
+    lines.append("Without Inductor, x faster folded than unfolded (`wformat[eager]` time / `wformat[eager]+fold` time, "
+                 "median of per-round ratios): " + "; ".join(f"{r['width']}/{r['batch']}x{r['size']}: {r['eager_fold']:.3f}x" for r in rows) + "\n")
     lines.append("Output relative difference to the unfolded eager model (bf16): " + "; ".join(
         f"{r['width']}/{r['batch']}x{r['size']}: " + ", ".join(f"{n} {e:.1e}" for n, e in r["errs"].items()) for r in rows) + "\n")
     text = "\n".join(lines)

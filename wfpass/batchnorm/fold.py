@@ -193,7 +193,7 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
         # Measured (docs/fold_results.md): recomputing the fold on every
         # call costs more than the BatchNorm it removes.
         m.reason += ("; computed on every call, which measured slower than not folding (bf16 ResNet: "
-                     "1.08-1.54x with Inductor, 1.2-2.4x without; docs/batchnorm.md)")
+                     "0.60-0.93x as fast with Inductor, 0.35-0.81x without; docs/batchnorm.md)")
     m.plan = f"would be {m.reason}"
     return None
 
