@@ -102,7 +102,7 @@ def crossover(batch, hidden, lengths, train, rounds):
         for f in fns.values():
             f(), f()
         t = _timed(fns, rounds, 20 if T < 256 else 5)
-        ratios.append(t["unfused"] / t["fused"])
+        ratios.append(t["fused"] / t["unfused"])  # x faster: the unfused path against the fused kernel
     return ratios
 
 
@@ -121,8 +121,8 @@ def main(argv=None):
         "# RNN weight format on CUDA: measured results", "",
         f"Command: `python benchmarks/bench_rnn_cuda.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
         f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}. "
-        f"Median of {args.rounds} interleaved rounds, ms per call; ratio columns: time / eager's time "
-        "(< 1: faster than eager).", "",
+        f"Median of {args.rounds} interleaved rounds, ms per call. **x faster** = eager's time / the variant's "
+        "time (above 1: faster than eager).", "",
     ]
     start = time.perf_counter()
     for train in (False, True):
@@ -131,13 +131,13 @@ def main(argv=None):
             rows = per_call(batch, hidden, lengths, train, args.rounds, print)
             names = list(next(iter(rows.values())))
             lines += [f"## {mode}, batch {batch}, hidden {hidden}", "",
-                      "| T | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n}/eager" for n in names[1:]) + " |",
+                      "| T | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} x faster" for n in names[1:]) + " |",
                       "|---" * (1 + 2 * len(names) - 1) + "|"]
             for T, r in rows.items():
                 lines.append(f"| {T} | " + " | ".join(f"{r[n]:.3f}" for n in names) + " | "
-                             + " | ".join(f"{r[n] / r['eager']:.2f}" for n in names[1:]) + " |")
+                             + " | ".join(f"{r['eager'] / r[n]:.2f}" for n in names[1:]) + " |")
             lines.append("")
-    lines += ["## cuDNN crossover: unfused / fused kernel time (< 1: unfused faster)", "",
+    lines += ["## cuDNN crossover: x faster = the fused kernel's time / the unfused path's time (above 1: unfused faster)", "",
               "| batch x hidden | mode | " + " | ".join(f"T={T}" for T in lengths) + " | largest T with unfused not slower |",
               "|---" * (len(lengths) + 3) + "|"]
     for batch, hidden in shapes:
@@ -145,7 +145,7 @@ def main(argv=None):
             r = crossover(batch, hidden, lengths, train, args.rounds)
             n = 0
             for T, v in zip(lengths, r):
-                if v > 1.0:
+                if v < 1.0:
                     break
                 n = T
             row = f"| {batch} x {hidden} | {'fwd+bwd' if train else 'fwd'} | " + " | ".join(f"{v:.2f}" for v in r) + f" | {n} |"

@@ -24,6 +24,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from ._torch import native
+
 __all__ = ["demo"]
 
 
@@ -87,6 +89,9 @@ def _cell_loop(rounds: int, progress) -> bool:
     ok = err <= 1e-4
     print(f"   compile + first step {first:.1f} s; checked against eager: max |grad difference| / max |grad| = {err:.1e} "
           "(tolerance 1e-4)")
+    built = native.build_seconds()
+    if built:
+        print(f"   (of which {built:.1f} s built wfpass's C++ kernels: once per machine, then cached)")
 
     def step(m):
         def go():

@@ -10,7 +10,7 @@ the same ops either way.
 
 The library is built once per source text and torch version into
 ``$WFPASS_CACHE`` (default ``~/.cache/wfpass``): ``g++`` with torch's headers,
-about half a minute on 2 cores, then loaded in milliseconds. Set
+about 17 s on 2 cores, then loaded in milliseconds. Set
 ``WFPASS_NATIVE=0`` to use the Python kernels. Where there is no compiler
 or the build fails, wfpass runs the Python kernels and :func:`status` says
 why; nothing else changes.
@@ -27,18 +27,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded"]
+__all__ = ["load", "status", "loaded", "is_loaded", "build_seconds"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]
+#: Seconds this process spent building the library (0.0 when it was cached).
+BUILD_S: list = [0.0]
 
 
 def loaded() -> bool:
@@ -58,6 +61,12 @@ def status() -> str:
     if why is None:
         return "C++ kernels (wfpass/_torch/native, built with this machine's compiler)"
     return f"Python kernels ({why})"
+
+
+def build_seconds() -> float:
+    """Seconds this process spent building the C++ kernels (0.0 when they
+    came from the cache, or were not built)."""
+    return BUILD_S[0]
 
 
 def _cache_dir() -> Path:
@@ -131,7 +140,9 @@ def load() -> Optional[str]:
         target = _cache_dir() / f"wfpass_native-{_digest()}.so"
         try:
             if not target.exists():
+                t = time.perf_counter()
                 _build(target)
+                BUILD_S[0] = time.perf_counter() - t
             torch.ops.load_library(str(target))
         except Exception as e:  # noqa: BLE001 - any failure: the Python kernels, and say why
             why = f"the C++ build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
