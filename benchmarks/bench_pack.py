@@ -78,7 +78,7 @@ def _compile(model, variant: str):
 def worker(config: str, variant: str, threads: int, train: bool) -> None:
     import torch
 
-    from wfpass._torch.aot import disable_compile_caches
+    from wfpass._torch.aot import disable_compile_caches, stop_compile_workers
 
     torch.set_num_threads(threads)
     disable_compile_caches()
@@ -103,6 +103,7 @@ def worker(config: str, variant: str, threads: int, train: bool) -> None:
     gen()
     first = time.perf_counter() - t
     gen()  # the decode graphs' recompile for a growing cache, if any
+    stop_compile_workers()
     print(json.dumps({"ready": True, "first_s": first}), file=out, flush=True)
     for line in sys.stdin:
         cmd = line.strip()
@@ -163,6 +164,7 @@ def _train_worker(model, variant: str, out) -> None:
     import torch
 
     import wfpass
+    from wfpass._torch.aot import stop_compile_workers
 
     model.train()
     if variant == "inductor":
@@ -188,14 +190,20 @@ def _train_worker(model, variant: str, out) -> None:
         steps[rows] = step
         step()
         step()
+    stop_compile_workers()
     print(json.dumps({"ready": True, "first_s": 0.0}), file=out, flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd.startswith("time"):
+            # One round: the median of 5 steps (a single step swung 2x
+            # between runs of this benchmark).
             rows = int(cmd.split()[1])
-            t = time.perf_counter()
-            steps[rows]()
-            print(json.dumps({"ms": (time.perf_counter() - t) * 1e3}), file=out, flush=True)
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                steps[rows]()
+                ts.append((time.perf_counter() - t) * 1e3)
+            print(json.dumps({"ms": statistics.median(ts)}), file=out, flush=True)
         elif cmd == "quit":
             break
 
@@ -300,7 +308,7 @@ def _generate_md(results) -> list:
 
 def _train_md(train_results) -> list:
     lines = ["", "Training step (forward, backward of a fixed projection of the last hidden state, SGD step), "
-             "bf16 decoder, ms, median over rounds; x faster = Inductor's time / the variant's:", "",
+             "bf16 decoder, ms, median over rounds of the median of 5 steps; x faster = Inductor's time / the variant's:", "",
              "| model | threads | rows | Inductor | wformat (packing off in training) | x faster | "
              "wformat, pack.training=True | x faster |", "|---|---|---|---|---|---|---|---|"]
     for r in train_results:

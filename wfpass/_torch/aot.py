@@ -63,6 +63,19 @@ def disable_compile_caches() -> None:
     functorch_config.enable_autograd_cache = False
 
 
+def stop_compile_workers() -> None:
+    """Stop Inductor's pool of compile worker processes
+    (``torch._inductor.async_compile.shutdown_compile_workers``, private;
+    torch 2.13.0), which a cold compile starts and which stays alive after
+    it: benchmarks call this before timing, so idle or busy workers do not
+    share the machine with the timed code."""
+    from torch._inductor import async_compile
+
+    fn = getattr(async_compile, "shutdown_compile_workers", None)
+    if fn is not None:
+        fn()
+
+
 def outside_fake_mode():
     """A context in which tensors are real even while a fake implementation
     runs (``torch._subclasses.fake_tensor.unset_fake_temporarily``, private;
