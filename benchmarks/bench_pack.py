@@ -160,6 +160,31 @@ def _stale_check(model, ref, prompt):
     return res
 
 
+def train_steps(model, fwd, rows=(8, 64, 512)) -> dict:
+    """One training step per row count (forward through ``fwd``,
+    ``(h.float() * R).sum()`` backward, SGD step), each run twice, in the
+    order given: the second row count makes Dynamo recompile with dynamic
+    shapes, as a training loop with varying batches does."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    steps = {}
+    for n in rows:
+        x = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        R = torch.randn(1, n, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+
+        def step(x=x, R=R):
+            h = fwd(x).last_hidden_state
+            (h.float() * R).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[n] = step
+        step()
+        step()
+    return steps
+
+
 def _train_worker(model, variant: str, out) -> None:
     import torch
 
@@ -175,21 +200,7 @@ def _train_worker(model, variant: str, out) -> None:
         fwd = torch.compile(model.model.forward, backend=wfpass.backend(pack={"training": True, "mode": "always"}))
     else:
         fwd = model.model.forward
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps = {}
-    for rows in (8, 64, 512):
-        x = torch.randint(0, model.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
-        R = torch.randn(1, rows, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
-
-        def step(x=x, R=R):
-            h = fwd(x).last_hidden_state
-            (h.float() * R).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        steps[rows] = step
-        step()
-        step()
+    steps = train_steps(model, fwd)
     stop_compile_workers()
     print(json.dumps({"ready": True, "first_s": 0.0}), file=out, flush=True)
     for line in sys.stdin:

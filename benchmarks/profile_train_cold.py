@@ -45,21 +45,7 @@ def main(argv=None) -> None:
     backend = {"inductor": "inductor", "wformat": "wformat",
                "wformat-nolinear": wfpass.backend(passes=["fuse_rnn"])}[a.variant]
     fwd = torch.compile(model.model.forward, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps = {}
-    for rows in (8, 64, 512):
-        x = torch.randint(0, 8000, (1, rows), generator=torch.Generator().manual_seed(rows))
-        R = torch.randn(1, rows, 512, generator=torch.Generator().manual_seed(7))
-
-        def step(x=x, R=R):
-            h = fwd(x).last_hidden_state
-            (h.float() * R).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        steps[rows] = step
-        step()
-        step()
+    steps = bench_pack.train_steps(model, fwd)
     if a.collect:
         gc.collect()
     for rows in (8, 64):

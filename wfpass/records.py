@@ -40,6 +40,12 @@ class Stats(dict):
     def pull(self, fn) -> None:
         self._pulls.append(fn)
 
+    def add(self, counts: Dict[str, int]) -> None:
+        """Add ``counts`` to the counters (without pulling first)."""
+        for k, n in counts.items():
+            if n:
+                dict.__setitem__(self, k, dict.get(self, k, 0) + n)
+
     def _sync(self) -> None:
         if not self._pulls:
             return
@@ -49,9 +55,7 @@ class Stats(dict):
             if got is None:
                 continue
             keep.append(fn)
-            for k, n in got.items():
-                if n:
-                    dict.__setitem__(self, k, dict.get(self, k, 0) + n)
+            self.add(got)
         self._pulls[:] = keep
 
     def __getitem__(self, k):

@@ -23,8 +23,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._torch import native as _native
-from .._torch import aot as _aot, kernels as _k
+from .._torch import aot as _aot, kernels as _k, native as _native
 
 __all__ = ["MARGIN", "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured", "kernels_for_dtype"]
 

@@ -43,10 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._torch import native as _native
-from .._torch import aot as _aot
-from .._torch import kernels as _k
-from ..records import Record
+from .._torch import aot as _aot, kernels as _k, native as _native
+from ..records import Record, Stats
 from ..runtime import note
 from ..storage import layout_of
 
@@ -108,8 +106,7 @@ def register_site(site: PackSite) -> int:
         # reads them when it is read, and once more when the site dies.
         stats = site.record.stats
         pull = _NativeCounts(site.id)
-        if hasattr(stats, "pull"):
-            stats.pull(pull)
+        stats.pull(pull)
         weakref.finalize(site, _retire, site.id, pull, stats)
     return site.id
 
@@ -132,12 +129,9 @@ class _NativeCounts:
         return {"packed_calls": packed, "plain_calls": plain}
 
 
-def _retire(sid: int, pull: "_NativeCounts", stats) -> None:
-    got = pull()
+def _retire(sid: int, pull: "_NativeCounts", stats: Stats) -> None:
+    stats.add(pull())
     pull.dead = True
-    if got:
-        for k, n in got.items():
-            dict.__setitem__(stats, k, dict.get(stats, k, 0) + n)
     torch.ops.wfpass._pack_forget(sid)
 
 

@@ -228,11 +228,6 @@ void pack_forget(int64_t site) {
   sites.erase(site);
 }
 
-int64_t pack_sites() {
-  std::lock_guard<std::mutex> g(mu);
-  return static_cast<int64_t>(sites.size());
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
@@ -241,7 +236,6 @@ TORCH_LIBRARY_FRAGMENT(wfpass, m) {
         pack_put);
   m.def("_pack_take_counts(int site) -> int[]", pack_take_counts);
   m.def("_pack_forget(int site) -> ()", pack_forget);
-  m.def("_pack_sites() -> int", pack_sites);
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
