@@ -42,7 +42,7 @@ def test_every_option_has_help_and_no_markup():
     parser = cli.build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     parsers = [parser] + list(subs.choices.values())
-    assert set(subs.choices) == {"demo", "bench"}
+    assert set(subs.choices) == {"demo", "bench", "doctor"}
     for p in parsers:
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -114,7 +114,8 @@ def test_demo_leads_with_measured_wins_checks_them_and_shows_zero_bytes():
     assert "1 thread(s)" in out and "x faster = baseline time / wformat time" in out
     first = out.index("1. A Python loop of nn.LSTMCell")
     assert first < out.index("2. BatchNorm statistics") < out.index("3. Decoding one token") < out.index("4. What changed")
-    assert "than the eager loop" in out and "than Inductor" in out  # a ratio, or the sentence saying it is noise
+    # Each comparison is a ratio or the sentence saying it is within noise.
+    assert re.search(r"(than|level with) the eager loop", out) and re.search(r"(than|level with) Inductor", out), out
     assert "the same nn.Parameter objects as before compiling: yes" in out and "(+0)" in out
     assert "layers.0.{q.weight, k.weight, v.weight}" in out
     assert out.rstrip().endswith("OK: every check passed")

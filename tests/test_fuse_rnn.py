@@ -1070,3 +1070,42 @@ def test_the_cpp_and_python_kernels_of_the_layer_ops_give_the_same_bits(dtype):
                     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="mode must be one of"):
         torch.ops.wfpass.rnn_layer_fw(x, *wg, None, "LSTM", False)
+
+
+def _lstm_without_onednn(monkeypatch, dtype, probe=None):
+    """Compile a 2-layer LSTM of ``dtype`` where the CPU flag says oneDNN
+    takes it (as on a Xeon with avx512_fp16) and the probe decides."""
+    from wfpass._torch import kernels
+
+    monkeypatch.setattr(kernels, "onednn_cpu_flag", lambda d: True)
+    monkeypatch.setattr(kernels, "_PROBED", {})
+    if probe is not None:
+        monkeypatch.setattr(kernels, "_probe_lstm", probe)
+    if kernels.mkldnn_rnn_dtype(dtype):
+        pytest.skip(f"oneDNN runs a {dtype} LSTM on this CPU")
+    cls, kw = VARIANTS["lstm-2layer"]
+    rtol, atol = TOL[dtype]
+    model = Net(cls, **kw).to(dtype)
+    assert_same_fwd_bwd(model, wformat(), make_inputs(cls, kw, 7, dtype=dtype), rtol=4 * rtol, atol=4 * atol, dtype=dtype)
+    rec = rnn_record()
+    assert "mkldnn" not in rec.detail["paths"].values(), rec.detail
+    assert "oneDNN takes no" in rec.detail["kernel"] and str(dtype).replace("torch.", "") in rec.detail["kernel"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_lstm_where_theonednn_cpu_flag_promises_onednn_but_it_has_no_kernel(monkeypatch, dtype):
+    """On a Xeon with avx512_fp16, ``_is_mkldnn_fp16_supported()`` is True
+    and oneDNN still creates no f16 LSTM ("could not create a primitive
+    descriptor"): the probe finds out, the LSTM takes ATen's kernels as in
+    eager, and the report says why. Here the flag is forced on; where
+    oneDNN really runs the dtype, the test has nothing to show and skips."""
+    _lstm_without_onednn(monkeypatch, dtype)
+
+
+def test_fp32_lstm_takes_aten_kernels_when_the_onednn_probe_fails(monkeypatch):
+    """The same decision on every CPU: a probe that fails sends even a
+    float32 LSTM to ATen's kernels, trained equal to eager."""
+    def broken(dtype):
+        raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+
+    _lstm_without_onednn(monkeypatch, torch.float32, probe=broken)

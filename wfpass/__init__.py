@@ -16,6 +16,9 @@ __all__ = [
 
 def _load_api() -> None:
     """Import the public API (and with it torch) into this namespace."""
+    from ._torch import versions
+
+    versions.check()  # a clear error on a torch wfpass does not run on, before any private API is touched
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
     from .config import Config, PackOptions, RnnOptions

@@ -1,4 +1,4 @@
-"""The command line: ``python -m wfpass demo`` and ``python -m wfpass bench``.
+"""The command line: ``python -m wfpass demo``, ``bench`` and ``doctor``.
 
 Nothing here imports torch at module level: ``--help`` and ``--version``
 answer at once, and each command imports what it needs when it runs.
@@ -25,6 +25,7 @@ examples:
   python -m wfpass demo               where wformat pays, measured here, in under a minute
   python -m wfpass bench --quick      the headline comparisons, about a minute
   python -m wfpass bench --out results
+  python -m wfpass doctor             which torch, kernels and C++ build wfpass uses here
 """
 
 
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_positive, default=None,
                        help="torch threads (default: torch's own choice; 1 with --quick)")
     bench.add_argument("--no-plot", action="store_true", help="write the table only, not bench.png")
+
+    sub.add_parser(
+        "doctor", help="which torch, kernels and C++ build wfpass uses on this machine",
+        description="The torch release and whether wfpass was tested on it; for each dtype, whether oneDNN's LSTM "
+                    "kernel and packed linears run on this CPU (probed with a tiny call); whether wfpass's C++ "
+                    "kernels are built and in use, and if not, why (the compiler's first error); CUDA and cuDNN.")
     return parser
 
 
@@ -118,4 +125,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return bench.main(quick=args.quick, out=args.out, rounds=args.rounds,
                           parts=args.only or bench.PARTS, threads=args.threads, plot_file=not args.no_plot,
                           command="python -m wfpass " + " ".join(given))
+    if args.cmd == "doctor":
+        from .doctor import doctor
+
+        return doctor()
     return 2  # pragma: no cover - argparse rejects unknown commands

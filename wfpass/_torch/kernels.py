@@ -1,4 +1,4 @@
-"""ATen kernels and switches (torch 2.13.0): the fused RNN entry points,
+"""ATen kernels and switches (torch 2.11.0-2.15.0): the fused RNN entry points,
 oneDNN's on/off switch and dtype support, cuDNN's flat RNN weight layout,
 the functional linear and conv kernels, BatchNorm's base class and FX's op
 types. Imports nothing from wfpass."""
@@ -94,13 +94,52 @@ def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: st
     return [c.storage_offset() - base for c in clones], buf.numel()
 
 
-def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
-    """Does ATen send a CPU LSTM of this dtype to oneDNN? float32 always (when
-    oneDNN is built in); bf16/fp16 only on CPUs with the instructions
-    (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_``, private;
-    torch 2.13.0)."""
-    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
-        return False
+_PROBED: dict = {}
+
+
+def _runs(key: tuple, fn) -> bool:
+    """Does ``fn()`` run on this machine? Tried once per process on tiny real
+    tensors (outside any fake mode) and remembered. A capability flag says
+    what the CPU's instructions allow; oneDNN may still have no primitive
+    for the op and dtype (an f16 LSTM on a Xeon with avx512_fp16:
+    "could not create a primitive descriptor", seen on torch 2.11.0 and
+    2.13.0), and eager PyTorch would not have sent it there."""
+    got = _PROBED.get(key)
+    if got is None:
+        from .aot import outside_fake_mode
+
+        try:
+            with outside_fake_mode():
+                fn()
+            got = True
+        except Exception:  # noqa: BLE001 - any failure: this kernel is not for this dtype here
+            got = False
+        _PROBED[key] = got
+    return got
+
+
+def _probe_lstm(dtype: torch.dtype) -> None:
+    """oneDNN's LSTM layer forward (inference and training) and backward at
+    T=2, batch 1, 4 features: the calls ``wfpass::lstm_layer`` makes."""
+    H = 4
+    x = torch.randn(2, 1, 4).to(dtype)
+    w_ih, w_hh = torch.randn(4 * H, 4).to(dtype), torch.randn(4 * H, H).to(dtype)
+    b = torch.zeros(4 * H, dtype=dtype)
+    h = torch.zeros(1, 1, H, dtype=dtype)
+    layer = torch.ops.aten.mkldnn_rnn_layer.default
+    with torch.no_grad():
+        layer(x, w_ih, w_hh, b, b, h, h, False, [], 2, H, 1, True, False, False, False)
+    with torch.enable_grad():
+        y, hy, cy, ws = layer(x, w_ih, w_hh, b, b, h, h, False, [], 2, H, 1, True, False, False, True)
+        torch.ops.aten.mkldnn_rnn_layer_backward.default(
+            x, w_ih, w_hh, b, b, h, h, y, hy, cy, torch.ones_like(y), torch.zeros_like(hy), torch.zeros_like(cy),
+            False, 2, H, 1, True, False, False, [], False, ws)
+
+
+def onednn_cpu_flag(dtype: torch.dtype) -> bool:
+    """What the CPU's instructions allow for oneDNN in ``dtype``:
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_`` (private;
+    torch 2.11.0-2.15.0)."""
     if dtype == torch.float32:
         return True
     try:
@@ -112,6 +151,23 @@ def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
         return False
     return False
 
+
+def mkldnn_rnn_dtype(dtype: torch.dtype) -> bool:
+    """Can a CPU LSTM of this dtype run on oneDNN's LSTM kernel here? Only
+    when oneDNN is built in and switched on, the CPU has the instructions
+    for the dtype, and a tiny forward and backward of
+    ``aten.mkldnn_rnn_layer`` in that dtype ran (probed once, cached):
+    where it did not, the LSTM takes ATen's native path."""
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
+        return False
+    if not onednn_cpu_flag(dtype):
+        return False
+    return _runs(("lstm", dtype), lambda: _probe_lstm(dtype))
+
+
+def probed() -> dict:
+    """What the probes found in this process: ``{("lstm", torch.float16): False, ...}``."""
+    return dict(_PROBED)
 
 
 # -- packed linear weights: oneDNN's and MKL's own layouts --------------------
@@ -126,8 +182,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     """Can oneDNN pack and multiply a linear weight of ``dtype`` on this CPU?
     float32 wherever oneDNN is built in; bf16 / fp16 only with the
     instructions (``_is_mkldnn_bf16_supported`` / ``_fp16_``: fp16 needs
-    avx512_fp16 or avx_ne_convert)."""
-    return mkldnn_rnn_dtype(dtype)
+    avx512_fp16 or avx_ne_convert), and only where a tiny pack and multiply
+    ran (probed once, cached)."""
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled() or not onednn_cpu_flag(dtype):
+        return False
+
+    def probe():
+        w = torch.randn(8, 16).to(dtype)
+        onednn_linear(torch.randn(2, 16).to(dtype), onednn_pack(w), None)
+
+    return _runs(("linear", dtype), probe)
 
 
 def mkl_packs(dtype: torch.dtype) -> bool:

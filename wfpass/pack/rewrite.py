@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 import torch.fx as fx
 
-from .._torch import tensors as _tensors
+from .._torch import native as _native, tensors as _tensors
 from ..graph import PassContext, node_arg
 from ..linear.kernel import EagerBlock, EagerLayoutCheck
 from ..records import Record
@@ -36,7 +36,11 @@ def _reason(rec: Record) -> str:
     kind = rec.detail.get("what", "linear")
     words = rec.detail.get("choices") or {}
     parts = [words[m] for m in sorted(words)] or [rec.detail.get("pending", "")]
-    return f"{kind}: packed copy of the weight beside the parameter; " + "; ".join(p for p in parts if p)
+    # Which kernel runs the op matters to the choice (its per-call cost is
+    # added to every packed candidate) and is invisible otherwise: a torch
+    # whose headers the compiler rejects gives the Python kernel silently.
+    op = "" if _native.is_loaded() else f"; the op runs on its {_native.status()}"
+    return f"{kind}: packed copy of the weight beside the parameter; " + "; ".join(p for p in parts if p) + op
 
 
 def rewrite_call(ctx: PassContext, m: PackMatch) -> None:

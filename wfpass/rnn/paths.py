@@ -46,7 +46,8 @@ from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkl
 from . import native_layer  # registers wfpass::rnn_layer, which native_path calls
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "paths_differ", "RnnForward"]
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "no_onednn_reason",
+           "paths_differ", "RnnForward"]
 
 
 def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
@@ -218,6 +219,18 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
         # one-layer nn.RNN whose h_n is read (seen under Inductor).
         return "loop"
     return "aten"
+
+
+def no_onednn_reason(spec: RnnSpec, x: torch.Tensor) -> Optional[str]:
+    """Why a CPU LSTM that oneDNN could otherwise run takes another kernel
+    here, for the report; None where it runs on oneDNN (or is no such LSTM)."""
+    if x.device.type != "cpu" or spec.mode != "LSTM" or spec.proj_size != 0 or _kernels.mkldnn_rnn_dtype(x.dtype):
+        return None
+    if not torch.backends.mkldnn.is_available() or not _kernels.get_mkldnn_enabled():
+        return "oneDNN is off in this process: ATen's LSTM kernels, as in eager"
+    dtype = str(x.dtype).replace("torch.", "")
+    return (f"oneDNN takes no {dtype} LSTM on this CPU (a probe call failed or the CPU lacks the instructions): "
+            f"ATen's LSTM kernels, as in eager")
 
 
 def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from ..storage import first_sharing_problem, fuse, layout_of_set, re_fuse
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
-from .paths import RnnForward, choose_path
+from .paths import RnnForward, choose_path, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
 __all__ = ["rewrite_call", "new_group"]
@@ -57,6 +57,9 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
         v = meta_value(s.x)
         n = _compile_threshold(ctx, s, spec, record)
         path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n)
+        why_not = no_onednn_reason(spec, v if isinstance(v, torch.Tensor) else ws[0])
+        if why_not:
+            record.detail["kernel"] = why_not
         # Counted by length, as the report's threshold reads: GRUs and plain
         # RNNs run the same kernels on both sides of N on the CPU.
         counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"

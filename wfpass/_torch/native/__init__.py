@@ -15,9 +15,13 @@ about 17 s on 2 cores, then loaded in milliseconds. Set
 or the build fails, wfpass runs the Python kernels and :func:`status` says
 why; nothing else changes.
 
-Compiler flags and paths come from ``torch.utils.cpp_extension``
-(``include_paths``, ``library_paths``) and ``torch._C._GLIBCXX_USE_CXX11_ABI``
-(private; torch 2.13.0).
+Compiler flags and paths are read from the installed torch itself (see
+``_flags``): its headers' folders, the C++ standard they ask for (C++17 up
+to torch 2.13, C++20 from 2.14 on; checked on 2.11.0, 2.13.0, 2.14.1 and
+2.15.0) and ``torch._C._GLIBCXX_USE_CXX11_ABI`` (private; same versions).
+``torch.utils.cpp_extension`` is not imported: on a CUDA build of torch
+without a CUDA toolkit it logs "No CUDA runtime is found" at import, a
+warning about CUDA that a CPU user must not see.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "build_seconds"]
+__all__ = ["load", "status", "loaded", "is_loaded", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp")
@@ -85,32 +89,72 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"wfpass-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
+_TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+def cxx_standard() -> str:
+    """The C++ standard this torch's headers require: ``ATen/ATen.h``
+    stops with ``#error C++20 or later compatible compiler is required``
+    from torch 2.14 on, and asks for C++17 before (2.11.0, 2.13.0)."""
+    try:
+        text = (_TORCH_DIR / "include" / "ATen" / "ATen.h").read_text(errors="replace")
+    except OSError:
+        return "c++20"
+    return "c++20" if "C++20 or later" in text else "c++17"
+
+
+def _flags() -> list:
+    """Everything on the compiler's command line but the sources, the
+    compiler and the output: the cache key includes it. The folders are the
+    ones ``torch.utils.cpp_extension.include_paths()`` / ``library_paths()``
+    return for a CPU extension (checked on torch 2.11.0-2.15.0)."""
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    inc = _TORCH_DIR / "include"
+    libdir = _TORCH_DIR / "lib"
+    return ["-O2", f"-std={cxx_standard()}", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-L{libdir}", f"-Wl,-rpath,{libdir}"]
+
+
+#: Linked after the sources (the linker resolves left to right).
+_LIBS = ["-lc10", "-ltorch_cpu", "-ltorch"]
+
+
 def _digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         h.update((_HERE / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
+    h.update(" ".join([_compiler() or ""] + _flags() + _LIBS).encode())
     return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the built library for this torch, Python and compiler lives."""
+    return _cache_dir() / f"wfpass_native-{_digest()}.so"
 
 
 def _compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def _build(target: Path) -> None:
-    from torch.utils import cpp_extension as ce
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (what a user needs to fix), else its
+    last line: with -w the first ``error`` is the cause and the rest follows
+    from it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[:400]
+    return lines[-1][:400] if lines else "no output"
 
+
+def _build(target: Path) -> None:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    libdirs = ce.library_paths()
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    cmd += [f"-I{p}" for p in ce.include_paths()]
-    cmd += [str(_HERE / s) for s in _SOURCES]
-    cmd += [f"-L{p}" for p in libdirs] + [f"-Wl,-rpath,{p}" for p in libdirs]
-    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    cmd = [cxx] + _flags() + [str(_HERE / s) for s in _SOURCES] + _LIBS
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two processes building at once
     # (benchmark workers) each finish with a whole file.
@@ -119,7 +163,7 @@ def _build(target: Path) -> None:
     try:
         r = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {r.stderr.strip()[-600:]}")
+            raise RuntimeError(f"{Path(cxx).name} -std={cxx_standard()} failed: {_first_error(r.stderr)}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -137,7 +181,7 @@ def load() -> Optional[str]:
     elif not torch.backends.mkldnn.is_available():
         why = "this torch has no oneDNN"
     else:
-        target = _cache_dir() / f"wfpass_native-{_digest()}.so"
+        target = library_path()
         try:
             if not target.exists():
                 t = time.perf_counter()

@@ -1,0 +1,81 @@
+"""``python -m wfpass doctor``: what wfpass can use on this machine.
+
+The torch release and whether wfpass was tested on it, which kernels each
+dtype gets on this CPU (each found by a tiny probe call, the same probes
+the formats use before they choose a kernel), whether wfpass's C++ kernels
+are built and in use (and, where the build failed, the compiler's first
+error), and what CUDA and cuDNN this torch has.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+from typing import List
+
+__all__ = ["doctor", "lines"]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def lines() -> List[str]:
+    """The report, one line per fact (builds the C++ kernels if needed)."""
+    import torch
+
+    from . import __version__
+    from ._torch import kernels, native, versions
+
+    out = [f"wfpass {__version__}, Python {sys.version.split()[0]}"]
+    v = versions.torch_version()
+    tested = torch.__version__.split("+")[0] in versions.TESTED
+    in_range = versions.OLDEST <= v[:2] <= versions.NEWEST_TESTED
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+    out.append(f"torch {torch.__version__} ({build}): "
+               + ("tested with wfpass" if tested else "in wfpass's range, this release not tested" if in_range
+                  else "newer than any release wfpass was tested on")
+               + f"; wfpass runs on {versions.OLDEST[0]}.{versions.OLDEST[1]}-"
+               f"{versions.NEWEST_TESTED[0]}.{versions.NEWEST_TESTED[1]} (tested: {', '.join(versions.TESTED)})")
+    out.append(f"CPU: {_cpu_name()}, {torch.get_num_threads()} torch threads")
+    if not torch.backends.mkldnn.is_available():
+        out.append("oneDNN: not in this torch build: RNNs take ATen's kernels, linears are not packed")
+    else:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            name = str(dtype).replace("torch.", "")
+            if not kernels.onednn_cpu_flag(dtype):
+                out.append(f"oneDNN {name}: this CPU lacks the instructions: LSTMs take ATen's kernels, "
+                           f"linears stay unpacked")
+                continue
+            out.append(f"oneDNN {name}: LSTM kernel {_yes(kernels.mkldnn_rnn_dtype(dtype))}, "
+                       f"packed linear {_yes(kernels.onednn_packs(dtype))} (each probed with a tiny call)")
+    out.append(f"MKL packed SGEMM (float32): {_yes(kernels.mkl_packs(torch.float32))}")
+    why = native.load()
+    if why is None:
+        how = f"built in {native.build_seconds():.1f} s" if native.build_seconds() else "from the cache"
+        out.append(f"C++ kernels: in use ({how}: {native.library_path()}; -std={native.cxx_standard()})")
+    else:
+        out.append(f"C++ kernels: not in use, the Python kernels run instead ({why})")
+    if torch.version.cuda:
+        if torch.cuda.is_available():
+            names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+            out.append(f"CUDA: {names}; cuDNN {torch.backends.cudnn.version()}")
+        else:
+            out.append("CUDA: no GPU visible to this process")
+    return out
+
+
+def doctor() -> int:
+    for line in lines():
+        print(line)
+    return 0
