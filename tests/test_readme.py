@@ -27,7 +27,10 @@ def test_ci_runs_the_readme_test_command():
     assert "python -m wfpass demo" in demo and "pip install torch==2.13.0" in demo
     assert "pytest" in test and "pip install torch==2.13.0" in test
     ci_lines = [l for l in (ROOT / ".ci/run").read_text().splitlines() if l and not l.startswith(("#", "set ", "cd "))]
-    assert ci_lines == [test]
+    # The README's command first, verbatim; then the same suite on the
+    # oldest and newest supported torch, the way the README tells users to.
+    assert ci_lines == [test, "bash tests/on_torch.sh 2.11.0", "bash tests/on_torch.sh 2.15.0"]
+    assert "`bash tests/on_torch.sh 2.15.0`" in README
 
 
 def test_readme_has_python_blocks():

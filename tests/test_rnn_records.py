@@ -62,8 +62,16 @@ def test_packed_sequence_rnn_gets_a_record_and_stays_right():
     recs = {r.params[0].split(".")[0]: r for r in wfpass.report(m).records if r.pattern == "rnn"}
     assert recs["lstm"].action == "skipped" and "PackedSequence" in recs["lstm"].reason
     assert len(recs["lstm"].params) == 8  # both directions
-    # The captured GRU's record replaced its provisional one.
-    assert recs["post"].action == "rewritten"
+    from wfpass._torch import dynamo as _dynamo
+
+    if _dynamo.packed_sequence_capture_crashes():
+        # torch 2.11: the frame holding the PackedSequence is left to Dynamo
+        # (captured, it crashes on pad_packed_sequence), which runs all of it
+        # eagerly, the GRU too, as without wfpass.
+        assert "post" not in recs or recs["post"].action != "rewritten"
+    else:
+        # The captured GRU's record replaced its provisional one.
+        assert recs["post"].action == "rewritten"
 
 
 def test_attention_decoder_cells_are_reported_not_folded():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -295,6 +296,16 @@ def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] =
     with open(table_path, "w") as f:
         f.write(text)
     print(f"table written to {table_path}")
+    # The same figures for programs (benchmarks/bench_versions.py compares
+    # torch releases from them): medians in ms, ratios, checks.
+    rows = [{"model": r.case.model, "step": r.case.step, "size": r.case.size, "ok": r.ok,
+             "median_ms": {k: t.median * 1e3 for k, t in r.times.items()},
+             "x_faster_than_inductor": r.times["inductor"].median / r.times["wformat"].median,
+             "x_faster_than_eager": r.times["eager"].median / r.times["wformat"].median,
+             "first_call_s": r.first_call_s, "rewrites": r.rewrites} for r in results]
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "command": command,
+                   "rows": rows}, f, indent=1)
     if plot_file:
         png = os.path.join(out, "bench.png")
         msg = plot(results, png)

@@ -110,6 +110,11 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
         config = wformat_config(compiler_fn)
         if config is not None and not config.dry_run:  # explain() files nothing
             note_seen(module, path)
+        if _dynamo.packed_sequence_capture_crashes() and _dynamo.frame_holds(torch.nn.utils.rnn.PackedSequence):
+            # This torch crashes later in such a frame once the RNN is in the
+            # graph: leave it to a graph break, as without wfpass. The record
+            # ``note_seen`` filed (never replaced by a graph's) says so.
+            return False
         return wanted
 
     _dynamo.install_rnn_capture(policy)
