@@ -1,4 +1,4 @@
-"""torch.distributed's private API (torch 2.13.0): the modules FSDP2
+"""torch.distributed's private API (torch 2.11.0-2.15.0): the modules FSDP2
 (``fully_shard``) manages and the DistributedDataParallel whose forward is
 running. Imports nothing from wfpass."""
 from __future__ import annotations
@@ -63,10 +63,15 @@ def fsdp2_sharded_of(t: torch.Tensor):
     the forward FSDP puts the sharded ones back, and those are what
     ``model.named_parameters()`` shows. Reads each module's
     ``_get_fsdp_state()._fsdp_param_groups[*].fsdp_params[*]`` and their
-    ``_unsharded_param`` / ``sharded_param`` (private; torch 2.13.0)."""
+    ``_unsharded_param`` / ``sharded_param`` (private; torch 2.13.0-2.15.0;
+    torch 2.11.0 holds one group, ``_fsdp_param_group``)."""
     for m in fsdp2_modules():
         try:
-            groups = m._get_fsdp_state()._fsdp_param_groups
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch 2.11
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
             for g in groups:
                 for fp in g.fsdp_params:
                     if getattr(fp, "_unsharded_param", None) is t:
