@@ -1093,7 +1093,7 @@ def _lstm_without_onednn(monkeypatch, dtype, probe=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_lstm_where_theonednn_cpu_flag_promises_onednn_but_it_has_no_kernel(monkeypatch, dtype):
+def test_half_lstm_where_the_cpu_flag_promises_onednn_but_it_has_no_kernel(monkeypatch, dtype):
     """On a Xeon with avx512_fp16, ``_is_mkldnn_fp16_supported()`` is True
     and oneDNN still creates no f16 LSTM ("could not create a primitive
     descriptor"): the probe finds out, the LSTM takes ATen's kernels as in
