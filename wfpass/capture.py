@@ -81,8 +81,20 @@ def _closed_over_backend(fn):
     return None
 
 
-def _on_cpu(module: torch.nn.Module) -> bool:
-    return all(p.device.type == "cpu" for p in module.parameters())
+def _uncapturable_off_cpu(module: torch.nn.Module) -> str:
+    """Why an RNN stays out of the graph, or "" where it goes in: CPU
+    modules go in; CUDA modules go in as one cuDNN call
+    (``wfpass.rnn.cudnn``), except with dropout between layers in training
+    (cuDNN's dropout state and its RNG are eager PyTorch's business, not yet
+    wfpass's); other devices stay out."""
+    devices = {p.device.type for p in module.parameters()}
+    if devices <= {"cpu"}:
+        return ""
+    if devices != {"cuda"}:
+        return f"parameters on {', '.join(sorted(devices))}"
+    if module.training and getattr(module, "dropout", 0):
+        return "dropout between layers in training on CUDA"
+    return ""
 
 
 def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
@@ -102,14 +114,13 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
             _dynamo.refresh_flat_weight_refs(module)
         except Exception:  # never break a trace over this: capture it unnamed
             return wanted
-        if not _on_cpu(module):
-            # Off the CPU the RNN graph-breaks and runs eagerly, as without
-            # wfpass: PyTorch's cuDNN path keeps its own flat weight buffer,
-            # and wfpass's ATen lowering of RNNs is checked on the CPU only.
-            return False
+        why = _uncapturable_off_cpu(module)
         config = wformat_config(compiler_fn)
         if config is not None and not config.dry_run:  # explain() files nothing
-            note_seen(module, path)
+            note_seen(module, path, why)
+        if why:
+            # Left to a graph break: it runs eagerly, as without wfpass.
+            return False
         if _dynamo.packed_sequence_capture_crashes() and _dynamo.frame_holds(torch.nn.utils.rnn.PackedSequence):
             # This torch crashes later in such a frame once the RNN is in the
             # graph: leave it to a graph break, as without wfpass. The record

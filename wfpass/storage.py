@@ -34,6 +34,14 @@ __all__ = [
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor that keeps its values in its own storage: ``torch.Tensor``,
+    ``nn.Parameter``, or a fake tensor standing in for one (a model built
+    under ``FakeTensorMode``, traced without a device)."""
+    cls = type(t)
+    return cls in _PLAIN or cls is _tensors.fake_tensor_type()
+
+
 def _loaded(module: str, attr: str):
     """``module.attr`` if ``module`` is already imported, else None. No such
     object can exist before its module is imported, so the checks below cost
@@ -75,7 +83,7 @@ def unmovable(t: torch.Tensor, name: str) -> Optional[str]:
     then reported ``skipped`` with this reason.
     """
     cls = type(t)
-    if cls not in _PLAIN:
+    if not _plain(t):
         dtensor = _loaded("torch.distributed.tensor", "DTensor")
         if dtensor is not None and isinstance(t, dtensor):
             placements = ", ".join(map(repr, getattr(t, "placements", ()) or ()))
@@ -94,7 +102,7 @@ def _storage_parts(t: torch.Tensor) -> List[torch.Tensor]:
     """The plain tensors whose storage ``t`` reads: ``t`` itself, or the
     inner tensors of a wrapper subclass (``__tensor_flatten__``: a DTensor's
     local shard). Empty where that cannot be told."""
-    if type(t) in _PLAIN:
+    if _plain(t):
         return [t]
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None:
@@ -123,13 +131,13 @@ def byte_extent(t: torch.Tensor) -> Tuple[int, int]:
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True if ``a`` and ``b`` can read or write the same bytes (the data_ptr check the forum thread asks for).
     A wrapper subclass (DTensor) is compared through the tensors it wraps."""
-    if type(a) not in _PLAIN or type(b) not in _PLAIN:
+    if not _plain(a) or not _plain(b):
         return any(_overlaps_plain(x, y) for x in _storage_parts(a) for y in _storage_parts(b))
     return _overlaps_plain(a, b)
 
 
 def _overlaps_plain(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    if a.device != b.device or _tensors.storage_ptr(a) != _tensors.storage_ptr(b):
         return False
     a0, a1 = byte_extent(a)
     b0, b1 = byte_extent(b)
@@ -248,7 +256,7 @@ def live_layouts() -> int:
 
 def fused_storage_of(t: torch.Tensor) -> Optional[FusedStorage]:
     """The intact layout ``t`` belongs to, if any."""
-    if type(t) not in _PLAIN:
+    if not _plain(t):
         return None  # wfpass never fuses a subclass (``unmovable``)
     fs = layout_of(t)
     if fs is not None and fs.intact():
@@ -270,7 +278,10 @@ def fuse(kind: str, names: Sequence[str], members: Sequence[torch.Tensor], offse
 
 def _copy_into_block(members: Sequence[torch.Tensor], offsets: Sequence[int], numel: int) -> torch.Tensor:
     first = members[0]
-    block = torch.zeros(numel, dtype=first.dtype, device=first.device)
+    # ``new_zeros`` of a member: a real block for real members; for fake
+    # members (a model traced on fake CUDA, no GPU) a fake one, made by the
+    # members' own fake mode even where that mode is not active.
+    block = first.new_zeros((numel,))
     with torch.no_grad():
         for m, off in zip(members, offsets):
             view = block[off : off + m.numel()].view(m.shape)
@@ -315,12 +326,12 @@ def restore_tensor(t: torch.Tensor) -> bool:
     undo = _UNDO.pop(t, None)
     if undo is not None:
         undo(t)
-    if type(t) not in _PLAIN:
+    if not _plain(t):
         return undo is not None  # never fused (``unmovable``); a DTensor has no storage of its own
     fs = layout_of(t)
     if fs is None:
         return undo is not None
-    if fs.block is not None and t.untyped_storage().data_ptr() == fs.block.untyped_storage().data_ptr():
+    if fs.block is not None and _tensors.storage_ptr(t) == _tensors.storage_ptr(fs.block):
         with torch.no_grad():
             t.data = t.data.clone(memory_format=torch.contiguous_format)
     fs.release(t)
@@ -346,10 +357,10 @@ def sharing_problem(t: torch.Tensor, name: str, others: Sequence[Tuple[str, torc
         if overlaps(t, o):
             return f"{name} shares storage with {oname} (tied weights); moving it would untie them"
     uses = _tensors.storage_use_count(t)
-    ptr = t.untyped_storage().data_ptr()
-    expected = 1 + sum(1 for a in allowed if a is not t and type(a) in _PLAIN and a.untyped_storage().data_ptr() == ptr)
+    ptr = _tensors.storage_ptr(t)
+    expected = 1 + sum(1 for a in allowed if a is not t and _plain(a) and _tensors.storage_ptr(a) == ptr)
     own = layout_of(t)
-    if own is not None and own.block is not None and own.block.untyped_storage().data_ptr() == ptr:
+    if own is not None and own.block is not None and _tensors.storage_ptr(own.block) == ptr:
         expected += 1  # the layout's own reference to its block
     if uses is not None and uses > expected:
         return f"{name}'s storage is also held by {uses - expected} other tensor(s) outside this graph; moving it would untie them"

@@ -65,7 +65,26 @@ get_mkldnn_enabled = torch._C._get_mkldnn_enabled
 set_mkldnn_enabled = torch._C._set_mkldnn_enabled
 
 
-_CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}
+#: cuDNN's RNN mode numbers, as ``aten._cudnn_rnn`` takes them.
+CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}
+_CUDNN_MODES = CUDNN_MODES
+
+#: cuDNN's multi-layer RNN and its backward, the ops eager ``nn.LSTM`` /
+#: ``GRU`` / ``RNN`` reach on CUDA (``aten._cudnn_rnn`` /
+#: ``aten._cudnn_rnn_backward``, private ATen ops; schemas checked on torch
+#: 2.11.0 and 2.15.0). ``_cudnn_rnn`` has a meta kernel (reserve size 0);
+#: ``_cudnn_rnn_backward`` has none.
+cudnn_rnn = torch.ops.aten._cudnn_rnn.default
+cudnn_rnn_backward = torch.ops.aten._cudnn_rnn_backward.default
+
+
+def cudnn_flatten(weights, weights_per_layer: int, input_size: int, mode: int, hidden_size: int, proj_size: int,
+                  num_layers: int, bidirectional: bool) -> torch.Tensor:
+    """cuDNN's flat buffer for ``weights``, which it ``set_``s to views of it
+    (``torch._cudnn_rnn_flatten_weight``, private; torch 2.11.0-2.15.0):
+    pass copies."""
+    return torch._cudnn_rnn_flatten_weight(weights, weights_per_layer, input_size, mode, hidden_size, proj_size,
+                                           num_layers, False, bidirectional)
 
 
 def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: str, hidden_size: int,
@@ -77,7 +96,13 @@ def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: st
     buffer in the layout of the installed cuDNN and ``set_``s its inputs to
     views of it; it runs on clones so the model is not touched, and
     ``storage.fuse`` then moves the real parameters to the same offsets."""
-    if not weights or not weights[0].is_cuda or not torch.backends.cudnn.is_acceptable(weights[0]):
+    if not weights or not weights[0].is_cuda or not torch.cuda.is_available():
+        # No GPU to ask (a model traced on fake CUDA tensors): the caller
+        # lays the weights out one after another, in the order of the list,
+        # the layout cuDNN gives these RNNs (checked on the GPU by
+        # tests/test_cudnn.py::test_the_layout_without_a_gpu_is_cudnns).
+        return None
+    if not torch.backends.cudnn.is_acceptable(weights[0]):
         return None
     if not torch._use_cudnn_rnn_flatten_weight():
         return None

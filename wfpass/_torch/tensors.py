@@ -37,3 +37,26 @@ def version(t: torch.Tensor) -> int:
     """The in-place write counter of ``t`` (``Tensor._version``, private;
     torch 2.13.0)."""
     return t._version
+
+
+def fake_tensor_type() -> type:
+    """The class of tensors made under ``FakeTensorMode``
+    (``torch._subclasses.fake_tensor.FakeTensor``, private; torch
+    2.11.0-2.15.0). A model built inside that mode (``device="cuda"`` on a
+    machine without a GPU) holds them as its parameters: stand-ins for plain
+    tensors, with shapes, strides and storages of their own, which is all a
+    format's move needs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """What tells ``t``'s storage from another's: its data pointer, or for a
+    fake tensor (whose data pointer is 0 for every storage) the address of
+    its storage object (``untyped_storage()._cdata``, private; torch
+    2.11.0-2.15.0)."""
+    st = t.untyped_storage()
+    if type(t) is fake_tensor_type():
+        return st._cdata
+    return st.data_ptr()

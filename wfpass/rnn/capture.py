@@ -52,15 +52,17 @@ def unname_errors(module: nn.Module) -> bool:
     return False
 
 
-def note_seen(module: nn.RNNBase, path: str) -> None:
+def note_seen(module: nn.RNNBase, path: str, why: str = "") -> None:
     """File a provisional record for an RNN Dynamo is about to inline for a
     wformat backend. If the call reaches a graph, the pass's own record
     replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
     on ``pack_padded_sequence`` and again inside ``forward``, and no backend
-    is called for that code), ``wfpass.report(model)`` still says so."""
+    is called for that code), ``wfpass.report(model)`` still says so.
+    ``why``: wfpass itself left the call out of the graph, for this reason."""
     own = flat_weight_names(module)  # public attributes: subclasses of nn.LSTM too
     names = [f"{path}.{n}" if path else n for n in own]
     label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
-    note_provisional(
-        "rnn", f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
-        "input, or a graph break inside the RNN): it runs eagerly, unchanged", names, [getattr(module, n) for n in own])
+    reason = (f"{label}: left out of the compiled graph ({why}): it runs eagerly, unchanged" if why else
+              f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
+              "input, or a graph break inside the RNN): it runs eagerly, unchanged")
+    note_provisional("rnn", reason, names, [getattr(module, n) for n in own])

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from .._torch import kernels as _kernels
 from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
 from . import native_layer  # registers wfpass::rnn_layer, which native_path calls
+from .cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
 __all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "no_onednn_reason",
@@ -207,6 +208,8 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
     in a dtype oneDNN does not take)."""
     if steps is not None and steps <= threshold:
         return "loop"
+    if x.device.type == "cuda":
+        return "cudnn"
     if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
         return "mkldnn"
     if x.device.type == "cpu" and spec.mode in native_layer.MODES:
@@ -256,11 +259,14 @@ class RnnForward:
         spec = self.spec
         p = spec.dropout
         ws, has_b = weights, spec.has_biases
-        if self.path not in ("mkldnn", "native") and any(h is None for h in hx):
+        if self.path not in ("mkldnn", "native", "cudnn") and any(h is None for h in hx):
             # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
         need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
-        if self.path == "mkldnn":
+        if self.path == "cudnn":
+            # Dropout between layers in training never comes here (wfpass.capture).
+            out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad)
+        elif self.path == "mkldnn":
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
         elif self.path == "native":
             out, hy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad)

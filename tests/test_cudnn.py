@@ -1,0 +1,255 @@
+"""RNNs on CUDA inside the compiled graph, as one cuDNN call each
+(``wfpass/rnn/cudnn.py``), checked without a GPU.
+
+A CUDA build of torch (the CPU build refuses CUDA tensors, fake or not)
+lets a model be built with ``device="cuda"`` inside ``FakeTensorMode``:
+Dynamo captures it, wfpass rewrites it, and the graph that reaches the inner
+compiler is read here. Autograd on fake CUDA tensors needs a GPU ("hasPrimaryContext
+expects a valid device index"), so the joint forward/backward trace runs on
+fake CPU tensors of the same shapes through the same rewritten graph. Tests
+marked ``gpu`` need a real one and skip without it.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+
+import wfpass
+from wfpass._torch import kernels
+from wfpass.rnn import cudnn
+from wfpass.rnn.paths import RnnForward
+from wfpass.storage import fused_storage_of
+
+CUDA_BUILD = torch.version.cuda is not None
+needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="needs a CUDA build of torch (fake CUDA tensors)")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+VARIANTS = {
+    "lstm-2layer": (nn.LSTM, dict(num_layers=2)),
+    "lstm-bi-batch_first": (nn.LSTM, dict(bidirectional=True, batch_first=True)),
+    "lstm-proj": (nn.LSTM, dict(proj_size=4)),
+    "lstm-nobias": (nn.LSTM, dict(bias=False)),
+    "gru-2layer-bi": (nn.GRU, dict(num_layers=2, bidirectional=True)),
+    "rnn-tanh": (nn.RNN, dict()),
+    "rnn-relu-2layer": (nn.RNN, dict(num_layers=2, nonlinearity="relu")),
+}
+I, H, T, B = 8, 16, 5, 3
+
+
+class Net(nn.Module):
+    """An RNN between two linears, with a residual that reads its input twice."""
+
+    def __init__(self, cls, device=None, **kw):
+        super().__init__()
+        self.inp = nn.Linear(I, I, device=device)
+        self.rnn = cls(I, H, device=device, **kw)
+        out = (kw.get("proj_size") or H) * (2 if kw.get("bidirectional") else 1)
+        self.out = nn.Linear(out, I, device=device)
+
+    def forward(self, x):
+        y = self.inp(x)
+        h = self.rnn(y + x)[0]
+        return self.out(h) + y
+
+
+class Keep:
+    """An inner compiler that keeps the rewritten graphs and runs nothing."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def _input(kw, device):
+    return torch.randn((B, T, I) if kw.get("batch_first") else (T, B, I), device=device)
+
+
+def _capture(variant, train=False):
+    cls, kw = VARIANTS[variant]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw).train(train)
+        x = _input(kw, "cuda")
+        with torch.set_grad_enabled(train):
+            torch.compile(model, backend=wfpass.backend(inner=keep))(x)
+    return model, keep
+
+
+def _rnn_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, RnnForward)]
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_captured_on_fake_cuda_as_one_cudnn_call_with_the_flat_buffer(variant):
+    model, keep = _capture(variant)
+    assert len(keep.graphs) == 1, "a graph break: the RNN was not captured"
+    gm = keep.graphs[0]
+    calls = _rnn_calls(gm)
+    assert len(calls) == 1 and calls[0].target.path == "cudnn", gm.graph
+    # No per-step cell ops and no eager RNN entry point left in the graph.
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}, targets
+    (rec,) = wfpass.report(model).find("rnn")
+    assert rec.action == "rewritten" and "moved into one flat block" in rec.reason, rec.reason
+    assert set(rec.detail["paths"].values()) == {"cudnn"}
+    # The model's Parameters are the same objects, views of one block.
+    ws = [getattr(model.rnn, n) for n in model.rnn._flat_weights_names]
+    assert all(isinstance(w, nn.Parameter) for w in ws)
+    layouts = [fused_storage_of(w) for w in ws]
+    assert all(fs is not None for fs in layouts) and len({id(fs) for fs in layouts}) == 1
+
+
+@needs_cuda_build
+def test_training_dropout_on_cuda_is_left_to_a_graph_break_with_the_reason():
+    keep = Keep()
+    with _fake_mode():
+        model = Net(nn.LSTM, device="cuda", num_layers=2, dropout=0.3).train()
+        try:
+            torch.compile(model, backend=wfpass.backend(inner=keep))(_input({}, "cuda"))
+        except Exception as e:  # noqa: BLE001
+            # The RNN then runs eagerly, and eager cuDNN dropout needs a GPU
+            # (its dropout state has no fake kernel): expected without one.
+            if torch.cuda.is_available() or "CUDA" not in str(e) and "driver" not in str(e):
+                raise
+    assert all(not _rnn_calls(g) for g in keep.graphs)  # (torch 2.11 runs the whole frame eagerly: no graph)
+    (rec,) = wfpass.report(model).find("rnn")
+    assert rec.action == "skipped" and "dropout between layers in training on CUDA" in rec.reason, rec.reason
+
+
+def _cpu_twin_inputs(gm, example):
+    """Fake CPU tensors of the same shapes and strides as the graph's inputs."""
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").normal_() for t in example]
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("variant", ["lstm-2layer", "gru-2layer-bi", "lstm-proj", "lstm-bi-batch_first"])
+def test_joint_trace_holds_the_op_forward_and_its_backward(variant):
+    """AOTAutograd's joint trace of the rewritten graph: the forward graph
+    calls the cuDNN op once, the backward graph its backward op once, and no
+    per-step ops appear in either."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    cls, kw = VARIANTS[variant]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw).train()
+        torch.compile(model, backend=wfpass.backend(inner=keep))(_input(kw, "cuda"))
+    gm = keep.graphs[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example = [n.meta["example_value"] for n in placeholders]
+    graphs = {}
+
+    def fw(g, _):
+        graphs["fw"] = g
+        return make_boxed_func(g.forward)
+
+    def bw(g, _):
+        graphs["bw"] = g
+        return make_boxed_func(g.forward)
+
+    with _fake_mode():
+        args = [a.requires_grad_(ex.requires_grad) for a, ex in zip(_cpu_twin_inputs(gm, example), example)]
+        outs = aot_function(gm, fw_compiler=fw, bw_compiler=bw)(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.sum() for o in outs if o.requires_grad).backward()
+
+    def count(g, op):
+        return sum(1 for n in g.graph.nodes if n.op == "call_function" and n.target is op)
+
+    assert count(graphs["fw"], torch.ops.wfpass.cudnn_rnn.default) == 1, graphs["fw"].graph
+    assert count(graphs["bw"], torch.ops.wfpass.cudnn_rnn_backward.default) == 1, graphs["bw"].graph
+    for g in graphs.values():
+        names = {str(n.target) for n in g.graph.nodes if n.op == "call_function"}
+        assert not any("lstm" in s or "gru" in s or "rnn_tanh" in s for s in names), names
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_op_outputs_have_the_shapes_and_strides_of_atens_cudnn_rnn(variant):
+    """The op's fake against ``aten._cudnn_rnn``'s own meta kernel, time-major
+    (the op never runs batch-first: a transpose in the graph does)."""
+    cls, kw = VARIANTS[variant]
+    with _fake_mode():
+        m = cls(I, H, device="cuda", **{k: v for k, v in kw.items() if k != "batch_first"})
+        ws = list(m._flat_weights)
+        x = torch.randn(T, B, I, device="cuda")
+        D = 2 if m.bidirectional else 1
+        out_h = m.proj_size or H
+        hx = torch.zeros(m.num_layers * D, B, out_h, device="cuda")
+        cx = torch.zeros(m.num_layers * D, B, H, device="cuda") if cls is nn.LSTM else None
+        mode = kernels.CUDNN_MODES[m.mode]
+        per = len(ws) // (m.num_layers * D)
+        ref = kernels.cudnn_rnn(x, ws, per, None, hx, cx, mode, H, m.proj_size, m.num_layers, False, 0.0, False,
+                                m.bidirectional, [], None)
+        got = torch.ops.wfpass.cudnn_rnn_fw(x, ws, hx, cx, mode, H, m.proj_size, m.num_layers, False,
+                                            m.bidirectional, [])
+    for i in (0, 1) + ((2,) if cls is nn.LSTM else ()):
+        assert got[i].shape == ref[i].shape and got[i].stride() == ref[i].stride(), (i, got[i].shape, ref[i].shape)
+        assert got[i].device.type == "cuda" and got[i].dtype == ref[i].dtype
+
+
+def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():
+    block = torch.zeros(40)
+    a, b, c = block[0:12].view(3, 4), block[12:20].view(2, 4), block[20:24]
+    buf = cudnn.flat_buffer([a, b, c], [0, 12, 20])
+    assert buf is not None and buf.numel() == 24 and buf.data_ptr() == block.data_ptr()
+    assert cudnn.flat_buffer([a, b, c], [0, 12, 21]) is None  # a weight not where cuDNN reads it
+    assert cudnn.flat_buffer([a, b.clone(), c], [0, 12, 20]) is None  # another storage
+    assert cudnn.flat_buffer([a, block[12:20].view(4, 2).t(), c], [0, 12, 20]) is None  # not contiguous
+
+
+# -- on a GPU ---------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_equal_to_eager_cudnn_forward_and_backward_on_a_gpu(variant):
+    cls, kw = VARIANTS[variant]
+    torch.manual_seed(0)
+    model = Net(cls, device="cuda", **kw).train()
+    ref = copy.deepcopy(model)
+    x = _input(kw, "cuda")
+    out = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(x)
+    expected = ref(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    R = torch.randn_like(out)
+    (out * R).sum().backward()
+    (expected * R).sum().backward()
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale, n
+    assert set(wfpass.report(model).find("rnn")[0].detail["paths"].values()) == {"cudnn"}
+
+
+@gpu
+def test_the_layout_without_a_gpu_is_cudnns():
+    """Without a GPU wfpass lays the weights out one after another in the
+    order of the list; on a GPU it asks cuDNN. They must agree, or a model
+    traced on fake CUDA describes a buffer cuDNN would read wrongly."""
+    for variant, (cls, kw) in VARIANTS.items():
+        m = cls(I, H, device="cuda", **{k: v for k, v in kw.items() if k != "batch_first"})
+        ws = list(m._flat_weights)
+        D = 2 if m.bidirectional else 1
+        per = len(ws) // (m.num_layers * D)
+        got = kernels.cudnn_flat_layout(ws, per, I, m.mode, H, m.proj_size, m.num_layers, False, m.bidirectional)
+        assert got is not None, variant
+        offsets, acc = [], 0
+        for w in ws:
+            offsets.append(acc)
+            acc += w.numel()
+        assert list(got[0]) == offsets, variant

@@ -1,0 +1,263 @@
+"""The ``wfpass::cudnn_rnn`` op: cuDNN's multi-layer RNN, read from the
+model's flat weight buffer, as an op AOTAutograd traces on fake tensors and
+trains through, and Inductor calls as one extern kernel.
+
+Graph after ``fuse_rnn`` for a 2-layer ``nn.LSTM`` on CUDA (Dynamo flavour)::
+
+    out, h_n, c_n = rnn_cudnn(x, [h0, c0], w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, w_ih_l1, ...)
+
+and after AOTAutograd, in the forward and backward graphs::
+
+    out, hy, cy, reserve = wfpass.cudnn_rnn_fw(x, [w_ih_l0, ...], h0, c0, 2, 256, 0, 2, False, True, [offsets])
+    dx, dhx, dcx, dw = wfpass.cudnn_rnn_backward(x, [w_ih_l0, ...], h0, c0, out, g_out, g_hy, g_cy, reserve, ...)
+
+Why an op of wfpass's and not ``aten._cudnn_rnn`` itself (whose autograd
+formula is ``_cudnn_rnn_backward``):
+
+* ``aten._cudnn_rnn_backward`` has no fake kernel (torch 2.11.0-2.15.0), so
+  AOTAutograd cannot trace a training graph through ATen's formula; this
+  op's backward is an op with a fake kernel.
+* ``aten._cudnn_rnn``'s meta kernel gives a reserve of 0 bytes and, for
+  ``batch_first``, a contiguous output where the real kernel returns a
+  transposed one: Inductor would assert on both. This op always runs
+  time-major (``batch_first`` is a transpose in the graph, outside the op)
+  and its fake measures the reserve once per shape on the GPU
+  (``reserve_numel``), or says 0 where there is no GPU (graphs traced on
+  fake CUDA tensors, which never run).
+* The flat buffer cuDNN reads (``weight_buf``) is found by the op itself:
+  the weights are views of one block in cuDNN's layout (``offsets``, from
+  ``_cudnn_rnn_flatten_weight`` on the GPU), put there once by the format.
+  Where they are not (the layout was lost), the op flattens copies, as
+  eager PyTorch does, and the result is the same.
+
+Dropout between layers is not taken here: ``wfpass.capture`` leaves an RNN
+with dropout in training mode on CUDA to a graph break.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .._torch import aot as _aot, kernels as _kernels
+
+__all__ = ["reserve_numel", "flat_buffer", "cudnn_call"]
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
+            "int num_layers, bool train, bool bidirectional, int[] offsets")
+_LIB.define(f"cudnn_rnn({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define(f"cudnn_rnn_fw({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")  # no autograd kernel (aot twin)
+_LIB.define(
+    "cudnn_rnn_backward(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
+    "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
+    "bool bidirectional, int[] offsets, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _weights_per_layer(n_weights: int, num_layers: int, bidirectional: bool) -> int:
+    return n_weights // (num_layers * (2 if bidirectional else 1))
+
+
+def _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional):
+    """``hx``/``cx`` with a zero state for each None (cuDNN needs both
+    tensors for an LSTM, ``hx`` for the others)."""
+    lb = num_layers * (2 if bidirectional else 1)
+    B = input.shape[1]
+    if hx is None:
+        hx = input.new_zeros((lb, B, proj_size or hidden_size))
+    if cx is None and mode == _kernels.CUDNN_MODES["LSTM"]:
+        cx = input.new_zeros((lb, B, hidden_size))
+    return hx, cx
+
+
+def flat_buffer(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> Optional[torch.Tensor]:
+    """The 1-D buffer the weights are views of, when each sits at its offset
+    in cuDNN's layout (``offsets``: element offsets from the buffer's start),
+    contiguous and in one storage; else None."""
+    if not weights or len(offsets) != len(weights):
+        return None
+    w0 = weights[0]
+    ptr = w0.untyped_storage().data_ptr()
+    base = w0.storage_offset() - offsets[0]
+    end = 0
+    for w, off in zip(weights, offsets):
+        if (w.untyped_storage().data_ptr() != ptr or not w.is_contiguous() or w.dtype != w0.dtype
+                or w.storage_offset() - base != off):
+            return None
+        end = max(end, off + w.numel())
+    if base < 0:
+        return None
+    return w0.new_empty(0).set_(w0.untyped_storage(), base, (end,))
+
+
+def _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input_size):
+    """``flat_buffer``, or a flattened copy of the weights where they are not
+    in the layout (what eager PyTorch does then, with its warning)."""
+    buf = flat_buffer(weights, offsets)
+    if buf is not None:
+        return buf, list(weights)
+    per = _weights_per_layer(len(weights), num_layers, bidirectional)
+    clones = [w.detach().clone() for w in weights]
+    buf = _kernels.cudnn_flatten(clones, per, input_size, mode, hidden_size, proj_size, num_layers, bidirectional)
+    return buf, clones
+
+
+def _cudnn_rnn(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets):
+    hx, cx = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
+    per = _weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    out, hy, cy, reserve, _ = _kernels.cudnn_rnn(input, ws, per, buf, hx, cx, mode, hidden_size, proj_size,
+                                                 num_layers, False, 0.0, train, bidirectional, [], None)
+    if cy is None or mode != _kernels.CUDNN_MODES["LSTM"]:
+        cy = input.new_empty(0)
+    if not train:
+        reserve = input.new_empty(0, dtype=torch.uint8)
+    return out, hy, cy, reserve
+
+
+_RESERVE: Dict[tuple, int] = {}
+
+
+def reserve_numel(T: int, B: int, I: int, mode: int, hidden_size: int, proj_size: int, num_layers: int,
+                  bidirectional: bool, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of cuDNN's training reserve for this shape: cuDNN's business, so
+    measured once per shape on the GPU, on zeros, and cached; 0 where no GPU
+    can run it (a graph traced on fake CUDA tensors, never run)."""
+    key = (T, B, I, mode, hidden_size, proj_size, num_layers, bidirectional, dtype, str(device))
+    n = _RESERVE.get(key)
+    if n is None:
+        n = 0
+        if torch.cuda.is_available():
+            with _aot.outside_fake_mode(), torch.no_grad():
+                D = 2 if bidirectional else 1
+                gates = {0: 1, 1: 1, 2: 4, 3: 3}[mode]
+                out_h = proj_size or hidden_size
+                ws = []
+                for layer in range(num_layers):
+                    for _ in range(D):
+                        in_size = I if layer == 0 else out_h * D
+                        ws += [torch.zeros(gates * hidden_size, in_size, dtype=dtype, device=device),
+                               torch.zeros(gates * hidden_size, out_h, dtype=dtype, device=device),
+                               torch.zeros(gates * hidden_size, dtype=dtype, device=device),
+                               torch.zeros(gates * hidden_size, dtype=dtype, device=device)]
+                        if proj_size:
+                            ws.append(torch.zeros(proj_size, hidden_size, dtype=dtype, device=device))
+                x = torch.zeros(T, B, I, dtype=dtype, device=device)
+                n = int(_cudnn_rnn(x, ws, None, None, mode, hidden_size, proj_size, num_layers, True, bidirectional,
+                                   [])[3].numel())
+        _RESERVE[key] = n
+    return n
+
+
+def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets):
+    T, B = input.shape[0], input.shape[1]
+    D = 2 if bidirectional else 1
+    out_h = proj_size or hidden_size
+    out = input.new_empty((T, B, D * out_h))
+    hy = input.new_empty((num_layers * D, B, out_h))
+    cy = input.new_empty((num_layers * D, B, hidden_size)) if mode == _kernels.CUDNN_MODES["LSTM"] else input.new_empty(0)
+    n = 0
+    if train:
+        if all(isinstance(d, int) for d in input.shape):
+            n = reserve_numel(T, B, int(input.shape[2]), mode, hidden_size, proj_size, num_layers, bidirectional,
+                              input.dtype, input.device)
+        else:  # a symbolic T or batch: a size known once the op has run
+            n = torch.library.get_ctx().new_dynamic_size()
+    return out, hy, cy, input.new_empty((n,), dtype=torch.uint8)
+
+
+def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
+                        proj_size, num_layers, bidirectional, offsets, output_mask):
+    hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
+    per = _weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    if grad_output is None:
+        grad_output = torch.zeros_like(output)
+    dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
+        input, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
+        num_layers, False, 0.0, True, bidirectional, [], None, reserve, list(output_mask))
+    # One flat gradient for all weights, in the order of ``weights``: the
+    # op's outputs may not alias each other, and cuDNN's per-weight
+    # gradients are views of one buffer. Where they lie in that buffer one
+    # after another (cuDNN's layout usually is), the buffer is the answer.
+    total = sum(w.numel() for w in weights)
+    flat = None
+    if dw and all(g is not None for g in dw):
+        ptr = dw[0].untyped_storage().data_ptr()
+        pos = dw[0].storage_offset()
+        ok = True
+        for g in dw:
+            if g.untyped_storage().data_ptr() != ptr or g.storage_offset() != pos or not g.is_contiguous():
+                ok = False
+                break
+            pos += g.numel()
+        if ok:
+            flat = dw[0].new_empty(0).set_(dw[0].untyped_storage(), dw[0].storage_offset(), (total,))
+        else:
+            flat = torch.cat([g.reshape(-1) for g in dw])
+    if flat is None:
+        flat = input.new_zeros((total,))
+    dx = dx if dx is not None and dx.numel() else torch.zeros_like(input)
+    dhx = dhx if dhx is not None and dhx.numel() else torch.zeros_like(hx0)
+    dcx = dcx if dcx is not None and dcx.numel() else (torch.zeros_like(cx0) if cx0 is not None else input.new_empty(0))
+    return dx, dhx, dcx, flat
+
+
+def _cudnn_rnn_backward_fake(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
+                             hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask):
+    hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
+    total = sum(w.numel() for w in weights)
+    dcx = torch.empty_like(cx0) if cx0 is not None else input.new_empty(0)
+    return torch.empty_like(input), torch.empty_like(hx0), dcx, input.new_empty((total,))
+
+
+for _name in ("cudnn_rnn", "cudnn_rnn_fw"):
+    _LIB.impl(_name, _cudnn_rnn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"wfpass::{_name}", _cudnn_rnn_fake, lib=_LIB)
+_LIB.impl("cudnn_rnn_backward", _cudnn_rnn_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::cudnn_rnn_backward", _cudnn_rnn_backward_fake, lib=_LIB)
+
+
+def _setup(ctx, inputs, output):
+    input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets = inputs
+    out, hy, cy, reserve = output
+    ctx.save_for_backward(input, hx, cx, out, reserve, *weights)
+    ctx.static = (mode, hidden_size, proj_size, num_layers, train, bidirectional, list(offsets), len(weights))
+    ctx.needs = (ctx.needs_input_grad[0], hx is not None and ctx.needs_input_grad[2],
+                 cx is not None and ctx.needs_input_grad[3], ctx.needs_input_grad[1])
+    ctx.set_materialize_grads(False)
+
+
+def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
+    input, hx, cx, out, reserve, *weights = ctx.saved_tensors
+    mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets, _ = ctx.static
+    if not train:
+        raise RuntimeError("wfpass: a cuDNN RNN call run without grad was differentiated")
+    if mode != _kernels.CUDNN_MODES["LSTM"]:
+        g_cy = None
+    dx, dhx, dcx, flat = torch.ops.wfpass.cudnn_rnn_backward.default(
+        input, weights, hx, cx, out, g_out, g_hy, g_cy, reserve, mode, hidden_size, proj_size, num_layers,
+        bidirectional, offsets, [True, True, mode == _kernels.CUDNN_MODES["LSTM"], True])
+    dws: List[torch.Tensor] = [g.view(w.shape) for g, w in zip(flat.split([w.numel() for w in weights]), weights)]
+    return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None,
+            None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("wfpass::cudnn_rnn", _grad, setup_context=_setup, lib=_LIB)
+_aot.register_twin(torch.ops.wfpass.cudnn_rnn.default, torch.ops.wfpass.cudnn_rnn_fw.default)
+
+
+def cudnn_call(spec, x, hx, ws, need_grad: bool):
+    """One RNN call on cuDNN: ``(out, h_n, c_n)`` (``c_n`` None but for an
+    LSTM). ``x`` as the module takes it (``batch_first`` or not); the op
+    runs time-major, so a batch-first input is transposed around it."""
+    mode = _kernels.CUDNN_MODES[spec.mode]
+    xt = x.transpose(0, 1) if spec.batch_first else x
+    h = hx[0] if hx else None
+    c = hx[1] if spec.mode == "LSTM" and len(hx) > 1 else None
+    op = torch.ops.wfpass.cudnn_rnn.default if need_grad else torch.ops.wfpass.cudnn_rnn_fw.default
+    out, hy, cy, _ = op(xt.contiguous(), list(ws), h, c, mode, spec.hidden_size, spec.proj_size, spec.num_layers,
+                        bool(need_grad), spec.bidirectional, list(spec.offsets))
+    if spec.batch_first:
+        out = out.transpose(0, 1)
+    return out, hy, (cy if spec.mode == "LSTM" else None)
