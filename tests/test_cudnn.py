@@ -38,6 +38,8 @@ VARIANTS = {
     "rnn-relu-2layer": (nn.RNN, dict(num_layers=2, nonlinearity="relu")),
 }
 I, H, T, B = 8, 16, 5, 3
+#: The option that puts RNNs on CUDA into the graph (default: left to cuDNN eagerly).
+CUDNN = {"cuda": "cudnn"}
 
 
 class Net(nn.Module):
@@ -85,8 +87,20 @@ def _capture(variant, train=False):
         model = Net(cls, device="cuda", **kw).train(train)
         x = _input(kw, "cuda")
         with torch.set_grad_enabled(train):
-            torch.compile(model, backend=wfpass.backend(inner=keep))(x)
+            torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
     return model, keep
+
+
+def _run_where_eager_parts_need_a_gpu(fn, x):
+    """``fn(x)`` where a part left to eager PyTorch (an RNN Dynamo graph-broke
+    on) may need a real GPU: on fake CUDA tensors eager cuDNN reaches the
+    driver. That failure is expected without a GPU; the graphs and records
+    made before it are what these tests read."""
+    try:
+        fn(x)
+    except Exception as e:  # noqa: BLE001
+        if torch.cuda.is_available() or ("CUDA" not in str(e) and "driver" not in str(e)):
+            raise
 
 
 def _rnn_calls(gm):
@@ -115,17 +129,30 @@ def test_captured_on_fake_cuda_as_one_cudnn_call_with_the_flat_buffer(variant):
 
 
 @needs_cuda_build
+def test_by_default_an_rnn_on_cuda_is_left_to_pytorchs_cudnn_path_and_the_report_says_so():
+    keep = Keep()
+    with _fake_mode():
+        model = Net(nn.LSTM, device="cuda").eval()
+        x = _input({}, "cuda")
+        with torch.no_grad():
+            _run_where_eager_parts_need_a_gpu(torch.compile(model, backend=wfpass.backend(inner=keep)), x)
+    assert all(not _rnn_calls(g) for g in keep.graphs)
+    (rec,) = wfpass.report(model).find("rnn")
+    assert rec.action == "skipped" and "rnn={'cuda': 'cudnn'}" in rec.reason, rec.reason
+
+
+def test_the_cuda_option_is_checked():
+    with pytest.raises(ValueError, match="rnn.cuda"):
+        wfpass.backend(rnn={"cuda": "cuDNN"})
+
+
+@needs_cuda_build
 def test_training_dropout_on_cuda_is_left_to_a_graph_break_with_the_reason():
     keep = Keep()
     with _fake_mode():
         model = Net(nn.LSTM, device="cuda", num_layers=2, dropout=0.3).train()
-        try:
-            torch.compile(model, backend=wfpass.backend(inner=keep))(_input({}, "cuda"))
-        except Exception as e:  # noqa: BLE001
-            # The RNN then runs eagerly, and eager cuDNN dropout needs a GPU
-            # (its dropout state has no fake kernel): expected without one.
-            if torch.cuda.is_available() or "CUDA" not in str(e) and "driver" not in str(e):
-                raise
+        _run_where_eager_parts_need_a_gpu(torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN)),
+                                          _input({}, "cuda"))
     assert all(not _rnn_calls(g) for g in keep.graphs)  # (torch 2.11 runs the whole frame eagerly: no graph)
     (rec,) = wfpass.report(model).find("rnn")
     assert rec.action == "skipped" and "dropout between layers in training on CUDA" in rec.reason, rec.reason
@@ -148,7 +175,7 @@ def test_joint_trace_holds_the_op_forward_and_its_backward(variant):
     keep = Keep()
     with _fake_mode():
         model = Net(cls, device="cuda", **kw).train()
-        torch.compile(model, backend=wfpass.backend(inner=keep))(_input(kw, "cuda"))
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
     gm = keep.graphs[0]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = [n.meta["example_value"] for n in placeholders]
@@ -224,7 +251,7 @@ def test_equal_to_eager_cudnn_forward_and_backward_on_a_gpu(variant):
     model = Net(cls, device="cuda", **kw).train()
     ref = copy.deepcopy(model)
     x = _input(kw, "cuda")
-    out = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(x)
+    out = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=CUDNN))(x)
     expected = ref(x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     R = torch.randn_like(out)

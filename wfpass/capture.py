@@ -81,17 +81,19 @@ def _closed_over_backend(fn):
     return None
 
 
-def _uncapturable_off_cpu(module: torch.nn.Module) -> str:
+def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> str:
     """Why an RNN stays out of the graph, or "" where it goes in: CPU
     modules go in; CUDA modules go in as one cuDNN call
-    (``wfpass.rnn.cudnn``), except with dropout between layers in training
-    (cuDNN's dropout state and its RNG are eager PyTorch's business, not yet
-    wfpass's); other devices stay out."""
+    (``wfpass.rnn.cudnn``) where ``rnn.cuda="cudnn"``, except with dropout
+    between layers in training (cuDNN's dropout state and its RNG are eager
+    PyTorch's business, not yet wfpass's); other devices stay out."""
     devices = {p.device.type for p in module.parameters()}
     if devices <= {"cpu"}:
         return ""
     if devices != {"cuda"}:
         return f"parameters on {', '.join(sorted(devices))}"
+    if config is None or config.rnn.cuda != "cudnn":
+        return "on CUDA PyTorch's cuDNN path runs it, as without wfpass (rnn={'cuda': 'cudnn'} puts it in the graph)"
     if module.training and getattr(module, "dropout", 0):
         return "dropout between layers in training on CUDA"
     return ""
@@ -114,8 +116,8 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
             _dynamo.refresh_flat_weight_refs(module)
         except Exception:  # never break a trace over this: capture it unnamed
             return wanted
-        why = _uncapturable_off_cpu(module)
         config = wformat_config(compiler_fn)
+        why = _uncapturable_off_cpu(module, config)
         if config is not None and not config.dry_run:  # explain() files nothing
             note_seen(module, path, why)
         if why:

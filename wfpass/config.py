@@ -44,6 +44,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 #: How the RNN format's unfused path runs where it is called eagerly
 #: (``wfpass.apply`` graphs, the ``seq_threshold="auto"`` measurement).
 UNFUSED_IMPLS = ("auto", "loop")
+CUDA_RNN_PATHS = ("eager", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +60,22 @@ class RnnOptions:
     auto_lengths:  the sequence lengths ``seq_threshold="auto"`` times, in
                    increasing order; it stops after the fused kernel wins at
                    two lengths in a row.
+    cuda:          RNNs on CUDA: ``"eager"`` (default) leaves them to a
+                   graph break, and PyTorch's own cuDNN path runs them, as
+                   without wfpass; ``"cudnn"`` puts each into the compiled
+                   graph as one cuDNN call reading the flat block (checked
+                   on fake CUDA tensors, not yet measured on a GPU).
     """
 
     unfused_impl: str = "auto"
     auto_lengths: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    cuda: str = "eager"
 
     def __post_init__(self) -> None:
         if self.unfused_impl not in UNFUSED_IMPLS:
             raise ValueError(f"wfpass option 'rnn.unfused_impl' must be one of {UNFUSED_IMPLS}, got {self.unfused_impl!r}")
+        if self.cuda not in CUDA_RNN_PATHS:
+            raise ValueError(f"wfpass option 'rnn.cuda' must be one of {CUDA_RNN_PATHS}, got {self.cuda!r}")
         lengths = self.auto_lengths
         if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (tuple, list)):
             raise TypeError(f"wfpass option 'rnn.auto_lengths' must be a tuple of ints, got {lengths!r}")
