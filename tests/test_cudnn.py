@@ -280,3 +280,35 @@ def test_the_layout_without_a_gpu_is_cudnns():
             offsets.append(acc)
             acc += w.numel()
         assert list(got[0]) == offsets, variant
+
+
+class CellLoop(nn.Module):
+    """A Python loop of cell steps, two layers, outputs stacked."""
+
+    def __init__(self, cell, device=None):
+        super().__init__()
+        self.c1, self.c2 = cell(I, H, device=device), cell(H, H, device=device)
+
+    def forward(self, x):
+        s1 = s2 = None
+        outs = []
+        for t in range(x.shape[0]):
+            s1 = self.c1(x[t]) if s1 is None else self.c1(x[t], s1)
+            h1 = s1[0] if isinstance(s1, tuple) else s1
+            s2 = self.c2(h1) if s2 is None else self.c2(h1, s2)
+            outs.append(s2[0] if isinstance(s2, tuple) else s2)
+        return torch.stack(outs)
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])
+def test_a_folded_cell_loop_on_fake_cuda_becomes_the_same_cudnn_call(cell):
+    keep = Keep()
+    with _fake_mode():
+        model = CellLoop(cell, device="cuda")
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(torch.randn(T, B, I, device="cuda"))
+    assert len(keep.graphs) == 1
+    calls = _rnn_calls(keep.graphs[0])
+    assert [c.target.path for c in calls] == ["cudnn"], keep.graphs[0].graph
+    targets = {n.target for n in keep.graphs[0].graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell}, targets

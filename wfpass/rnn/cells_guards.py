@@ -56,9 +56,13 @@ def loop_problem(ctx: PassContext, layers: List[Chain], dep: set) -> Optional[st
         return f"weights are {w0.dtype}, not floating point"
     if len({(r.tensor.dtype, r.tensor.device) for ch in layers for r in ch.first.refs}) != 1:
         return "weights differ in dtype or device"
-    if w0.device.type != "cpu":
-        # As for whole RNNs: PyTorch's cuDNN path runs them; the format is CPU-first.
-        return f"weights on {w0.device.type}: cell loops are folded on the CPU only"
+    if w0.device.type == "cuda" and ctx.config.rnn.cuda == "cudnn":
+        pass  # folded into the same cuDNN call as a whole RNN on CUDA (rnn/cudnn.py)
+    elif w0.device.type == "cuda":
+        return ("weights on cuda: cell loops on CUDA are folded only with rnn={'cuda': 'cudnn'} "
+                "(one cuDNN call); left as they are")
+    elif w0.device.type != "cpu":
+        return f"weights on {w0.device.type}: cell loops are folded on the CPU and CUDA only"
     n = _fold_threshold(ctx, w0.device)
     if T <= n:
         return f"{T} step(s) <= seq_threshold {n}: the cells are already the unfused path"

@@ -208,7 +208,7 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
     in a dtype oneDNN does not take)."""
     if steps is not None and steps <= threshold:
         return "loop"
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and spec.options.cuda == "cudnn":
         return "cudnn"
     if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
         return "mkldnn"
