@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,3 +34,17 @@ def test_pass_time_benchmark_runs_and_checks_the_tree_it_imported(tmp_path):
     assert row.rstrip(" |").endswith("1"), row  # the loop was folded: one rewritten row
     with pytest.raises(SystemExit, match="imported wfpass from"):
         mod.main(["--trees", str(tmp_path), "--models", "cell_loop", "--rounds", "1", "--reps", "1"])
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake CUDA tensors)")
+def test_gpu_benchmark_check_compiles_every_model_to_the_expected_graph():
+    """``bench_gpu.py --check``: what a GPU session will measure compiles, on
+    fake CUDA, to one graph per model with each RNN one cuDNN call."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--check"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every model compiles to the expected graph" in out.stdout
+    assert out.stdout.count("ok   ") == 10, out.stdout
