@@ -306,9 +306,74 @@ def test_a_folded_cell_loop_on_fake_cuda_becomes_the_same_cudnn_call(cell):
     keep = Keep()
     with _fake_mode():
         model = CellLoop(cell, device="cuda")
-        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(torch.randn(T, B, I, device="cuda"))
+        x = torch.randn(T, B, I, device="cuda")
+        try:
+            model.c1(x[0])  # does this torch trace the cell on fake CUDA without a GPU?
+        except RuntimeError as e:
+            if torch.cuda.is_available():
+                raise
+            pytest.skip(f"torch {torch.__version__} runs {cell.__name__} on fake CUDA only with a GPU: "
+                        f"{str(e).splitlines()[0][:100]}")
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
     assert len(keep.graphs) == 1
     calls = _rnn_calls(keep.graphs[0])
     assert [c.target.path for c in calls] == ["cudnn"], keep.graphs[0].graph
     targets = {n.target for n in keep.graphs[0].graph.nodes if n.op == "call_function"}
     assert not targets & {torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell}, targets
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rnns_on_fake_cuda_are_one_cudnn_call_in_their_dtype(dtype):
+    keep = Keep()
+    with _fake_mode():
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # .to(dtype) cannot swap fake parameters
+        try:
+            model = Net(nn.LSTM, device="cuda", num_layers=2)
+        finally:
+            torch.set_default_dtype(prev)
+        x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
+        with torch.no_grad():
+            got = torch.ops.wfpass.cudnn_rnn_fw(x, list(model.rnn._flat_weights), None, None, 2, H, 0, 2, False,
+                                                False, [])
+    (call,) = _rnn_calls(keep.graphs[0])
+    assert call.target.path == "cudnn"
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+
+
+class QKVBatchNorm(nn.Module):
+    """Sibling linears reading one input, then a BatchNorm, in bf16."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return self.bn(self.q(x) * torch.sigmoid(self.k(x)) + self.v(x)) + x
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("train", [False, True])
+def test_linear_and_batchnorm_formats_on_fake_cuda(train):
+    keep = Keep()
+    with _fake_mode():
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = QKVBatchNorm().train(train)
+        finally:
+            torch.set_default_dtype(prev)
+        x = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16)
+        with torch.set_grad_enabled(train):
+            torch.compile(model, backend=wfpass.backend(inner=keep))(x)
+    assert len(keep.graphs) == 1
+    rep = wfpass.report(model)
+    (lin,) = rep.find("linear", "rewritten")
+    assert set(lin.params) == {f"{m}.{p}" for m in "qkv" for p in ("weight", "bias")}
+    (bn,) = rep.find("batchnorm", "rewritten")
+    assert model.bn.running_var.dtype == torch.float32 and model.bn.weight.dtype == torch.float32
+    assert model.q.weight.device.type == "cuda"
