@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench_models import Decoder, RnnLM
+from wfpass.bench_models import CellLoop, Decoder, RnnLM
 
 CUDNN = {"cuda": "cudnn"}
 
@@ -51,23 +51,6 @@ class SpeechEncoder(nn.Module):
     def forward(self, x):
         h = self.conv(x).transpose(1, 2)
         return self.proj(self.norm(self.rnn(h)[0]))
-
-
-class CellLoopLM(nn.Module):
-    """A Python loop of ``nn.LSTMCell`` steps; input [T, batch, features]."""
-
-    def __init__(self, features: int = 128, hidden: int = 256):
-        super().__init__()
-        self.cell = nn.LSTMCell(features, hidden)
-        self.out = nn.Linear(hidden, features)
-
-    def forward(self, x):
-        state = None
-        outs = []
-        for t in range(x.shape[0]):
-            state = self.cell(x[t]) if state is None else self.cell(x[t], state)
-            outs.append(state[0])
-        return self.out(torch.stack(outs))
 
 
 class CRNN(nn.Module):
@@ -119,7 +102,7 @@ def _model(name: str) -> nn.Module:
     if name == "speech encoder":
         return SpeechEncoder()
     if name == "LSTMCell loop":
-        return CellLoopLM()
+        return nn.Sequential(CellLoop(128, 256), nn.Linear(256, 128))
     if name == "CRNN bf16":
         return _in_dtype(torch.bfloat16, CRNN)
     if name == "decoder bf16":

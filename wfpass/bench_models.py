@@ -83,6 +83,23 @@ def hand_fused_decoder(src: Decoder) -> Decoder:
     return out
 
 
+class CellLoop(nn.Module):
+    """``nn.LSTMCell`` stepped over the sequence ([T, batch, features]) in a
+    Python loop, the outputs stacked."""
+
+    def __init__(self, inp: int = 64, hidden: int = 128):
+        super().__init__()
+        self.cell = nn.LSTMCell(inp, hidden)
+
+    def forward(self, x):
+        state = None
+        outs = []
+        for t in range(x.shape[0]):
+            state = self.cell(x[t]) if state is None else self.cell(x[t], state)
+            outs.append(state[0])
+        return torch.stack(outs)
+
+
 class RnnLM(nn.Module):
     """Embedding -> LSTM -> Linear over the vocabulary; input [T, batch]."""
 

@@ -48,22 +48,6 @@ def _ratio(base, wf, baseline: str) -> str:
     return f"{r:.2f}x faster than {baseline}" if r >= 1 else f"{r:.2f}x faster than {baseline}, i.e. slower"
 
 
-class _CellLoop(nn.Module):
-    """``nn.LSTMCell`` stepped over the sequence in a Python loop."""
-
-    def __init__(self, inp: int = 64, hidden: int = 128):
-        super().__init__()
-        self.cell = nn.LSTMCell(inp, hidden)
-
-    def forward(self, x):
-        state = None
-        outs = []
-        for t in range(x.shape[0]):
-            state = self.cell(x[t]) if state is None else self.cell(x[t], state)
-            outs.append(state[0])
-        return torch.stack(outs)
-
-
 def _grad_error(model: nn.Module, ref: nn.Module) -> float:
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
     scale = max(q.abs().max().item() for _, q in grads)
@@ -71,11 +55,12 @@ def _grad_error(model: nn.Module, ref: nn.Module) -> float:
 
 
 def _cell_loop(rounds: int, progress) -> bool:
+    from .bench_models import CellLoop
     from .bench_timing import interleaved
 
     print("1. A Python loop of nn.LSTMCell(64, 128) steps, T = 64, batch 4, training step")
     torch.manual_seed(0)
-    loop = _CellLoop()
+    loop = CellLoop()
     eager = copy.deepcopy(loop)
     compiled = torch.compile(loop, backend="wformat")
     x, R = torch.randn(64, 4, 64), torch.randn(64, 4, 128)
