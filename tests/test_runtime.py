@@ -421,9 +421,9 @@ def test_in_graph_write_to_a_folded_batchnorm_is_seen():
 
 
 def test_rnn_off_the_cpu_is_left_to_pytorch():
-    """An RNN whose parameters are not on the CPU (here the meta device, a
-    stand-in for CUDA that runs anywhere) is not captured: it graph-breaks
-    and runs eagerly, as under torch.compile without wfpass."""
+    """An RNN whose parameters are neither on the CPU nor on CUDA (here the
+    meta device) is not captured: it graph-breaks and runs eagerly, as under
+    torch.compile without wfpass, and its report row says why."""
     model = nn.Sequential(nn.LSTM(4, 8)).to("meta")
     seen = []
     be = wfpass.backend(inner="eager")
@@ -435,7 +435,9 @@ def test_rnn_off_the_cpu_is_left_to_pytorch():
     out = torch.compile(model, backend=spy)(torch.randn(5, 2, 4, device="meta"))
     assert out[0].shape == (5, 2, 8)
     assert not any(n.target in (torch.lstm,) or "rnn" in str(n.target) for g in seen for n in g.graph.nodes)
-    assert not wfpass.report(model).find("rnn")
+    # Its row says so, as every decision is in the report.
+    (rec,) = wfpass.report(model).find("rnn")
+    assert rec.action == "skipped" and "left out of the compiled graph (parameters on meta)" in rec.reason, rec.reason
 
 
 def test_in_graph_write_to_an_fp32_batchnorm_is_seen():
