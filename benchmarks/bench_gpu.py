@@ -9,8 +9,8 @@ under eager PyTorch, ``torch.compile``'s default, Inductor with
 ``--check`` needs no GPU: every model of the tables is built on fake CUDA
 tensors (``FakeTensorMode``, ``device="cuda"``) and compiled with wformat,
 and the graph that reaches the inner compiler is checked: one graph, each
-RNN one cuDNN call, the expected rewrites in the report. Run it before a
-GPU session so the GPU's time goes to measuring.
+RNN one cuDNN call, the expected rewrites in the report. Run it before
+measuring on a GPU, so the GPU's time goes to measuring.
 
 Without ``--check`` it measures, on the GPU, each variant in its own copy
 of the model with a forward of its own (Dynamo's cache is per code
