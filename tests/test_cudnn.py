@@ -69,6 +69,17 @@ class Keep:
         return gm.forward
 
 
+def _built_in(dtype, build):
+    """``build()`` with ``dtype`` as the default (``.to(dtype)`` cannot swap
+    the parameters of a model built on fake tensors)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(prev)
+
+
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -327,12 +338,7 @@ def test_a_folded_cell_loop_on_fake_cuda_becomes_the_same_cudnn_call(cell):
 def test_half_precision_rnns_on_fake_cuda_are_one_cudnn_call_in_their_dtype(dtype):
     keep = Keep()
     with _fake_mode():
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # .to(dtype) cannot swap fake parameters
-        try:
-            model = Net(nn.LSTM, device="cuda", num_layers=2)
-        finally:
-            torch.set_default_dtype(prev)
+        model = _built_in(dtype, lambda: Net(nn.LSTM, device="cuda", num_layers=2))
         x = torch.randn(T, B, I, device="cuda", dtype=dtype)
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
         with torch.no_grad():
@@ -360,13 +366,8 @@ class QKVBatchNorm(nn.Module):
 def test_linear_and_batchnorm_formats_on_fake_cuda(train):
     keep = Keep()
     with _fake_mode():
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                model = QKVBatchNorm().train(train)
-        finally:
-            torch.set_default_dtype(prev)
+        with torch.device("cuda"):
+            model = _built_in(torch.bfloat16, QKVBatchNorm).train(train)
         x = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16)
         with torch.set_grad_enabled(train):
             torch.compile(model, backend=wfpass.backend(inner=keep))(x)

@@ -67,7 +67,6 @@ set_mkldnn_enabled = torch._C._set_mkldnn_enabled
 
 #: cuDNN's RNN mode numbers, as ``aten._cudnn_rnn`` takes them.
 CUDNN_MODES = {"RNN_RELU": 0, "RNN_TANH": 1, "LSTM": 2, "GRU": 3}
-_CUDNN_MODES = CUDNN_MODES
 
 #: cuDNN's multi-layer RNN and its backward, the ops eager ``nn.LSTM`` /
 #: ``GRU`` / ``RNN`` reach on CUDA (``aten._cudnn_rnn`` /
@@ -109,7 +108,7 @@ def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: st
     with torch.no_grad():
         clones = [w.detach().clone() for w in weights]
         buf = torch._cudnn_rnn_flatten_weight(
-            clones, weights_per_layer, input_size, _CUDNN_MODES[mode], hidden_size, proj_size,
+            clones, weights_per_layer, input_size, CUDNN_MODES[mode], hidden_size, proj_size,
             num_layers, batch_first, bidirectional,
         )
     ptr = buf.untyped_storage().data_ptr()

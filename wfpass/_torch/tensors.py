@@ -2,6 +2,7 @@
 dicts, version counters. Imports nothing from wfpass."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+@functools.lru_cache(maxsize=None)
 def fake_tensor_type() -> type:
     """The class of tensors made under ``FakeTensorMode``
     (``torch._subclasses.fake_tensor.FakeTensor``, private; torch

@@ -223,8 +223,6 @@ def _setup(ctx, inputs, output):
     out, hy, cy, reserve = output
     ctx.save_for_backward(input, hx, cx, out, reserve, *weights)
     ctx.static = (mode, hidden_size, proj_size, num_layers, train, bidirectional, list(offsets), len(weights))
-    ctx.needs = (ctx.needs_input_grad[0], hx is not None and ctx.needs_input_grad[2],
-                 cx is not None and ctx.needs_input_grad[3], ctx.needs_input_grad[1])
     ctx.set_materialize_grads(False)
 
 
