@@ -241,6 +241,96 @@ def test_op_outputs_have_the_shapes_and_strides_of_atens_cudnn_rnn(variant):
         assert got[i].device.type == "cuda" and got[i].dtype == ref[i].dtype
 
 
+class TwoRnns(nn.Module):
+    """An LSTM feeding a GRU, with a residual around the GRU."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.lstm = nn.LSTM(I, H, num_layers=2, device=device)
+        self.gru = nn.GRU(H, H, bidirectional=True, batch_first=True, device=device)
+        self.out = nn.Linear(2 * H, H, device=device)
+
+    def forward(self, x):
+        h = self.lstm(x)[0].transpose(0, 1)
+        return self.out(self.gru(h)[0]) + h
+
+
+def _op_calls(code, op):
+    return code.count(f"torch.ops.wfpass.{op}.default(")
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("variant", ["lstm-2layer", "lstm-bi-batch_first", "gru-2layer-bi", "lstm-proj"])
+def test_inductors_cuda_code_calls_cudnn_once_per_rnn(variant):
+    """Inductor's wrapper code for the inference graph, written for an H100
+    without one (``wfpass._torch.fake_cuda``): the op is one extern call on
+    CUDA buffers, no per-step kernel loop around it."""
+    from wfpass._torch.fake_cuda import inductor_wrapper_code, stopped_after_codegen
+
+    cls, kw = VARIANTS[variant]
+    torch._dynamo.reset()
+    with inductor_wrapper_code() as codes, _fake_mode():
+        model = Net(cls, device="cuda", **kw).eval()
+        with torch.no_grad(), pytest.raises(Exception) as err:
+            torch.compile(model, backend=wfpass.backend(rnn=CUDNN))(_input(kw, "cuda"))
+    assert stopped_after_codegen(err.value), err.value
+    (code,) = codes
+    assert _op_calls(code, "cudnn_rnn_fw") == 1, code
+    assert "device='cuda:0'" in code and "lstm_cell" not in code and "for " not in code.split("def call")[1], code
+
+
+@needs_cuda_build
+def test_inductors_cuda_code_for_two_rnns_has_two_calls():
+    from wfpass._torch.fake_cuda import inductor_wrapper_code
+
+    torch._dynamo.reset()
+    with inductor_wrapper_code() as codes, _fake_mode():
+        model = TwoRnns(device="cuda").eval()
+        with torch.no_grad(), pytest.raises(Exception):
+            torch.compile(model, backend=wfpass.backend(rnn=CUDNN))(torch.randn(T, B, I, device="cuda"))
+    (code,) = codes
+    assert _op_calls(code, "cudnn_rnn_fw") == 2, code
+    assert len(wfpass.report(model).find("rnn")) == 2
+
+
+@needs_cuda_build
+def test_inductor_compiles_the_training_graphs_with_one_forward_and_one_backward_call():
+    """The training step through Inductor: AOTAutograd's forward and
+    backward graphs (traced on fake CPU twins, see the module docstring),
+    each compiled by Inductor to wrapper code that calls the op once."""
+    from functorch.compile import aot_function, make_boxed_func
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    from wfpass._torch.fake_cuda import inductor_wrapper_code, stopped_after_codegen
+
+    cls, kw = VARIANTS["lstm-2layer"]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw).train()
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
+    gm = keep.graphs[0]
+    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def inductor(g, ex):
+        try:
+            compile_fx_inner(g, ex)
+        except Exception as e:  # noqa: BLE001
+            if not stopped_after_codegen(e):
+                raise
+        return make_boxed_func(g.forward)
+
+    with inductor_wrapper_code() as codes, _fake_mode():
+        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
+        outs = aot_function(gm, fw_compiler=inductor, bw_compiler=inductor, decompositions=select_decomp_table())(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.sum() for o in outs if o.requires_grad).backward()
+    assert len(codes) == 2, len(codes)
+    fw_code, bw_code = codes
+    assert _op_calls(fw_code, "cudnn_rnn") + _op_calls(fw_code, "cudnn_rnn_fw") == 1, fw_code
+    assert _op_calls(bw_code, "cudnn_rnn_backward") == 1, bw_code
+
+
 def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():
     block = torch.zeros(40)
     a, b, c = block[0:12].view(3, 4), block[12:20].view(2, 4), block[20:24]
