@@ -80,6 +80,17 @@ def _built_in(dtype, build):
         torch.set_default_dtype(prev)
 
 
+def _cuda_autocast(dtype):
+    """``torch.autocast("cuda", dtype)`` without a GPU: its constructor
+    turns itself off where ``torch.cuda.is_available()`` is False (a
+    warning, no error); on fake CUDA tensors it is wanted on."""
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "is_bf16_supported", lambda *a, **k: True):
+        return torch.autocast("cuda", dtype=dtype)
+
+
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -331,6 +342,91 @@ def test_inductor_compiles_the_training_graphs_with_one_forward_and_one_backward
     assert _op_calls(bw_code, "cudnn_rnn_backward") == 1, bw_code
 
 
+@needs_cuda_build
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["lstm-2layer", "gru-2layer-bi", "lstm-proj"])
+def test_under_cuda_autocast_the_rnn_runs_in_fp16_as_eager_cudnn_does(variant, dtype):
+    """Eager PyTorch runs a cuDNN RNN in fp16 inside any CUDA autocast region
+    (AutocastRNN.cpp): so does the op, reading one fp16 block cast in the
+    graph; the linears around it follow autocast's own rules."""
+    cls, kw = VARIANTS[variant]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw).eval()
+        with torch.no_grad(), _cuda_autocast(dtype):
+            out = torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
+    assert len(keep.graphs) == 1 and len(_rnn_calls(keep.graphs[0])) == 1
+    assert out.dtype == dtype  # the last linear's autocast dtype, fed the fp16 RNN output
+    seen = {}
+
+    def spy(*args):
+        seen["dtypes"] = {args[0].dtype} | {w.dtype for w in args[1]}
+        return real(*args)
+
+    real = torch.ops.wfpass.cudnn_rnn_fw.default
+    spec = _rnn_calls(keep.graphs[0])[0].target.spec
+    with _fake_mode():
+        x = torch.randn(T, B, I, device="cuda", dtype=dtype)
+        ws = [torch.randn(w.shape, device="cuda") for w in model.rnn._flat_weights]
+        hx = [None] * (2 if cls is nn.LSTM else 1)
+        with _cuda_autocast(dtype):
+            x16, hx16, ws16 = cudnn.autocast_half(spec, x, hx, ws)
+        out16 = real(x16, ws16, None, None, kernels.CUDNN_MODES[spec.mode], spec.hidden_size, spec.proj_size,
+                     spec.num_layers, False, spec.bidirectional, list(spec.offsets))
+    assert {x16.dtype, out16[0].dtype} | {w.dtype for w in ws16} == {torch.float16}
+    # One block: each weight at its offset, as the op's flat-buffer check wants.
+    assert cudnn.flat_buffer(ws16, spec.offsets) is not None
+
+
+@needs_cuda_build
+def test_a_dtype_mismatch_fails_when_traced_not_on_the_gpu():
+    with _fake_mode():
+        m = nn.LSTM(I, H, device="cuda")
+        x = torch.randn(T, B, I, device="cuda", dtype=torch.float16)
+        with pytest.raises(RuntimeError, match="one dtype"):
+            torch.ops.wfpass.cudnn_rnn_fw(x, list(m._flat_weights), None, None, kernels.CUDNN_MODES["LSTM"], H, 0,
+                                          1, False, False, [])
+
+
+@needs_cuda_build
+def test_autocast_training_trace_casts_the_weights_once_and_differentiates_through_the_cast():
+    """The joint trace under CUDA autocast (fake CPU twins, as above): the
+    forward graph casts the fp32 weights into one fp16 block for the op; the
+    backward graph calls the backward op and returns fp32 weight gradients."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    cls, kw = VARIANTS["lstm-2layer"]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw).train()
+        with _cuda_autocast(torch.bfloat16):
+            torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
+    gm = keep.graphs[0]
+    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    graphs = {}
+
+    def keep_as(name):
+        def compiler(g, _):
+            graphs[name] = g
+            return make_boxed_func(g.forward)
+        return compiler
+
+    with _fake_mode():
+        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
+        with _cuda_autocast(torch.bfloat16):  # the region the graph was captured in
+            outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+        grads = [a.grad for a in args if a.requires_grad]
+    fw_ops = [n for n in graphs["fw"].graph.nodes if n.op == "call_function"]
+    (op,) = [n for n in fw_ops if n.target is torch.ops.wfpass.cudnn_rnn.default]
+    assert op.meta["val"][0].dtype == torch.float16
+    assert sum(1 for n in fw_ops if n.target is torch.ops.aten.cat.default) == 1
+    bw_ops = [n.target for n in graphs["bw"].graph.nodes if n.op == "call_function"]
+    assert bw_ops.count(torch.ops.wfpass.cudnn_rnn_backward.default) == 1
+    assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
 def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():
     block = torch.zeros(40)
     a, b, c = block[0:12].view(3, 4), block[12:20].view(2, 4), block[20:24]
@@ -362,6 +458,28 @@ def test_equal_to_eager_cudnn_forward_and_backward_on_a_gpu(variant):
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale, n
     assert set(wfpass.report(model).find("rnn")[0].detail["paths"].values()) == {"cudnn"}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["lstm-2layer", "gru-2layer-bi", "lstm-proj"])
+def test_under_autocast_equal_to_eager_cudnn_on_a_gpu(variant, dtype):
+    cls, kw = VARIANTS[variant]
+    torch.manual_seed(0)
+    model = Net(cls, device="cuda", **kw).train()
+    ref = copy.deepcopy(model)
+    x = _input(kw, "cuda")
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=CUDNN))
+    with torch.autocast("cuda", dtype=dtype):
+        out, expected = compiled(x), ref(x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    R = torch.randn_like(out, dtype=torch.float32)
+    (out.float() * R).sum().backward()
+    (expected.float() * R).sum().backward()
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32 and (p.grad - q.grad).abs().max().item() <= 2e-2 * scale, n
 
 
 @gpu

@@ -41,7 +41,7 @@ import torch
 
 from .._torch import aot as _aot, kernels as _kernels
 
-__all__ = ["reserve_numel", "flat_buffer", "cudnn_call"]
+__all__ = ["reserve_numel", "flat_buffer", "autocast_half", "cudnn_call"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
@@ -150,6 +150,12 @@ def reserve_numel(T: int, B: int, I: int, mode: int, hidden_size: int, proj_size
 
 
 def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets):
+    # cuDNN takes one dtype for all: a graph that mixes them (autocast not
+    # applied, a half model fed fp32) fails here, when traced, not on the GPU.
+    for t in (*weights, hx, cx):
+        if t is not None and t.dtype != input.dtype:
+            raise RuntimeError(f"wfpass::cudnn_rnn: the input is {input.dtype} but a weight or state is {t.dtype}; "
+                               f"cuDNN runs an RNN in one dtype")
     T, B = input.shape[0], input.shape[1]
     D = 2 if bidirectional else 1
     out_h = proj_size or hidden_size
@@ -245,10 +251,42 @@ torch.library.register_autograd("wfpass::cudnn_rnn", _grad, setup_context=_setup
 _aot.register_twin(torch.ops.wfpass.cudnn_rnn.default, torch.ops.wfpass.cudnn_rnn_fw.default)
 
 
+def _eligible(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and t.is_floating_point() and t.dtype not in (torch.float64, torch.float16)
+
+
+def autocast_half(spec, x, hx, ws):
+    """What eager PyTorch does to a cuDNN RNN inside a CUDA autocast region
+    (``aten/src/ATen/cudnn/AutocastRNN.cpp``, torch 2.11-2.15): whatever the
+    region's dtype, the RNN runs in **fp16**; input and states are cast, and
+    the weights are cast into one fp16 block in cuDNN's layout, on every
+    call, through autograd (their gradients reach the fp32 Parameters).
+    Here that block is one ``cat`` in the graph (zeros where cuDNN's layout
+    leaves a gap), and the op reads it as its flat buffer. Outside autocast,
+    or for weights already fp16 (or fp64, which autocast leaves alone): the
+    arguments unchanged."""
+    if not torch.is_autocast_enabled("cuda") or not _eligible(ws[0]):
+        return x, hx, ws
+    half = torch.float16
+    pieces, pos = [], 0
+    for w, off in zip(ws, spec.offsets):
+        if off > pos:
+            pieces.append(w.new_zeros((off - pos,), dtype=half))
+        pieces.append(w.reshape(-1).to(half))
+        pos = off + w.numel()
+    block = torch.cat(pieces)
+    ws = [block[off:off + w.numel()].view(w.shape) for w, off in zip(ws, spec.offsets)]
+    x = x.to(half) if _eligible(x) else x
+    hx = [h.to(half) if _eligible(h) else h for h in hx]
+    return x, hx, ws
+
+
 def cudnn_call(spec, x, hx, ws, need_grad: bool):
     """One RNN call on cuDNN: ``(out, h_n, c_n)`` (``c_n`` None but for an
     LSTM). ``x`` as the module takes it (``batch_first`` or not); the op
-    runs time-major, so a batch-first input is transposed around it."""
+    runs time-major, so a batch-first input is transposed around it. Inside
+    CUDA autocast, in fp16 as eager does (``autocast_half``)."""
+    x, hx, ws = autocast_half(spec, x, hx, ws)
     mode = _kernels.CUDNN_MODES[spec.mode]
     xt = x.transpose(0, 1) if spec.batch_first else x
     h = hx[0] if hx else None

@@ -34,24 +34,28 @@ def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
         # A DTensor/FSDP2 weight: not even the fallback op may run on it.
         s.problem = first_unmovable((r.name, r.tensor) for r in s.weights)
     if s.problem is None:
-        s.problem = _weights_problem(s)
+        s.problem = _weights_problem(s, ctx.config)
     if s.problem is None:
         s.spec, s.problem = _build_spec(s, ctx.config)
     return s.problem
 
 
-def _weights_problem(s: RnnCall) -> Optional[str]:
+def _weights_problem(s: RnnCall, config: Config) -> Optional[str]:
     """One floating dtype and device for the weights and the input; no
-    autocast; no weight twice."""
+    autocast, but on cuDNN (which runs it as eager does:
+    ``cudnn.autocast_half``); no weight twice."""
     ws = [r.tensor for r in s.weights]
     if len({(w.dtype, w.device) for w in ws}) != 1:
         return "weights differ in dtype or device"
     if not ws[0].is_floating_point():
         return f"weights are {ws[0].dtype}, not floating point"
+    device = ws[0].device.type
+    on_cudnn_autocast = device == "cuda" and config.rnn.cuda == "cudnn" and torch.is_autocast_enabled("cuda")
     x_val = meta_value(s.x)
-    if isinstance(x_val, torch.Tensor) and (x_val.dtype != ws[0].dtype or x_val.device != ws[0].device):
+    if isinstance(x_val, torch.Tensor) and (x_val.device != ws[0].device or
+                                            (x_val.dtype != ws[0].dtype and not on_cudnn_autocast)):
         return f"input is {x_val.dtype}/{x_val.device}, weights {ws[0].dtype}/{ws[0].device}"
-    if torch.is_autocast_enabled(ws[0].device.type):
+    if torch.is_autocast_enabled(device) and not on_cudnn_autocast:
         return "autocast is enabled: left to the inner compiler"
     if len({id(w) for w in ws}) != len(ws):
         return "the same tensor appears twice among the weights"
