@@ -180,9 +180,12 @@ def test_training_dropout_on_cuda_is_left_to_a_graph_break_with_the_reason():
     assert rec.action == "skipped" and "dropout between layers in training on CUDA" in rec.reason, rec.reason
 
 
-def _cpu_twin_inputs(gm, example):
-    """Fake CPU tensors of the same shapes and strides as the graph's inputs."""
-    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").normal_() for t in example]
+def _cpu_twin_inputs(gm, example, mode=None):
+    """Fake CPU tensors of the same shapes and strides as the graph's inputs
+    (symbolic sizes kept: made in the fake mode that holds them); other
+    inputs (SymInts) as they are."""
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").normal_()
+            if isinstance(t, torch.Tensor) else t for t in example]
 
 
 @needs_cuda_build
@@ -425,6 +428,81 @@ def test_autocast_training_trace_casts_the_weights_once_and_differentiates_throu
     bw_ops = [n.target for n in graphs["bw"].graph.nodes if n.op == "call_function"]
     assert bw_ops.count(torch.ops.wfpass.cudnn_rnn_backward.default) == 1
     assert grads and all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+@needs_cuda_build
+def test_reduce_overhead_puts_the_whole_inference_graph_rnn_included_under_cuda_graphs():
+    """``mode="reduce-overhead"`` reaches Inductor through wformat; Inductor
+    finds nothing in the graph that CUDA graphs cannot hold: no skip, and
+    where it partitions graphs around such ops (torch 2.15), one partition."""
+    from torch._dynamo.utils import counters
+
+    from wfpass._torch.fake_cuda import inductor_wrapper_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_wrapper_code() as codes, _fake_mode():
+        model = Net(nn.LSTM, device="cuda", num_layers=2).eval()
+        compiled = torch.compile(model, backend=wfpass.backend(rnn=CUDNN), mode="reduce-overhead")
+        with torch.no_grad(), pytest.raises(Exception):  # the first call needs the GPU
+            compiled(_input({}, "cuda"))
+    (code,) = codes
+    assert codes.cudagraphs == [True] and _op_calls(code, "cudnn_rnn_fw") == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert "partition_1" not in code
+
+
+@needs_cuda_build
+def test_nothing_keeps_a_static_training_step_out_of_cuda_graphs():
+    """The training graphs (AOTAutograd, fake CPU twins as above) against
+    Inductor's own test for what CUDA graphs cannot hold: nothing."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    from wfpass._torch.fake_cuda import cudagraph_blocker
+
+    keep = Keep()
+    with _fake_mode():
+        model = Net(nn.LSTM, device="cuda", num_layers=2).train()
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input({}, "cuda"))
+    gm = keep.graphs[-1]
+    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    graphs = {}
+
+    def keep_as(name):
+        def compiler(g, _):
+            graphs[name] = g
+            return make_boxed_func(g.forward)
+        return compiler
+
+    with _fake_mode():
+        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
+        outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.sum() for o in outs if o.requires_grad).backward()
+    assert {name: cudagraph_blocker(g) for name, g in graphs.items()} == {"fw": None, "bw": None}
+
+
+def test_with_a_symbolic_length_the_training_reserve_keeps_the_graph_out_of_cuda_graphs():
+    """cuDNN's training reserve has a size only the GPU knows: for a
+    symbolic T or batch the op's fake gives it a size known at run time,
+    and Inductor leaves such a graph out of CUDA graphs (the limit
+    docs/rnn.md states). Inference has no reserve and is not affected."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from wfpass._torch.fake_cuda import cudagraph_blocker
+
+    m = nn.LSTM(I, H)
+    ws = [w.detach() for w in m._flat_weights]
+    mode = kernels.CUDNN_MODES["LSTM"]
+
+    def call(train):
+        def f(x, *ws):
+            return torch.ops.wfpass.cudnn_rnn_fw(x, list(ws), None, None, mode, H, 0, 1, train, False, [])[0]
+        return make_fx(f, tracing_mode="symbolic")(torch.randn(T, B, I), *ws)
+
+    blocker = cudagraph_blocker(call(True))
+    assert blocker is not None and "cudnn_rnn_fw" in blocker, blocker
+    assert cudagraph_blocker(call(False)) is None
 
 
 def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():

@@ -256,3 +256,44 @@ def test_user_format_with_in_bodies_runs_inside_a_checkpointed_region():
                 assert model.c.weight.is_contiguous()
         finally:
             wfpass.unregister_format(fmt.name)
+
+
+def test_torch_compile_mode_and_options_reach_inductor_through_wformat():
+    """``torch.compile(m, backend="wformat", mode=..., options=...)``: torch
+    passes both to the backend; wformat hands them to Inductor as its own
+    entry does, and refuses them where they would be dropped."""
+    from unittest import mock
+
+    from wfpass.compiler import inductor_settings
+
+    assert inductor_settings("inductor", "reduce-overhead")["triton.cudagraphs"] is True
+    assert inductor_settings("inductor", "max-autotune-no-cudagraphs", {"epilogue_fusion": False}) == {
+        **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "epilogue_fusion": False}
+    assert inductor_settings("eager") == {} and inductor_settings("inductor", "default") == {}
+    with pytest.raises(ValueError, match="mode must be one of"):
+        inductor_settings("inductor", "fastest")
+    with pytest.raises(ValueError, match="option 'inner' is 'aot_eager'"):
+        inductor_settings("aot_eager", "reduce-overhead")
+    with pytest.raises(TypeError, match="options must be a dict"):
+        inductor_settings("inductor", None, ["epilogue_fusion"])
+
+    from wfpass import compiler
+
+    seen = []
+    real = compiler._aot.inductor_compile_fx
+
+    def spy(config_patches=None):
+        seen.append(config_patches)
+        return real(config_patches)
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    expected = model(x)
+    torch._dynamo.reset()
+    with mock.patch.object(compiler._aot, "inductor_compile_fx", spy):
+        out = torch.compile(model, backend="wformat", options={"epilogue_fusion": False})(x)
+    torch.testing.assert_close(out, expected)
+    assert seen == [{"epilogue_fusion": False}], seen
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="reach Inductor only"):
+        torch.compile(model, backend=wfpass.backend(inner="aot_eager"), mode="reduce-overhead")(x)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
@@ -79,20 +79,49 @@ def _set_last(report: Report, origin: Any = None, continues: bool = False, call:
     print_at_exit_if_asked(report)  # WFPASS_REPORT=1
 
 
-def _resolve_inner(inner: Any) -> Callable:
+def inductor_settings(inner: Any, mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The Inductor settings ``torch.compile(..., mode=..., options=...)``
+    asks for, as Inductor's own ``torch.compile`` entry applies them
+    (``torch._inductor.list_mode_options``, then ``options``): e.g.
+    ``mode="reduce-overhead"`` is ``{"triton.cudagraphs": True}``. They
+    reach Inductor only: with another inner compiler they are an error,
+    not silently dropped."""
+    if mode in (None, "default") and not options:
+        return {}
+    if inner != "inductor":
+        raise ValueError(f"torch.compile's mode/options reach Inductor only; wfpass option 'inner' is {inner!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"torch.compile's options must be a dict, got {type(options).__name__}")
+    import torch._inductor as inductor
+
+    settings: Dict[str, Any] = {}
+    if mode not in (None, "default"):
+        modes = tuple(inductor.list_mode_options())
+        if mode not in modes:
+            raise ValueError(f"torch.compile mode must be one of {modes}, got {mode!r}")
+        settings.update(inductor.list_mode_options(mode))
+    settings.update(options or {})
+    return settings
+
+
+def _resolve_inner(inner: Any, settings: Optional[Dict[str, Any]] = None) -> Callable:
     if callable(inner):
         return inner
     if inner == "inductor":
-        return _aot.inductor_compile_fx()
+        return _aot.inductor_compile_fx(settings or None)
 
     return _dynamo.lookup_backend(inner)
 
 
-def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    return _compile_with_report(config, gm, example_inputs)[0]
+def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
+    return _compile_with_report(config, gm, example_inputs, **compile_kwargs)[0]
 
 
-def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                         mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None):
+    # torch.compile(backend=..., mode=..., options=...) passes these on to
+    # every backend; checked before any work.
+    settings = inductor_settings(config.inner, mode, options)
     # The graph as Dynamo traced it: the fallback for a call whose parameters
     # cannot be laid out for a group the rewritten graph reads as one block.
     original = _dynamo.clone_dynamo_graph(gm)
@@ -108,7 +137,7 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
         attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in gm.graph.nodes if n.op == "get_attr")
                  if r is not None and r.is_state}
         file_report(report, {**attrs, **{r.name: r.tensor for r in ctx.state_tensors()}})
-    inner = _resolve_inner(config.inner)
+    inner = _resolve_inner(config.inner, settings)
     compiled = inner(gm, ctx.compile_inputs())
     ctx.run_deferred()
     at_call = ctx.take_first_call_moves()
@@ -202,9 +231,11 @@ def backend(**options: Any) -> Callable:
     return fn
 
 
-def wformat(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """The registered ``"wformat"`` backend with default options."""
-    return _compile(_DEFAULT, gm, example_inputs)
+def wformat(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
+    """The registered ``"wformat"`` backend with default options
+    (``compile_kwargs``: ``torch.compile``'s ``mode`` and ``options``, for
+    Inductor: ``inductor_settings``)."""
+    return _compile(_DEFAULT, gm, example_inputs, **compile_kwargs)
 
 
 _DEFAULT = Config()

@@ -37,17 +37,22 @@ def use_twins(gm: torch.fx.GraphModule) -> int:
     return n
 
 
-def inductor_compile_fx():
+def inductor_compile_fx(config_patches: Optional[Dict[str, Any]] = None):
     """Inductor's compiler function (``torch._inductor.compile_fx.compile_fx``,
-    private module; torch 2.13.0), with ``use_twins`` run on every graph
+    private module; torch 2.11.0-2.15.0), with ``use_twins`` run on every graph
     AOTAutograd hands Inductor (``inner_compile``, which compile_fx also
-    uses for the backward graph it compiles later, at the first backward)."""
+    uses for the backward graph it compiles later, at the first backward),
+    and Inductor's settings for this compile (``config_patches``: what
+    ``torch.compile``'s mode/options ask for, as its Inductor entry passes
+    them)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(gm, example_inputs, **kwargs):
         use_twins(gm)
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
+    if config_patches:
+        return functools.partial(compile_fx, inner_compile=inner_compile, config_patches=dict(config_patches))
     return functools.partial(compile_fx, inner_compile=inner_compile)
 
 

@@ -16,8 +16,11 @@ Inductor without one is only where it asks the driver. Inside
 * ``torch.utils._triton.triton_hash_with_backend`` -> a fixed string (a cache
   key only; the real one asks the driver for the current target);
 
-and ``GraphLowering.compile_to_module`` writes the wrapper code and stops
-(``CodegenOnly``) before the Triton kernels would be compiled and loaded.
+and ``GraphLowering.compile_to_module`` writes the wrapper code and returns
+a module whose call stops (``CodegenOnly``): Inductor finishes its
+decisions (CUDA graphs among them), nothing is compiled for or run on a
+GPU. Inductor's and AOTAutograd's caches are off within (a cached graph
+skips the codegen).
 Nothing here is used by wfpass itself.
 """
 from __future__ import annotations
@@ -25,9 +28,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
-__all__ = ["CodegenOnly", "inductor_wrapper_code", "stopped_after_codegen"]
+__all__ = ["CodegenOnly", "WrapperCode", "inductor_wrapper_code", "stopped_after_codegen", "cudagraph_blocker"]
 
 #: An H100 SXM as Inductor's ``DeviceProperties`` describes it.
 _H100 = dict(type="cuda", multi_processor_count=132, cc=90, major=9, regs_per_multiprocessor=65536,
@@ -48,8 +51,33 @@ def stopped_after_codegen(exc: BaseException) -> bool:
 _STOP = "wfpass: Inductor's wrapper code written; no GPU to compile kernels for"
 
 
+class WrapperCode(list):
+    """The wrapper code of each compile, in order; ``cudagraphs[i]``:
+    whether Inductor's CUDA graphs were on for compile ``i``
+    (``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cudagraphs: List[bool] = []
+
+
+def cudagraph_blocker(gm) -> Optional[str]:
+    """What in an AOTAutograd graph would make Inductor leave it out of
+    CUDA graphs (``torch._inductor.utils.get_first_incompatible_cudagraph_node``:
+    an op tagged unsafe for them, or a value whose size is known only at run
+    time), or None."""
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    node = get_first_incompatible_cudagraph_node(gm)
+    return None if node is None else f"{node.target} ({node.meta.get('val')})"
+
+
+def _stop(*args, **kwargs):
+    raise CodegenOnly(_STOP)
+
+
 @contextlib.contextmanager
-def inductor_wrapper_code() -> Iterator[List[str]]:
+def inductor_wrapper_code() -> Iterator[WrapperCode]:
     """Within: every Inductor compile writes its Python wrapper code into
     the yielded list and raises ``CodegenOnly`` (Dynamo reports it as a
     backend failure; the caller expects that)."""
@@ -59,7 +87,9 @@ def inductor_wrapper_code() -> Iterator[List[str]]:
     from torch._inductor.graph import GraphLowering
     from torch._inductor.runtime import hints
 
-    codes: List[str] = []
+    from torch._inductor import config as inductor_config
+
+    codes = WrapperCode()
     props = hints.DeviceProperties  # a NamedTuple (2.11-2.15); a dataclass would do too
     fields = ([f.name for f in dataclasses.fields(props)] if dataclasses.is_dataclass(props)
               else list(props._fields))
@@ -71,7 +101,11 @@ def inductor_wrapper_code() -> Iterator[List[str]]:
         code = self.codegen()
         code = code[0] if isinstance(code, tuple) else code
         codes.append(getattr(code, "value", code))  # 2.15 wraps it in ValueWithLineMap
-        raise CodegenOnly(_STOP)
+        codes.cudagraphs.append(bool(inductor_config.triton.cudagraphs))
+        # A module whose ``call`` stops: Inductor goes on to its decisions
+        # about the compiled graph (CUDA graphs among them) before any call.
+        runner = types.SimpleNamespace(recursively_apply_fns=lambda fns: None, call=_stop)
+        return types.SimpleNamespace(call=_stop, __file__="<wfpass fake cuda>", runner=runner)
 
     cuda_props = types.SimpleNamespace(
         name="NVIDIA H100 80GB HBM3 (wfpass fake)", major=9, minor=0, multi_processor_count=132,
@@ -92,8 +126,13 @@ def inductor_wrapper_code() -> Iterator[List[str]]:
     scheduler.has_triton = lambda *a, **k: True
     triton_utils.triton_hash_with_backend = lambda: "WFPASS-FAKE-CUDA"
     GraphLowering.compile_to_module = compile_to_module
+    import torch._functorch.config as functorch_config
+
+    # Cached graphs would skip the codegen this reads.
+    no_caches = [inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False)]
     try:
-        yield codes
+        with no_caches[0], no_caches[1]:
+            yield codes
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
