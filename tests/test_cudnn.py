@@ -168,16 +168,48 @@ def test_the_cuda_option_is_checked():
         wfpass.backend(rnn={"cuda": "cuDNN"})
 
 
+def _op_nodes(g, *ops):
+    return [n for n in g.graph.nodes if n.op == "call_function" and n.target in ops]
+
+
 @needs_cuda_build
-def test_training_dropout_on_cuda_is_left_to_a_graph_break_with_the_reason():
+@pytest.mark.parametrize("train", [True, False])
+def test_dropout_between_layers_is_cudnns_in_training_and_off_in_eval(train):
+    """Dropout between layers goes to cuDNN with the op (its p in the call)
+    in training, with or without grad, as eager's cuDNN call; in eval the
+    op gets p = 0. The joint trace of a training step holds the op with p
+    and the backward op with the same p."""
+    from functorch.compile import aot_function, make_boxed_func
+
     keep = Keep()
     with _fake_mode():
-        model = Net(nn.LSTM, device="cuda", num_layers=2, dropout=0.3).train()
-        _run_where_eager_parts_need_a_gpu(torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN)),
-                                          _input({}, "cuda"))
-    assert all(not _rnn_calls(g) for g in keep.graphs)  # (torch 2.11 runs the whole frame eagerly: no graph)
+        model = Net(nn.LSTM, device="cuda", num_layers=2, dropout=0.3).train(train)
+        torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input({}, "cuda"))
+    (gm,) = keep.graphs
+    assert len(_rnn_calls(gm)) == 1
     (rec,) = wfpass.report(model).find("rnn")
-    assert rec.action == "skipped" and "dropout between layers in training on CUDA" in rec.reason, rec.reason
+    assert rec.action == "rewritten", rec.reason
+    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    graphs = {}
+
+    def keep_as(name):
+        def compiler(g, _):
+            graphs[name] = g
+            return make_boxed_func(g.forward)
+        return compiler
+
+    with _fake_mode():
+        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
+        outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.sum() for o in outs if o.requires_grad).backward()
+    (fw,) = _op_nodes(graphs["fw"], torch.ops.wfpass.cudnn_rnn.default, torch.ops.wfpass.cudnn_rnn_fw.default)
+    p = fw.args[11]
+    assert p == (0.3 if train else 0.0), fw.args
+    (bw,) = _op_nodes(graphs["bw"], torch.ops.wfpass.cudnn_rnn_backward.default)
+    assert bw.args[16] == p
+    # Random: the compiler may neither merge two calls nor recompute one.
+    assert torch.Tag.nondeterministic_seeded in torch.ops.wfpass.cudnn_rnn.default.tags
 
 
 def _cpu_twin_inputs(gm, example, mode=None):
@@ -249,7 +281,7 @@ def test_op_outputs_have_the_shapes_and_strides_of_atens_cudnn_rnn(variant):
         ref = kernels.cudnn_rnn(x, ws, per, None, hx, cx, mode, H, m.proj_size, m.num_layers, False, 0.0, False,
                                 m.bidirectional, [], None)
         got = torch.ops.wfpass.cudnn_rnn_fw(x, ws, hx, cx, mode, H, m.proj_size, m.num_layers, False,
-                                            m.bidirectional, [])
+                                            m.bidirectional, [], 0.0)
     for i in (0, 1) + ((2,) if cls is nn.LSTM else ()):
         assert got[i].shape == ref[i].shape and got[i].stride() == ref[i].stride(), (i, got[i].shape, ref[i].shape)
         assert got[i].device.type == "cuda" and got[i].dtype == ref[i].dtype
@@ -375,7 +407,7 @@ def test_under_cuda_autocast_the_rnn_runs_in_fp16_as_eager_cudnn_does(variant, d
         with _cuda_autocast(dtype):
             x16, hx16, ws16 = cudnn.autocast_half(spec, x, hx, ws)
         out16 = real(x16, ws16, None, None, kernels.CUDNN_MODES[spec.mode], spec.hidden_size, spec.proj_size,
-                     spec.num_layers, False, spec.bidirectional, list(spec.offsets))
+                     spec.num_layers, False, spec.bidirectional, list(spec.offsets), 0.0)
     assert {x16.dtype, out16[0].dtype} | {w.dtype for w in ws16} == {torch.float16}
     # One block: each weight at its offset, as the op's flat-buffer check wants.
     assert cudnn.flat_buffer(ws16, spec.offsets) is not None
@@ -388,7 +420,7 @@ def test_a_dtype_mismatch_fails_when_traced_not_on_the_gpu():
         x = torch.randn(T, B, I, device="cuda", dtype=torch.float16)
         with pytest.raises(RuntimeError, match="one dtype"):
             torch.ops.wfpass.cudnn_rnn_fw(x, list(m._flat_weights), None, None, kernels.CUDNN_MODES["LSTM"], H, 0,
-                                          1, False, False, [])
+                                          1, False, False, [], 0.0)
 
 
 @needs_cuda_build
@@ -497,7 +529,7 @@ def test_with_a_symbolic_length_the_training_reserve_keeps_the_graph_out_of_cuda
 
     def call(train):
         def f(x, *ws):
-            return torch.ops.wfpass.cudnn_rnn_fw(x, list(ws), None, None, mode, H, 0, 1, train, False, [])[0]
+            return torch.ops.wfpass.cudnn_rnn_fw(x, list(ws), None, None, mode, H, 0, 1, train, False, [], 0.0)[0]
         return make_fx(f, tracing_mode="symbolic")(torch.randn(T, B, I), *ws)
 
     blocker = cudagraph_blocker(call(True))
@@ -558,6 +590,37 @@ def test_under_autocast_equal_to_eager_cudnn_on_a_gpu(variant, dtype):
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32 and (p.grad - q.grad).abs().max().item() <= 2e-2 * scale, n
+
+
+@gpu
+def test_dropout_in_training_on_a_gpu_is_seeded_and_differentiated_right():
+    """Dropout masks are cuDNN's: not eager's draws, so compared by their
+    properties. Reproducible after ``torch.manual_seed``, different from
+    call to call, eval equal to eager; and the gradient is the derivative
+    of the function the forward computed (same seed: the same masks),
+    checked against central differences in float64."""
+    torch.manual_seed(0)
+    model = _built_in(torch.float64, lambda: Net(nn.LSTM, device="cuda", num_layers=3, dropout=0.5)).train()
+    ref = copy.deepcopy(model).eval()
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=CUDNN))
+    x = _input({}, "cuda").double().requires_grad_()
+
+    def run(seed, inp):
+        torch.manual_seed(seed)
+        return compiled(inp)
+
+    a, b, c = run(1, x), run(1, x), run(2, x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(compiled(x), compiled(x))
+    R = torch.randn_like(a)
+    (a * R).sum().backward()
+    d = torch.randn_like(x)
+    eps = 1e-6
+    with torch.no_grad():
+        fd = ((run(1, x + eps * d) * R).sum() - (run(1, x - eps * d) * R).sum()) / (2 * eps)
+    torch.testing.assert_close((x.grad * d).sum(), fd, rtol=1e-4, atol=1e-6)
+    model.eval()
+    torch.testing.assert_close(compiled(x), ref(x), rtol=1e-7, atol=1e-9)
 
 
 @gpu
@@ -629,7 +692,7 @@ def test_half_precision_rnns_on_fake_cuda_are_one_cudnn_call_in_their_dtype(dtyp
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
         with torch.no_grad():
             got = torch.ops.wfpass.cudnn_rnn_fw(x, list(model.rnn._flat_weights), None, None, 2, H, 0, 2, False,
-                                                False, [])
+                                                False, [], 0.0)
     (call,) = _rnn_calls(keep.graphs[0])
     assert call.target.path == "cudnn"
     assert got[0].dtype == dtype and got[1].dtype == dtype

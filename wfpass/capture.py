@@ -84,9 +84,8 @@ def _closed_over_backend(fn):
 def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> str:
     """Why an RNN stays out of the graph, or "" where it goes in: CPU
     modules go in; CUDA modules go in as one cuDNN call
-    (``wfpass.rnn.cudnn``) where ``rnn.cuda="cudnn"``, except with dropout
-    between layers in training (cuDNN's dropout state and its RNG are eager
-    PyTorch's business, not yet wfpass's); other devices stay out."""
+    (``wfpass.rnn.cudnn``) where ``rnn.cuda="cudnn"``; other devices stay
+    out."""
     devices = {p.device.type for p in module.parameters()}
     if devices <= {"cpu"}:
         return ""
@@ -94,8 +93,6 @@ def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> 
         return f"parameters on {', '.join(sorted(devices))}"
     if config is None or config.rnn.cuda != "cudnn":
         return "on CUDA PyTorch's cuDNN path runs it, as without wfpass (rnn={'cuda': 'cudnn'} puts it in the graph)"
-    if module.training and getattr(module, "dropout", 0):
-        return "dropout between layers in training on CUDA"
     return ""
 
 

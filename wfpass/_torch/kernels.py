@@ -77,6 +77,14 @@ cudnn_rnn = torch.ops.aten._cudnn_rnn.default
 cudnn_rnn_backward = torch.ops.aten._cudnn_rnn_backward.default
 
 
+def cudnn_dropout_state(device: torch.device, seed: int) -> torch.Tensor:
+    """cuDNN's dropout RNG state for ``device``, seeded with ``seed``
+    (``torch._cudnn_init_dropout_state``, private; torch 2.11.0-2.15.0):
+    what eager PyTorch keeps one of per device for RNN dropout, and cuDNN
+    advances in place on every call that drops."""
+    return torch._cudnn_init_dropout_state(0.0, True, seed, dtype=torch.uint8, device=device)
+
+
 def cudnn_flatten(weights, weights_per_layer: int, input_size: int, mode: int, hidden_size: int, proj_size: int,
                   num_layers: int, bidirectional: bool) -> torch.Tensor:
     """cuDNN's flat buffer for ``weights``, which it ``set_``s to views of it

@@ -8,7 +8,7 @@ Graph after ``fuse_rnn`` for a 2-layer ``nn.LSTM`` on CUDA (Dynamo flavour)::
 
 and after AOTAutograd, in the forward and backward graphs::
 
-    out, hy, cy, reserve = wfpass.cudnn_rnn_fw(x, [w_ih_l0, ...], h0, c0, 2, 256, 0, 2, False, True, [offsets])
+    out, hy, cy, reserve = wfpass.cudnn_rnn_fw(x, [w_ih_l0, ...], h0, c0, 2, 256, 0, 2, False, True, [offsets], 0.0)
     dx, dhx, dcx, dw = wfpass.cudnn_rnn_backward(x, [w_ih_l0, ...], h0, c0, out, g_out, g_hy, g_cy, reserve, ...)
 
 Why an op of wfpass's and not ``aten._cudnn_rnn`` itself (whose autograd
@@ -30,8 +30,9 @@ formula is ``_cudnn_rnn_backward``):
   Where they are not (the layout was lost), the op flattens copies, as
   eager PyTorch does, and the result is the same.
 
-Dropout between layers is not taken here: ``wfpass.capture`` leaves an RNN
-with dropout in training mode on CUDA to a graph break.
+Dropout between layers in training is cuDNN's, as in eager: the op passes
+``dropout`` with cuDNN's dropout state for the device (``dropout_state``),
+and the masks drawn go into the reserve the backward reads.
 """
 from __future__ import annotations
 
@@ -41,17 +42,22 @@ import torch
 
 from .._torch import aot as _aot, kernels as _kernels
 
-__all__ = ["reserve_numel", "flat_buffer", "autocast_half", "cudnn_call"]
+__all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "cudnn_call"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
-            "int num_layers, bool train, bool bidirectional, int[] offsets")
-_LIB.define(f"cudnn_rnn({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
-_LIB.define(f"cudnn_rnn_fw({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")  # no autograd kernel (aot twin)
+            "int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
+# With dropout between layers the op draws random numbers (cuDNN's own
+# dropout state): tagged so, the compiler neither merges two calls nor
+# recomputes one for the backward (which must see the masks the forward
+# drew: they are in the reserve).
+_RANDOM = (torch.Tag.nondeterministic_seeded,)
+_LIB.define(f"cudnn_rnn({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)", tags=_RANDOM)
+_LIB.define(f"cudnn_rnn_fw({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)", tags=_RANDOM)  # no autograd kernel (aot twin)
 _LIB.define(
     "cudnn_rnn_backward(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
     "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
-    "bool bidirectional, int[] offsets, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)")
+    "bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _weights_per_layer(n_weights: int, num_layers: int, bidirectional: bool) -> int:
@@ -102,12 +108,47 @@ def _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidi
     return buf, clones
 
 
-def _cudnn_rnn(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets):
+#: device -> [the CUDA seed it was made under, the generator's offset last
+#: seen, cuDNN's dropout state].
+_DROPOUT_STATES: Dict[str, list] = {}
+
+
+def dropout_state(device: torch.device) -> torch.Tensor:
+    """cuDNN's dropout state for ``device``, as eager PyTorch keeps one:
+    made on first use from a seed drawn from torch's CUDA generator, then
+    advanced by cuDNN on every call that drops. Made again when that
+    generator was seeded since the last call (its seed changed, or its
+    offset went back: ``torch.manual_seed``), so seeding reproduces the
+    masks from there on, as in eager. Eager's own state is not reachable
+    from Python: the masks are cuDNN's, like eager's, but other draws."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = f"cuda:{index}"
+    gen = torch.cuda.default_generators[index]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    entry = _DROPOUT_STATES.get(key)
+    if entry is None or entry[0] != seed or offset < entry[1]:
+        draw = int(torch.randint(0, 2**62, (1,), generator=gen, device=key).item())  # once, not per call
+        entry = [seed, 0, _kernels.cudnn_dropout_state(torch.device(key), draw)]
+        _DROPOUT_STATES[key] = entry
+    entry[1] = gen.get_offset()
+    return entry[2]
+
+
+def _dropout_args(input, train, dropout):
+    if train and dropout > 0:
+        return float(dropout), dropout_state(input.device)
+    return 0.0, None
+
+
+def _cudnn_rnn(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
+               dropout=0.0):
     hx, cx = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
     per = _weights_per_layer(len(weights), num_layers, bidirectional)
     buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    p, state = _dropout_args(input, train, dropout)
     out, hy, cy, reserve, _ = _kernels.cudnn_rnn(input, ws, per, buf, hx, cx, mode, hidden_size, proj_size,
-                                                 num_layers, False, 0.0, train, bidirectional, [], None)
+                                                 num_layers, False, p, train, bidirectional, [], state)
     if cy is None or mode != _kernels.CUDNN_MODES["LSTM"]:
         cy = input.new_empty(0)
     if not train:
@@ -119,11 +160,11 @@ _RESERVE: Dict[tuple, int] = {}
 
 
 def reserve_numel(T: int, B: int, I: int, mode: int, hidden_size: int, proj_size: int, num_layers: int,
-                  bidirectional: bool, dtype: torch.dtype, device: torch.device) -> int:
+                  bidirectional: bool, dtype: torch.dtype, device: torch.device, dropout: float = 0.0) -> int:
     """Bytes of cuDNN's training reserve for this shape: cuDNN's business, so
     measured once per shape on the GPU, on zeros, and cached; 0 where no GPU
     can run it (a graph traced on fake CUDA tensors, never run)."""
-    key = (T, B, I, mode, hidden_size, proj_size, num_layers, bidirectional, dtype, str(device))
+    key = (T, B, I, mode, hidden_size, proj_size, num_layers, bidirectional, dtype, str(device), dropout > 0)
     n = _RESERVE.get(key)
     if n is None:
         n = 0
@@ -144,12 +185,13 @@ def reserve_numel(T: int, B: int, I: int, mode: int, hidden_size: int, proj_size
                             ws.append(torch.zeros(proj_size, hidden_size, dtype=dtype, device=device))
                 x = torch.zeros(T, B, I, dtype=dtype, device=device)
                 n = int(_cudnn_rnn(x, ws, None, None, mode, hidden_size, proj_size, num_layers, True, bidirectional,
-                                   [])[3].numel())
+                                   [], dropout)[3].numel())
         _RESERVE[key] = n
     return n
 
 
-def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets):
+def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
+                    dropout=0.0):
     # cuDNN takes one dtype for all: a graph that mixes them (autocast not
     # applied, a half model fed fp32) fails here, when traced, not on the GPU.
     for t in (*weights, hx, cx):
@@ -166,22 +208,25 @@ def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_la
     if train:
         if all(isinstance(d, int) for d in input.shape):
             n = reserve_numel(T, B, int(input.shape[2]), mode, hidden_size, proj_size, num_layers, bidirectional,
-                              input.dtype, input.device)
+                              input.dtype, input.device, dropout)
         else:  # a symbolic T or batch: a size known once the op has run
             n = torch.library.get_ctx().new_dynamic_size()
     return out, hy, cy, input.new_empty((n,), dtype=torch.uint8)
 
 
 def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
-                        proj_size, num_layers, bidirectional, offsets, output_mask):
+                        proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
     hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
     per = _weights_per_layer(len(weights), num_layers, bidirectional)
     buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
     if grad_output is None:
         grad_output = torch.zeros_like(output)
+    # The masks the forward drew are in ``reserve``; cuDNN reads the
+    # dropout descriptor (p and a state) to find them.
+    p, state = _dropout_args(input, True, dropout)
     dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
         input, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
-        num_layers, False, 0.0, True, bidirectional, [], None, reserve, list(output_mask))
+        num_layers, False, p, True, bidirectional, [], state, reserve, list(output_mask))
     # One flat gradient for all weights, in the order of ``weights``: the
     # op's outputs may not alias each other, and cuDNN's per-weight
     # gradients are views of one buffer. Where they lie in that buffer one
@@ -210,7 +255,7 @@ def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, gr
 
 
 def _cudnn_rnn_backward_fake(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
-                             hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask):
+                             hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
     hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
     total = sum(w.numel() for w in weights)
     dcx = torch.empty_like(cx0) if cx0 is not None else input.new_empty(0)
@@ -225,26 +270,28 @@ torch.library.register_fake("wfpass::cudnn_rnn_backward", _cudnn_rnn_backward_fa
 
 
 def _setup(ctx, inputs, output):
-    input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets = inputs
+    # ``dropout`` has no default in the schema: torch 2.11's dispatcher
+    # drops a trailing argument equal to its default, and the autograd
+    # wrapper then wants fewer grads than setup_context saw inputs.
+    input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets, dropout = inputs
     out, hy, cy, reserve = output
     ctx.save_for_backward(input, hx, cx, out, reserve, *weights)
-    ctx.static = (mode, hidden_size, proj_size, num_layers, train, bidirectional, list(offsets), len(weights))
+    ctx.static = (mode, hidden_size, proj_size, num_layers, train, bidirectional, list(offsets), dropout)
     ctx.set_materialize_grads(False)
 
 
 def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     input, hx, cx, out, reserve, *weights = ctx.saved_tensors
-    mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets, _ = ctx.static
+    mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets, dropout = ctx.static
     if not train:
         raise RuntimeError("wfpass: a cuDNN RNN call run without grad was differentiated")
     if mode != _kernels.CUDNN_MODES["LSTM"]:
         g_cy = None
     dx, dhx, dcx, flat = torch.ops.wfpass.cudnn_rnn_backward.default(
         input, weights, hx, cx, out, g_out, g_hy, g_cy, reserve, mode, hidden_size, proj_size, num_layers,
-        bidirectional, offsets, [True, True, mode == _kernels.CUDNN_MODES["LSTM"], True])
+        bidirectional, offsets, [True, True, mode == _kernels.CUDNN_MODES["LSTM"], True], dropout)
     dws: List[torch.Tensor] = [g.view(w.shape) for g, w in zip(flat.split([w.numel() for w in weights]), weights)]
-    return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None,
-            None, None, None, None, None, None, None)
+    return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
 torch.library.register_autograd("wfpass::cudnn_rnn", _grad, setup_context=_setup, lib=_LIB)
@@ -281,19 +328,22 @@ def autocast_half(spec, x, hx, ws):
     return x, hx, ws
 
 
-def cudnn_call(spec, x, hx, ws, need_grad: bool):
+def cudnn_call(spec, x, hx, ws, need_grad: bool, training: bool = False):
     """One RNN call on cuDNN: ``(out, h_n, c_n)`` (``c_n`` None but for an
     LSTM). ``x`` as the module takes it (``batch_first`` or not); the op
     runs time-major, so a batch-first input is transposed around it. Inside
-    CUDA autocast, in fp16 as eager does (``autocast_half``)."""
+    CUDA autocast, in fp16 as eager does (``autocast_half``). ``training``:
+    the module's mode; with ``spec.dropout`` it drops between layers, as
+    eager's cuDNN call does, with or without grad."""
     x, hx, ws = autocast_half(spec, x, hx, ws)
     mode = _kernels.CUDNN_MODES[spec.mode]
     xt = x.transpose(0, 1) if spec.batch_first else x
     h = hx[0] if hx else None
     c = hx[1] if spec.mode == "LSTM" and len(hx) > 1 else None
+    dropout = float(spec.dropout) if training and spec.num_layers > 1 else 0.0
     op = torch.ops.wfpass.cudnn_rnn.default if need_grad else torch.ops.wfpass.cudnn_rnn_fw.default
     out, hy, cy, _ = op(xt.contiguous(), list(ws), h, c, mode, spec.hidden_size, spec.proj_size, spec.num_layers,
-                        bool(need_grad), spec.bidirectional, list(spec.offsets))
+                        bool(need_grad or dropout > 0), spec.bidirectional, list(spec.offsets), dropout)
     if spec.batch_first:
         out = out.transpose(0, 1)
     return out, hy, (cy if spec.mode == "LSTM" else None)

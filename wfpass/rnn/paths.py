@@ -264,8 +264,7 @@ class RnnForward:
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
         need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
         if self.path == "cudnn":
-            # Dropout between layers in training never comes here (wfpass.capture).
-            out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad)
+            out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad, self.train)
         elif self.path == "mkldnn":
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
         elif self.path == "native":
