@@ -92,14 +92,12 @@ def inductor_settings(inner: Any, mode: Optional[str] = None, options: Optional[
         raise ValueError(f"torch.compile's mode/options reach Inductor only; wfpass option 'inner' is {inner!r}")
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"torch.compile's options must be a dict, got {type(options).__name__}")
-    import torch._inductor as inductor
-
     settings: Dict[str, Any] = {}
     if mode not in (None, "default"):
-        modes = tuple(inductor.list_mode_options())
+        modes = _aot.inductor_modes()
         if mode not in modes:
-            raise ValueError(f"torch.compile mode must be one of {modes}, got {mode!r}")
-        settings.update(inductor.list_mode_options(mode))
+            raise ValueError(f"torch.compile mode must be one of {tuple(modes)}, got {mode!r}")
+        settings.update(modes[mode])
     settings.update(options or {})
     return settings
 

@@ -56,6 +56,15 @@ def inductor_compile_fx(config_patches: Optional[Dict[str, Any]] = None):
     return functools.partial(compile_fx, inner_compile=inner_compile)
 
 
+def inductor_modes() -> Dict[str, Dict[str, Any]]:
+    """``torch.compile``'s modes and the Inductor settings each sets
+    (``torch._inductor.list_mode_options``, named in ``torch.compile``'s
+    docstring; torch 2.11.0-2.15.0)."""
+    import torch._inductor as inductor
+
+    return {mode: dict(inductor.list_mode_options(mode)) for mode in inductor.list_mode_options()}
+
+
 def disable_compile_caches() -> None:
     """Turn off Inductor's FX-graph cache and AOTAutograd's cache
     (``torch._inductor.config.fx_graph_cache``,
