@@ -12,7 +12,8 @@ and the graph that reaches the inner compiler is checked: one graph, each
 RNN one cuDNN call, the expected rewrites in the report. Run it before
 measuring on a GPU, so the GPU's time goes to measuring.
 
-Without ``--check`` it measures, on the GPU, each variant in its own copy
+Without ``--check`` it first runs the tests that need a GPU
+(``tests/test_cudnn.py``), then measures, on the GPU, each variant in its own copy
 of the model with a forward of its own (Dynamo's cache is per code
 object), rounds interleaved, medians; x faster = baseline time / wformat
 time. Written for torch 2.11 (the GPU machine's); not yet run on a GPU.
@@ -232,6 +233,29 @@ def _step(fn: Callable, x, train: bool, params):
     return run
 
 
+#: The tests that need a real GPU (they skip elsewhere): equality with eager
+#: cuDNN, autocast, dropout, and the layout wfpass assumes without a GPU.
+GPU_TESTS = "on_a_gpu or layout_without_a_gpu"
+
+
+def gpu_tests() -> str:
+    """Run the GPU tests of tests/test_cudnn.py first (a wrong layout or
+    reserve would make every table below wrong); their summary line."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return "GPU tests not run: pytest is not installed here"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cudnn.py",
+                           "-k", GPU_TESTS], cwd=root, capture_output=True, text=True)
+    print(done.stdout[-4000:], done.stderr[-2000:], file=sys.stderr)
+    tail = [line for line in done.stdout.splitlines() if line.strip()]
+    return f"GPU tests (`pytest tests/test_cudnn.py -k \"{GPU_TESTS}\"`): {tail[-1] if tail else done.returncode}"
+
+
 def measure(out_path: str, rounds: int) -> int:
     assert torch.cuda.is_available(), "the tables need a GPU (--check does not)"
     dev = torch.device("cuda")
@@ -239,7 +263,7 @@ def measure(out_path: str, rounds: int) -> int:
     lines = [f"Command: `python benchmarks/bench_gpu.py --out {out_path} --rounds {rounds}`  ",
              f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
              f"{torch.backends.cudnn.version()}; medians of {rounds} interleaved rounds, ms per step; "
-             "x faster = baseline time / wformat time.", ""]
+             "x faster = baseline time / wformat time.", "", gpu_tests(), ""]
     for name in EXPECT:
         Ts = (1, 16, 128, 512) if name in RNN_MODELS else (1, 8)
         for train in (False, True):
