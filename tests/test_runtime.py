@@ -457,3 +457,55 @@ def test_in_graph_write_to_an_fp32_batchnorm_is_seen():
     torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
     (rec,) = wfpass.report(model).find("batchnorm")
     assert rec.action == "skipped" and "mul_" in rec.reason
+
+
+class _Counting:
+    """An inner compiler (aot_eager) that counts the graphs it is given."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        self.n += 1
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+
+def _cnn_bn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))
+
+
+@pytest.mark.parametrize("what", ["decoder", "rnn-lm", "lstm-batch-first", "bf16-batchnorm"])
+def test_a_dynamic_graph_serves_every_size_without_recompiling(what):
+    """wfpass's passes must not turn a symbolic size into a static one: an
+    ``int()`` of a SymInt in a pass adds a guard, and every new size then
+    recompiles (after 8, Dynamo runs the frame eagerly). Called at five
+    sizes after a first one, the model compiles twice (Dynamo's static first
+    graph, then one with the size symbolic), and every output is eager's."""
+    from wfpass.bench_models import Decoder, RnnLM
+
+    torch.manual_seed(0)
+    if what == "decoder":
+        model, make = Decoder(d=64, layers=2, heads=4, kv_heads=2, ffn=96).eval(), (lambda n: torch.randn(1, n, 64))
+    elif what == "rnn-lm":
+        model, make = RnnLM(vocab=50, hidden=32).eval(), (lambda n: torch.randint(0, 50, (n, 2)))
+    elif what == "lstm-batch-first":
+        model = nn.LSTM(8, 16, num_layers=2, batch_first=True).eval()
+        make = lambda n: torch.randn(3, n, 8)  # noqa: E731
+    else:
+        model = _cnn_bn().to(torch.bfloat16).train()
+        model(torch.randn(2, 3, 8, 8, dtype=torch.bfloat16))  # materialize the lazy linear
+        make = lambda n: torch.randn(n, 3, 8, 8, dtype=torch.bfloat16)  # noqa: E731
+    ref = copy.deepcopy(model)
+    inner = _Counting()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=wfpass.backend(inner=inner))
+    with torch.no_grad():
+        for n in (4, 7, 5, 9, 3, 11):
+            x = make(n)
+            got, want = compiled(x), ref(x)
+            got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert inner.n == 2, f"{inner.n} graphs compiled for 6 sizes: a pass specialized the symbolic size"

@@ -26,7 +26,8 @@ from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
 from .records import Report
 
-__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "mutated_state", "node_arg", "set_node_arg"]
+__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "static_int", "same_size", "mutated_state", "node_arg",
+           "set_node_arg"]
 
 #: What Dynamo and symbolic_trace graphs call for ``nn.Linear`` / ``F.linear``
 #: (the sibling-linear matcher, the BatchNorm fold and the report of layers
@@ -290,6 +291,33 @@ def meta_value(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return None
     return node.meta.get("val", node.meta.get("example_value"))
+
+
+def static_int(s: Any) -> Optional[int]:
+    """``s`` as an int where it is one at compile time; None for a symbolic
+    size. Never ``int(s)`` on a SymInt: that specializes it, adding a guard
+    to Dynamo's shape environment, so the graph compiled for dynamic shapes
+    is then good for this one size only and the next size recompiles (after
+    8 sizes Dynamo gives up and runs the frame eagerly)."""
+    if isinstance(s, bool):
+        return None
+    if isinstance(s, int):
+        return s
+    if isinstance(s, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+        return int(s) if is_concrete_int(s) else None
+    return None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """``a == b`` where that is known without a guard (equal ints, or the
+    same symbolic expression); False where it would need one."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    return a == b
 
 
 # -- in-graph mutation of parameters ----------------------------------------------

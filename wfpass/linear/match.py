@@ -16,7 +16,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg
+from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg, static_int
 from ..pipeline import Match
 
 __all__ = ["LinearSite", "linear_sites", "rows_of", "LinearGroup", "RunState", "groups", "dependency_graph",
@@ -29,10 +29,8 @@ def rows_of(x: fx.Node) -> Optional[int]:
     shape = getattr(v, "shape", None)
     if shape is None:
         return None
-    try:
-        return int(math.prod(int(s) for s in shape[:-1]))
-    except (TypeError, ValueError, RuntimeError):
-        return None  # a SymInt that is not static
+    dims = [static_int(s) for s in shape[:-1]]
+    return None if any(d is None for d in dims) else int(math.prod(dims))  # None: a symbolic size
 
 
 @dataclasses.dataclass

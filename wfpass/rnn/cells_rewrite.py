@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..config import default_seq_threshold
-from ..graph import PassContext, meta_value
+from ..graph import PassContext, meta_value, static_int
 from .cells_match import RNN_CALL, Chain, depends_on
 from .eager import CellLoopCall
 from .rewrite import new_group
@@ -173,10 +173,7 @@ def _step_inputs(g: fx.Graph, xs: List[fx.Node], T: int) -> Tuple[Optional[fx.No
     v = meta_value(src)
     if not isinstance(v, torch.Tensor) or v.dim() != 3 or dim not in (0, 1):
         return None, None
-    try:
-        if int(v.shape[dim]) != T:
-            return None, None
-    except (TypeError, ValueError, RuntimeError):
+    if static_int(v.shape[dim]) != T:
         return None, None
     return src, dim
 

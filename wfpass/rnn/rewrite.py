@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..config import default_seq_threshold
-from ..graph import PassContext, meta_value
+from ..graph import PassContext, meta_value, same_size, static_int
 from ..runtime import GroupSite
 from ..runtime import note as file_note
 from ..storage import first_sharing_problem, fuse, layout_of_set, re_fuse
@@ -156,11 +156,7 @@ def _static_steps(s: RnnCall) -> Optional[int]:
     if not isinstance(v, torch.Tensor):
         return None
     batch_first = bool(s.consts[5])
-    t = v.shape[1 if batch_first else 0] if v.dim() == 3 else v.shape[0]
-    try:
-        return int(t)
-    except (TypeError, ValueError, RuntimeError):
-        return None
+    return static_int(v.shape[1 if batch_first else 0] if v.dim() == 3 else v.shape[0])
 
 
 def _compile_threshold(ctx: PassContext, s: RnnCall, spec: RnnSpec, record) -> int:
@@ -209,7 +205,4 @@ def _is_zero_state(h: fx.Node, spec: RnnSpec, x_val: Any, which: int) -> bool:
         return False
     batch = x_val.shape[0 if spec.batch_first else 1] if x_val.dim() == 3 else None
     want = (spec.num_layers * spec.directions, batch, spec.out_hidden if which == 0 else spec.hidden_size)
-    try:
-        return batch is not None and v.dim() == 3 and tuple(int(d) for d in v.shape) == tuple(int(d) for d in want)
-    except (TypeError, ValueError, RuntimeError):
-        return False
+    return batch is not None and v.dim() == 3 and all(same_size(a, b) for a, b in zip(v.shape, want))
