@@ -1111,3 +1111,48 @@ def test_fp32_lstm_takes_aten_kernels_when_the_onednn_probe_fails(monkeypatch):
         raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
 
     _lstm_without_onednn(monkeypatch, torch.float32, probe=broken)
+
+
+@pytest.mark.parametrize("unbacked", [False, True])
+def test_training_at_symbolic_lengths_specializes_unless_runtime_sizes_are_allowed(unbacked):
+    """Training an LSTM through oneDNN saves the kernel's workspace, whose
+    size only the kernel knows. Dynamo's shape environment refuses such
+    sizes by default: then wfpass specializes the length (one graph per
+    length, the row says so) rather than fail the compile; with
+    ``capture_dynamic_output_shape_ops=True`` one graph serves every length.
+    Gradients equal eager either way."""
+    import torch._dynamo.config as dynamo_config
+
+    model = Net(nn.LSTM, num_layers=2)
+    ref = copy.deepcopy(model)
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with dynamo_config.patch(capture_dynamic_output_shape_ops=unbacked):
+        fn = torch.compile(model, backend=wfpass.backend(inner=inner, seq_threshold=N), dynamic=True)
+        warm = 0
+        for i, T in enumerate((12, 20, 33, 41)):
+            if i == 2:
+                warm = len(graphs)  # after the first lengths (and the recompile a first call's move may cause)
+            x = torch.randn(T, 3, 5)
+            out, _ = fn(x)
+            expected, _ = ref(x)
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+            R = torch.randn_like(out)
+            (out * R).sum().backward()
+            (expected * R).sum().backward()
+    scale = max(q.grad.abs().max().item() for q in ref.parameters())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale
+    (rec,) = wfpass.report(model).find("rnn")
+    if unbacked:
+        assert len(graphs) == warm and "specialized" not in rec.detail, (len(graphs), warm, rec.detail)
+    else:
+        assert len(graphs) == warm + 2 and "sizes specialized" in rec.detail["specialized"], (len(graphs), warm)

@@ -423,3 +423,16 @@ def install_item_break_probe(hook: Callable) -> None:
     _ITEM_BREAK_HOOK[0] = hook
     if dynamo_config.capture_scalar_outputs is False:
         dynamo_config.capture_scalar_outputs = _ItemBreakProbe()
+
+
+def unbacked_sizes_allowed(t) -> bool:
+    """Whether the fake mode ``t`` belongs to lets an op's fake create a
+    size known only at run time (``ctx.new_dynamic_size()``): Dynamo's
+    shape environment does only with
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops=True``
+    (``ShapeEnv.allow_dynamic_output_shape_ops``, private; torch
+    2.11.0-2.15.0); otherwise the fake raises
+    ``DynamicOutputShapeException`` and the backend fails."""
+    mode = getattr(t, "fake_mode", None)
+    env = getattr(mode, "shape_env", None)
+    return bool(env is not None and getattr(env, "allow_dynamic_output_shape_ops", False))

@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .._torch import aot as _aot, kernels as _kernels
+from ..graph import static_int
 
 __all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "cudnn_call"]
 
@@ -206,8 +207,9 @@ def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_la
     cy = input.new_empty((num_layers * D, B, hidden_size)) if mode == _kernels.CUDNN_MODES["LSTM"] else input.new_empty(0)
     n = 0
     if train:
-        if all(isinstance(d, int) for d in input.shape):
-            n = reserve_numel(T, B, int(input.shape[2]), mode, hidden_size, proj_size, num_layers, bidirectional,
+        dims = [static_int(d) for d in input.shape]  # specialized sizes count as static
+        if all(d is not None for d in dims):
+            n = reserve_numel(dims[0], dims[1], dims[2], mode, hidden_size, proj_size, num_layers, bidirectional,
                               input.dtype, input.device, dropout)
         else:  # a symbolic T or batch: a size known once the op has run
             n = torch.library.get_ctx().new_dynamic_size()

@@ -24,6 +24,7 @@ from typing import Dict
 
 import torch
 
+from ..graph import static_int
 from .._torch import aot as _aot
 
 __all__ = ["workspace_numel", "zero_states"]
@@ -99,8 +100,9 @@ def _lstm_layer_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size
     T, B = input.shape[0], input.shape[1]
     n = 0
     if train:
-        if all(isinstance(d, int) for d in input.shape):
-            n = workspace_numel(T, B, int(input.shape[2]), hidden_size, input.dtype, has_biases)
+        dims = [static_int(d) for d in input.shape]  # specialized sizes count as static
+        if all(d is not None for d in dims):
+            n = workspace_numel(dims[0], dims[1], dims[2], hidden_size, input.dtype, has_biases)
         else:
             # A symbolic T or batch: oneDNN's size is no formula of them, so
             # it is a size known only when the op has run (an unbacked

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .._torch import dynamo as _dynamo
 from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value, same_size, static_int
 from ..runtime import GroupSite
@@ -55,6 +56,21 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
         w_nodes = [r.node for r in s.weights]
         steps = _static_steps(s)
         v = meta_value(s.x)
+        if _must_specialize(s, spec, v):
+            # Training through oneDNN's / cuDNN's kernel needs its workspace
+            # saved for the backward, whose size only the kernel knows: at
+            # a symbolic T or batch, a size the shape environment must let
+            # the op make at run time. Dynamo's does not (unless
+            # capture_dynamic_output_shape_ops is on), so the sizes are
+            # specialized here, knowingly: Dynamo recompiles per size, as it
+            # would for a static model, and the row says so.
+            for d in v.shape:
+                int(d)  # a guard on purpose (see static_int)
+            steps = _static_steps(s)
+            record.detail["specialized"] = ("training graph with a symbolic length or batch: sizes specialized "
+                                            "(the kernel's workspace has no size formula; "
+                                            "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
+                                            "them symbolic)")
         n = _compile_threshold(ctx, s, spec, record)
         path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n)
         why_not = no_onednn_reason(spec, v if isinstance(v, torch.Tensor) else ws[0])
@@ -148,6 +164,21 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
     else:
         file_note(record, names, ws)
     return site
+
+
+def _must_specialize(s: RnnCall, spec: RnnSpec, v: Any) -> bool:
+    """A training call whose sizes are symbolic, on a path that saves a
+    kernel workspace (a CPU LSTM on oneDNN, cuDNN), in a shape environment
+    that refuses sizes known only at run time."""
+    if not isinstance(v, torch.Tensor) or all(static_int(d) is not None for d in v.shape):
+        return False
+    out = meta_value(s.node)
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not (isinstance(first, torch.Tensor) and first.requires_grad):
+        return False
+    if choose_path(spec, v, None, 0) not in ("mkldnn", "cudnn"):
+        return False
+    return not _dynamo.unbacked_sizes_allowed(v)
 
 
 def _static_steps(s: RnnCall) -> Optional[int]:
