@@ -69,20 +69,27 @@ def test_bench_quick_writes_its_table_and_plot(tmp_path):
     table = (tmp_path / "out" / "bench.md").read_text()
     png = (tmp_path / "out" / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    rows = [line for line in table.splitlines() if line.startswith("| LLaMA") or line.startswith("| RNN")
-            or line.startswith("| bf16")]
-    # Six timed rows, then the same six in the first-call table.
-    steps = [r.split(" | ")[1] for r in rows[:6]]
-    assert steps == ["forward", "forward", "training step", "inference", "training step", "eval forward"], table
-    for row in rows[:6]:
+    rows = [line for line in table.splitlines() if line.startswith(("| LLaMA", "| RNN", "| bf16", "| LSTMCell", "| GRUCell"))]
+    # Twelve timed rows, then the same twelve in the first-call table.
+    steps = [r.split(" | ")[1] for r in rows[:12]]
+    assert steps == ["forward", "forward", "forward after a dynamic recompile", "training step (SGD)", "training step",
+                     "inference", "training step", "eval forward"] + ["training step", "inference"] * 2, table
+    for row in rows[:12]:
         cells = row.strip("|").split(" | ")
         for cell in cells[3:7]:
             assert cell == "-" or re.fullmatch(r"\d+\.\d{3} ±\d+%", cell), row
         assert float(cells[7]) > 0 and float(cells[8]) > 0
         assert cells[9].startswith("ok"), row
         # wformat's own formats ran in its timed calls, per its report
-        want = {"LLaMA-like decoder": "linear", "RNN language model": "rnn", "bf16 CNN with BatchNorm": "batchnorm"}
+        want = {"LLaMA-like decoder": "linear", "RNN language model": "rnn", "bf16 CNN with BatchNorm": "batchnorm",
+                "LSTMCell loop": "rnn", "GRUCell loop": "rnn"}
         assert re.search(rf"\d+ {want[cells[0].strip()]}", cells[10]), row
+    # Above the table: the worst row against each baseline, named.
+    worst = re.search(r"Worst row: wformat at \*\*(\d+\.\d+)x\*\* of torch.compile's default \(Inductor\) \((.+?)\); "
+                      r"at \*\*(\d+\.\d+)x\*\* of eager PyTorch \((.+?)\)", table)
+    assert worst, table
+    ratios = [float(r.strip("|").split(" | ")[7]) for r in rows[:12]]
+    assert float(worst.group(1)) == min(ratios), (worst.group(0), ratios)
     assert "running_var error" in table and "| wformat | float32 |" in table
     # The progress bar went to stderr, the table to stdout.
     assert "[" in res.stderr and "/" in res.stderr and "| model |" in res.stdout

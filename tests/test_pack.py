@@ -490,3 +490,41 @@ def test_the_python_kernel_alone_passes_the_change_tests():
         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and "failed" not in out.stdout
+
+
+@pytest.mark.parametrize("wins", [False, True])
+def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_size(wins, monkeypatch):
+    """One graph for every M: the op goes in only where packing was measured
+    to pay at the M the graph was compiled for (the row says which); else
+    the linear stays the compiler's GEMM, with no op call to pay for."""
+    from wfpass.pack import choose
+
+    seen = []
+
+    def measured(dtype, k, n, m):
+        seen.append(m)
+        times = {"plain": 10e-6, "onednn": 5e-6 if wins else 20e-6}
+        return ("onednn" if wins else "plain"), times
+
+    monkeypatch.setattr(choose, "measured", measured)
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled, rec = _compiled(model, inner="eager", pack={"mode": "auto"})
+    with torch.no_grad():
+        for tokens in (3, 6, 9):  # 3: a static graph; 6: Dynamo recompiles with the length symbolic
+            x = torch.randn(1, tokens, 64)
+            _close(compiled(x), ref(x), torch.float32)
+    symbolic = rec.graphs[-1]
+    n_ops = sum(1 for n in symbolic.graph.nodes if n.op == "call_function" and n.target is OP)
+    head = [r for r in wfpass.report(model).find("pack") if r.params == ["head.weight"]]
+    assert 6 in seen  # measured at the compiled size
+    if wins:
+        assert n_ops >= 1
+        assert any("row count M symbolic: measured at the size this graph was compiled for, M=6" in r.reason
+                   for r in head), [r.reason for r in head]
+    else:
+        assert n_ops == 0, symbolic.graph
+        assert any(r.action == "skipped" and "row count M symbolic; measured at the size this graph was compiled "
+                   "for, M=6: the plain GEMM" in r.reason for r in head), [r.reason for r in head]

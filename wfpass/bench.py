@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .bench_models import BnCNN, Decoder, RnnLM, _bn_fp32_by_hand, hand_fused_decoder
+from .bench_models import BnCNN, CellLoop, Decoder, RnnLM, _bn_fp32_by_hand, hand_fused_decoder
 from .bench_report import VARIANTS, markdown, plot
 from .bench_timing import Progress, Timing, interleaved
 
@@ -60,16 +60,21 @@ class Sizes:
     bn_steps: int
     rounds: int
     min_s: float
+    cells: dict = dataclasses.field(default_factory=lambda: dict(inp=64, hidden=128))
+    cell_steps: int = 32
+    cell_batch: int = 4
+    train_tokens: int = 8
 
 
 QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode_tokens=1, prefill_tokens=32,
               rnn=dict(vocab=100, hidden=32, layers=2), rnn_batch=4, rnn_steps=16,
-              cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01)
+              cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01,
+              cells=dict(inp=16, hidden=32), cell_steps=8, cell_batch=2, train_tokens=8)
 FULL = Sizes(decoder=dict(d=256, layers=4, heads=8, kv_heads=2, ffn=1376), decode_tokens=1, prefill_tokens=256,
              rnn=dict(vocab=500, hidden=128, layers=2), rnn_batch=8, rnn_steps=64,
              cnn=dict(width=32, blocks=3), cnn_input=(8, 3, 32, 32), bn_steps=100, rounds=7, min_s=0.05)
 
-PARTS = ("decoder", "rnn", "cnn")
+PARTS = ("decoder", "rnn", "cnn", "cells")
 
 
 @dataclasses.dataclass
@@ -111,19 +116,25 @@ def _own_code(model: nn.Module) -> nn.Module:
     return model
 
 
-def _compile(model: nn.Module, backend: str) -> nn.Module:
-    # dynamic=False: every size gets its own static graph, as in a serving
-    # loop that pads to fixed sizes; no size is compiled twice.
-    return torch.compile(_own_code(model), backend=backend, dynamic=False)
+def _compile(model: nn.Module, backend: str, dynamic: Optional[bool] = False) -> nn.Module:
+    # dynamic=False (unless asked): every size gets its own static graph, as
+    # in a serving loop that pads to fixed sizes; no size is compiled twice.
+    return torch.compile(_own_code(model), backend=backend, dynamic=dynamic)
 
 
-def _step(model: nn.Module, x: torch.Tensor, train: bool) -> Callable[[], torch.Tensor]:
+def _step(model: nn.Module, x: torch.Tensor, train: bool, sgd: bool = False) -> Callable[[], torch.Tensor]:
     """One timed call: a training step (forward, ``sum().backward()`` in
-    fp32) or a forward without grad; returns the output, detached."""
+    fp32; with ``sgd``, an SGD step and ``zero_grad`` too, as a training
+    loop runs) or a forward without grad; returns the output, detached."""
     if train:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6) if sgd else None
+
         def run():
             out = model(x)
             out.float().sum().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             return out.detach()
     else:
         def run():
@@ -146,6 +157,63 @@ def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
     d = s.decoder
     return Case("LLaMA-like decoder", "forward", f"{label}: {tokens} token{'s' if tokens > 1 else ''}", build, 1e-4,
                 f"{d['layers']} layers, d_model {d['d']}, {d['heads']} heads / {d['kv_heads']} KV heads, SwiGLU {d['ffn']}, batch 1")
+
+
+def _decoder_dynamic_case(s: Sizes, tokens: int) -> Case:
+    """The decoder after Dynamo's dynamic recompile: every compiled variant
+    first runs two other lengths (the first compiles statically, the second
+    makes Dynamo recompile with the length symbolic), then is timed at
+    ``tokens`` on that symbolic graph, as a serving loop with varying
+    prompt lengths runs."""
+    def build():
+        torch.manual_seed(0)
+        base = Decoder(**s.decoder).eval()
+        d = s.decoder["d"]
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor", dynamic=None),
+                  "hand-fused": _compile(hand_fused_decoder(base), "inductor", dynamic=None),
+                  "wformat": _compile(copy.deepcopy(base), "wformat", dynamic=None)}
+        with torch.no_grad():
+            for n in (tokens + 2, tokens + 5):
+                for k, m in models.items():
+                    if k != "eager":
+                        m(torch.randn(1, n, d))
+        x = torch.randn(1, tokens, d)
+        return models, {k: _step(m, x, train=False) for k, m in models.items()}, None
+
+    return Case("LLaMA-like decoder", "forward after a dynamic recompile", f"{tokens} tokens", build, 1e-4)
+
+
+def _decoder_train_case(s: Sizes) -> Case:
+    """A training step of the decoder (forward, backward, SGD step)."""
+    def build():
+        torch.manual_seed(0)
+        base = Decoder(**s.decoder).train()
+        x = torch.randn(1, s.train_tokens, s.decoder["d"])
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
+                  "hand-fused": _compile(hand_fused_decoder(base).train(), "inductor"),
+                  "wformat": _compile(copy.deepcopy(base), "wformat")}
+        return models, {k: _step(m, x, True, sgd=True) for k, m in models.items()}, None
+
+    return Case("LLaMA-like decoder", "training step (SGD)", f"{s.train_tokens} tokens", build, 1e-4)
+
+
+def _cell_case(s: Sizes, cell: str, train: bool) -> Case:
+    """A Python loop of ``nn.LSTMCell`` / ``nn.GRUCell`` steps; the
+    hand-fused reference is the same weights in one eager ``nn.LSTM`` /
+    ``nn.GRU`` (what a user would rewrite the loop as)."""
+    def build():
+        torch.manual_seed(0)
+        c = s.cells
+        base = CellLoop(c["inp"], c["hidden"], cell=cell)
+        x = torch.randn(s.cell_steps, s.cell_batch, c["inp"])
+        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
+                  "hand-fused": base.as_rnn(), "wformat": _compile(copy.deepcopy(base), "wformat")}
+        return models, {k: _step(m, x, train) for k, m in models.items()}, None
+
+    c = s.cells
+    return Case(f"{cell} loop", "training step" if train else "inference", f"T={s.cell_steps}, batch {s.cell_batch}",
+                build, 1e-4, f"nn.{cell}({c['inp']}, {c['hidden']}) stepped in a Python loop, outputs stacked; "
+                f"hand-fused: the same weights in one eager nn.{cell[:-4]}")
 
 
 def _rnn_case(s: Sizes, train: bool) -> Case:
@@ -212,11 +280,14 @@ def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress]
     stats: Dict[str, float] = {}
     cases: List[Case] = []
     if "decoder" in parts:
-        cases += [_decoder_case(sizes, sizes.decode_tokens, "decode"), _decoder_case(sizes, sizes.prefill_tokens, "prefill")]
+        cases += [_decoder_case(sizes, sizes.decode_tokens, "decode"), _decoder_case(sizes, sizes.prefill_tokens, "prefill"),
+                  _decoder_dynamic_case(sizes, 8), _decoder_train_case(sizes)]
     if "rnn" in parts:
         cases += [_rnn_case(sizes, True), _rnn_case(sizes, False)]
     if "cnn" in parts:
         cases += [_cnn_case(sizes, True, stats), _cnn_case(sizes, False, stats)]
+    if "cells" in parts:
+        cases += [_cell_case(sizes, cell, train) for cell in ("LSTMCell", "GRUCell") for train in (True, False)]
     if progress is None:
         progress = Progress(0, enabled=False)
     # Per case: one unit for building, one per variant's first call, one per round.

@@ -84,20 +84,39 @@ def hand_fused_decoder(src: Decoder) -> Decoder:
 
 
 class CellLoop(nn.Module):
-    """``nn.LSTMCell`` stepped over the sequence ([T, batch, features]) in a
-    Python loop, the outputs stacked."""
+    """``nn.LSTMCell`` (or ``nn.GRUCell``) stepped over the sequence ([T,
+    batch, features]) in a Python loop, the outputs stacked."""
 
-    def __init__(self, inp: int = 64, hidden: int = 128):
+    def __init__(self, inp: int = 64, hidden: int = 128, cell: str = "LSTMCell"):
         super().__init__()
-        self.cell = nn.LSTMCell(inp, hidden)
+        self.cell = getattr(nn, cell)(inp, hidden)
 
     def forward(self, x):
         state = None
         outs = []
         for t in range(x.shape[0]):
             state = self.cell(x[t]) if state is None else self.cell(x[t], state)
-            outs.append(state[0])
+            outs.append(state[0] if isinstance(state, tuple) else state)
         return torch.stack(outs)
+
+    def as_rnn(self) -> nn.Module:
+        """The same weights (copies) in one ``nn.LSTM`` / ``nn.GRU``, returning
+        its output only: the loop as a user would rewrite it."""
+        c = self.cell
+        rnn = (nn.LSTM if isinstance(c, nn.LSTMCell) else nn.GRU)(c.input_size, c.hidden_size)
+        with torch.no_grad():
+            for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(rnn, name + "_l0").copy_(getattr(c, name))
+        return _FirstOutput(rnn)
+
+
+class _FirstOutput(nn.Module):
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0]
 
 
 class RnnLM(nn.Module):

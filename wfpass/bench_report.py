@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["VARIANTS", "markdown", "plot"]
+__all__ = ["VARIANTS", "markdown", "plot", "worst_cells"]
 
 #: The four ways every model runs, in the table's column order.
 VARIANTS = ("eager", "inductor", "hand-fused", "wformat")
@@ -23,11 +23,27 @@ def _machine() -> str:
             f"{n} torch thread{'s' if n != 1 else ''}; every model on the CPU")
 
 
+def worst_cells(results: Sequence) -> str:
+    """The line above the table: the lowest "x faster" against Inductor's
+    default and against eager over every row, and the row it came from."""
+    def worst(base: str):
+        rows = [(r.times[base].median / r.times["wformat"].median, r) for r in results if base in r.times]
+        return min(rows, key=lambda p: p[0]) if rows else None
+
+    parts = []
+    for base, name in (("inductor", "torch.compile's default (Inductor)"), ("eager", "eager PyTorch")):
+        w = worst(base)
+        if w is not None:
+            x, r = w
+            parts.append(f"**{x:.2f}x** of {name} ({r.case.model}, {r.case.step}, {r.case.size})")
+    return "Worst row: wformat at " + "; at ".join(parts) + " (x faster as in the table; below 1: slower)."
+
+
 def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, seconds: float) -> str:
     """The table: ``results`` are ``bench.Result``s, ``sizes`` the ``bench.Sizes`` they ran at."""
     lines = [f"Command: `{command}`  ",
              f"{_machine()}; {sizes.rounds} interleaved rounds per row, {seconds:.0f} s in all.",
-             "",
+             "", worst_cells(results), "",
              "Times in ms per call: median over rounds, ± half the interquartile range over rounds. "
              "**x faster = baseline time / wformat time** (above 1: wformat is faster). "
              "*hand-fused*: the decoder written with one Q/K/V and one gate/up linear, or the CNN with its "

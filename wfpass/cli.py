@@ -53,7 +53,9 @@ def _positive(text: str) -> int:
 
 def _parts(text: str) -> List[str]:
     from_text = [p.strip() for p in text.split(",") if p.strip()]
-    allowed = ("decoder", "rnn", "cnn")
+    from . import bench
+
+    allowed = bench.PARTS
     bad = [p for p in from_text if p not in allowed]
     if bad or not from_text:
         raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}, got {text!r}")
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_positive, default=None,
                        help="interleaved timing rounds (default: 7, or 3 with --quick)")
     bench.add_argument("--only", type=_parts, default=None, metavar="PARTS",
-                       help="comma list of the models to run: decoder, rnn, cnn (default: all three)")
+                       help="comma list of the models to run: decoder, rnn, cnn, cells (default: all)")
     bench.add_argument("--threads", type=_positive, default=None,
                        help="torch threads (default: torch's own choice; 1 with --quick)")
     bench.add_argument("--no-plot", action="store_true", help="write the table only, not bench.png")

@@ -62,3 +62,20 @@ def storage_ptr(t: torch.Tensor) -> int:
     if type(t) is fake_tensor_type():
         return st._cdata
     return st.data_ptr()
+
+
+def size_hint(s) -> Optional[int]:
+    """The value a symbolic size had in the example inputs the graph was
+    compiled with (its hint), without a guard; None for a size with no hint
+    (one known only at run time). ``optimization_hint`` from torch 2.13,
+    ``size_hint`` before (``torch.fx.experimental.symbolic_shapes``;
+    checked on 2.11.0, 2.13.0, 2.15.0)."""
+    if isinstance(s, int):
+        return s
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "size_hint", None)
+    try:
+        return int(fn(s)) if fn is not None else None
+    except Exception:  # noqa: BLE001 - an unbacked size has no hint
+        return None

@@ -4,11 +4,12 @@ and with which kernel for a static row count. Each reason is the text of a
 gets its kernel and its row's words recorded on it)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-from .._torch import kernels as _k
+from .._torch import kernels as _k, tensors as _tensors
 from ..config import PackOptions
 from ..graph import PassContext, meta_value
 from ..storage import unmovable
@@ -41,6 +42,16 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     return (f"M={m}: {'oneDNN' if kernel == 'onednn' else 'MKL'}'s packed kernel, measured "
             f"{us['plain'] / (us[kernel] + op):.2f}x faster than the plain GEMM ({us[kernel]:.0f} us + {op:.0f} us "
             f"for the op's call vs {us['plain']:.0f} us)")
+
+
+def _rows_hint(x) -> Optional[int]:
+    """M as the example inputs had it (the hints of a symbolic shape)."""
+    v = meta_value(x)
+    shape = getattr(v, "shape", None)
+    if shape is None:
+        return None
+    dims = [_tensors.size_hint(d) for d in shape[:-1]]
+    return None if any(d is None for d in dims) else math.prod(dims)
 
 
 def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
@@ -101,8 +112,27 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
                 "pack.training=True (a copy made again after every optimizer step; measured in docs/pack.md)")
     k = t.shape[1]
     if m.m is None:
+        # One graph for every M: the op would serve sizes nobody measured,
+        # and its call costs even where it then runs the plain GEMM. So it
+        # goes in only where packing was measured to pay at the M this graph
+        # was compiled for (its hint); then each further M is measured when
+        # first seen. Else the linear stays the compiler's own GEMM.
+        if not ctx.is_dynamo:
+            # ``wfpass.apply`` graphs carry no shapes and run eagerly: each M
+            # is measured when the op first sees it.
+            m.kernel = ""
+            m.why = "row count M unknown in this graph: the kernel is chosen per M when first seen"
+            return None
+        hint = _rows_hint(m.x)
+        if hint is None:
+            return "row count M symbolic with no size to measure at: left to the plain GEMM"
+        kernel = choose_kernel(opts, t.dtype, k, m.rows, hint)
+        words = describe_choice(opts, t.dtype, k, m.rows, hint)
+        if kernel == "plain":
+            return f"row count M symbolic; measured at the size this graph was compiled for, {words}"
         m.kernel = ""
-        m.why = "row count M symbolic (dynamic shapes): the kernel is chosen per M when first seen"
+        m.why = (f"row count M symbolic: measured at the size this graph was compiled for, {words}; every other M "
+                 f"is measured when first seen")
         return None
     kernel = choose_kernel(opts, t.dtype, k, m.rows, m.m)
     words = describe_choice(opts, t.dtype, k, m.rows, m.m)

@@ -35,7 +35,8 @@ _RECORDS = _tensors.weak_id_key_dict()
 def _reason(rec: Record) -> str:
     kind = rec.detail.get("what", "linear")
     words = rec.detail.get("choices") or {}
-    parts = [words[m] for m in sorted(words)] or [rec.detail.get("pending", "")]
+    # The choices per M seen, then (a graph with a symbolic M) what that graph was measured at.
+    parts = [words[m] for m in sorted(words)] + [rec.detail.get("pending", "")]
     # Which kernel runs the op matters to the choice (its per-call cost is
     # added to every packed candidate) and is invisible otherwise: a torch
     # whose headers the compiler rejects gives the Python kernel silently.
