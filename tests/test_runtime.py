@@ -503,7 +503,9 @@ def test_a_dynamic_graph_serves_every_size_without_recompiling(what):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=wfpass.backend(inner=inner))
     with torch.no_grad():
-        for n in (4, 7, 5, 9, 3, 11):
+        # (No size equal to another dim of the input: AOTAutograd on 2.15
+        # guards "T != 3" when T could equal the batch of 3, its own check.)
+        for n in (4, 7, 5, 9, 6, 11):
             x = make(n)
             got, want = compiled(x), ref(x)
             got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
