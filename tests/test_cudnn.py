@@ -179,8 +179,6 @@ def test_dropout_between_layers_is_cudnns_in_training_and_off_in_eval(train):
     in training, with or without grad, as eager's cuDNN call; in eval the
     op gets p = 0. The joint trace of a training step holds the op with p
     and the backward op with the same p."""
-    from functorch.compile import aot_function, make_boxed_func
-
     keep = Keep()
     with _fake_mode():
         model = Net(nn.LSTM, device="cuda", num_layers=2, dropout=0.3).train(train)
@@ -189,20 +187,7 @@ def test_dropout_between_layers_is_cudnns_in_training_and_off_in_eval(train):
     assert len(_rnn_calls(gm)) == 1
     (rec,) = wfpass.report(model).find("rnn")
     assert rec.action == "rewritten", rec.reason
-    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    graphs = {}
-
-    def keep_as(name):
-        def compiler(g, _):
-            graphs[name] = g
-            return make_boxed_func(g.forward)
-        return compiler
-
-    with _fake_mode():
-        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
-        outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        sum(o.sum() for o in outs if o.requires_grad).backward()
+    graphs = _joint_trace(gm)
     (fw,) = _op_nodes(graphs["fw"], torch.ops.wfpass.cudnn_rnn.default, torch.ops.wfpass.cudnn_rnn_fw.default)
     p = fw.args[11]
     assert p == (0.3 if train else 0.0), fw.args
@@ -220,44 +205,57 @@ def _cpu_twin_inputs(gm, example, mode=None):
             if isinstance(t, torch.Tensor) else t for t in example]
 
 
+def _joint_trace(gm, region=None, compile_graph=None, decompositions=None):
+    """AOTAutograd's forward and backward graphs of ``gm`` (a graph captured
+    on fake CUDA), traced on fake CPU twins of its inputs (autograd on fake
+    CUDA needs a driver), inside ``region`` (e.g. the autocast the graph was
+    captured in): ``{"fw": graph, "bw": graph}``. ``compile_graph(g,
+    example)`` is also called on each (an Inductor compile, say)."""
+    import contextlib
+
+    from functorch.compile import aot_function, make_boxed_func
+
+    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    graphs = {}
+
+    def keep_as(name):
+        def compiler(g, ex):
+            graphs[name] = g
+            if compile_graph is not None:
+                compile_graph(g, ex)
+            return make_boxed_func(g.forward)
+        return compiler
+
+    with _fake_mode():
+        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
+        with region if region is not None else contextlib.nullcontext():
+            outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"),
+                                **({"decompositions": decompositions} if decompositions else {}))(*args)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+        graphs["grads"] = [a.grad for a in args if a.requires_grad]
+    return graphs
+
+
 @needs_cuda_build
 @pytest.mark.parametrize("variant", ["lstm-2layer", "gru-2layer-bi", "lstm-proj", "lstm-bi-batch_first"])
 def test_joint_trace_holds_the_op_forward_and_its_backward(variant):
     """AOTAutograd's joint trace of the rewritten graph: the forward graph
     calls the cuDNN op once, the backward graph its backward op once, and no
     per-step ops appear in either."""
-    from functorch.compile import aot_function, make_boxed_func
-
     cls, kw = VARIANTS[variant]
     keep = Keep()
     with _fake_mode():
         model = Net(cls, device="cuda", **kw).train()
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
-    gm = keep.graphs[0]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    example = [n.meta["example_value"] for n in placeholders]
-    graphs = {}
-
-    def fw(g, _):
-        graphs["fw"] = g
-        return make_boxed_func(g.forward)
-
-    def bw(g, _):
-        graphs["bw"] = g
-        return make_boxed_func(g.forward)
-
-    with _fake_mode():
-        args = [a.requires_grad_(ex.requires_grad) for a, ex in zip(_cpu_twin_inputs(gm, example), example)]
-        outs = aot_function(gm, fw_compiler=fw, bw_compiler=bw)(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        sum(o.sum() for o in outs if o.requires_grad).backward()
+    graphs = _joint_trace(keep.graphs[0])
 
     def count(g, op):
         return sum(1 for n in g.graph.nodes if n.op == "call_function" and n.target is op)
 
     assert count(graphs["fw"], torch.ops.wfpass.cudnn_rnn.default) == 1, graphs["fw"].graph
     assert count(graphs["bw"], torch.ops.wfpass.cudnn_rnn_backward.default) == 1, graphs["bw"].graph
-    for g in graphs.values():
+    for g in (graphs["fw"], graphs["bw"]):
         names = {str(n.target) for n in g.graph.nodes if n.op == "call_function"}
         assert not any("lstm" in s or "gru" in s or "rnn_tanh" in s for s in names), names
 
@@ -344,7 +342,6 @@ def test_inductor_compiles_the_training_graphs_with_one_forward_and_one_backward
     """The training step through Inductor: AOTAutograd's forward and
     backward graphs (traced on fake CPU twins, see the module docstring),
     each compiled by Inductor to wrapper code that calls the op once."""
-    from functorch.compile import aot_function, make_boxed_func
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
@@ -355,8 +352,6 @@ def test_inductor_compiles_the_training_graphs_with_one_forward_and_one_backward
     with _fake_mode():
         model = Net(cls, device="cuda", **kw).train()
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
-    gm = keep.graphs[0]
-    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
 
     def inductor(g, ex):
         try:
@@ -364,13 +359,9 @@ def test_inductor_compiles_the_training_graphs_with_one_forward_and_one_backward
         except Exception as e:  # noqa: BLE001
             if not stopped_after_codegen(e):
                 raise
-        return make_boxed_func(g.forward)
 
-    with inductor_wrapper_code() as codes, _fake_mode():
-        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
-        outs = aot_function(gm, fw_compiler=inductor, bw_compiler=inductor, decompositions=select_decomp_table())(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        sum(o.sum() for o in outs if o.requires_grad).backward()
+    with inductor_wrapper_code() as codes:
+        _joint_trace(keep.graphs[0], compile_graph=inductor, decompositions=select_decomp_table())
     assert len(codes) == 2, len(codes)
     fw_code, bw_code = codes
     assert _op_calls(fw_code, "cudnn_rnn") + _op_calls(fw_code, "cudnn_rnn_fw") == 1, fw_code
@@ -428,31 +419,15 @@ def test_autocast_training_trace_casts_the_weights_once_and_differentiates_throu
     """The joint trace under CUDA autocast (fake CPU twins, as above): the
     forward graph casts the fp32 weights into one fp16 block for the op; the
     backward graph calls the backward op and returns fp32 weight gradients."""
-    from functorch.compile import aot_function, make_boxed_func
-
     cls, kw = VARIANTS["lstm-2layer"]
     keep = Keep()
     with _fake_mode():
         model = Net(cls, device="cuda", **kw).train()
         with _cuda_autocast(torch.bfloat16):
             torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input(kw, "cuda"))
-    gm = keep.graphs[0]
-    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    graphs = {}
-
-    def keep_as(name):
-        def compiler(g, _):
-            graphs[name] = g
-            return make_boxed_func(g.forward)
-        return compiler
-
-    with _fake_mode():
-        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
-        with _cuda_autocast(torch.bfloat16):  # the region the graph was captured in
-            outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        sum(o.float().sum() for o in outs if o.requires_grad).backward()
-        grads = [a.grad for a in args if a.requires_grad]
+    # In the region the graph was captured in.
+    graphs = _joint_trace(keep.graphs[0], region=_cuda_autocast(torch.bfloat16))
+    grads = graphs["grads"]
     fw_ops = [n for n in graphs["fw"].graph.nodes if n.op == "call_function"]
     (op,) = [n for n in fw_ops if n.target is torch.ops.wfpass.cudnn_rnn.default]
     assert op.meta["val"][0].dtype == torch.float16
@@ -488,30 +463,14 @@ def test_reduce_overhead_puts_the_whole_inference_graph_rnn_included_under_cuda_
 def test_nothing_keeps_a_static_training_step_out_of_cuda_graphs():
     """The training graphs (AOTAutograd, fake CPU twins as above) against
     Inductor's own test for what CUDA graphs cannot hold: nothing."""
-    from functorch.compile import aot_function, make_boxed_func
-
     from wfpass._torch.fake_cuda import cudagraph_blocker
 
     keep = Keep()
     with _fake_mode():
         model = Net(nn.LSTM, device="cuda", num_layers=2).train()
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(_input({}, "cuda"))
-    gm = keep.graphs[-1]
-    example = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    graphs = {}
-
-    def keep_as(name):
-        def compiler(g, _):
-            graphs[name] = g
-            return make_boxed_func(g.forward)
-        return compiler
-
-    with _fake_mode():
-        args = [a.requires_grad_(e.requires_grad) for a, e in zip(_cpu_twin_inputs(gm, example), example)]
-        outs = aot_function(gm, fw_compiler=keep_as("fw"), bw_compiler=keep_as("bw"))(*args)
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        sum(o.sum() for o in outs if o.requires_grad).backward()
-    assert {name: cudagraph_blocker(g) for name, g in graphs.items()} == {"fw": None, "bw": None}
+    graphs = _joint_trace(keep.graphs[-1])
+    assert {name: cudagraph_blocker(graphs[name]) for name in ("fw", "bw")} == {"fw": None, "bw": None}
 
 
 def test_with_a_symbolic_length_the_training_reserve_keeps_the_graph_out_of_cuda_graphs():
