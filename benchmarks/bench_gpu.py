@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench_models import CellLoop, Decoder, RnnLM
+from wfpass.bench_models import CellLoop, Decoder, RnnLM, built_in_dtype
 
 CUDNN = {"cuda": "cudnn"}
 
@@ -86,17 +86,6 @@ def _inputs(name: str, T: int, B: int, device, dtype=torch.float32):
     raise ValueError(name)
 
 
-def _in_dtype(dtype: torch.dtype, build: Callable[[], nn.Module]) -> nn.Module:
-    """Build with ``dtype`` as the default (``.to(dtype)`` cannot swap the
-    parameters of a model built on fake tensors)."""
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return build()
-    finally:
-        torch.set_default_dtype(prev)
-
-
 def _model(name: str) -> nn.Module:
     if name == "LSTM LM":
         return RnnLM(vocab=500, hidden=256, layers=2)
@@ -105,9 +94,9 @@ def _model(name: str) -> nn.Module:
     if name == "LSTMCell loop":
         return nn.Sequential(CellLoop(128, 256), nn.Linear(256, 128))
     if name == "CRNN bf16":
-        return _in_dtype(torch.bfloat16, CRNN)
+        return built_in_dtype(torch.bfloat16, CRNN)
     if name == "decoder bf16":
-        return _in_dtype(torch.bfloat16, lambda: Decoder(d=512, layers=2, heads=8, kv_heads=2, ffn=1376))
+        return built_in_dtype(torch.bfloat16, lambda: Decoder(d=512, layers=2, heads=8, kv_heads=2, ffn=1376))
     raise ValueError(name)
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import wfpass
 from wfpass._torch import kernels
+from wfpass.bench_models import built_in_dtype
 from wfpass.rnn import cudnn
 from wfpass.rnn.paths import RnnForward
 from wfpass.storage import fused_storage_of
@@ -67,17 +68,6 @@ class Keep:
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
         return gm.forward
-
-
-def _built_in(dtype, build):
-    """``build()`` with ``dtype`` as the default (``.to(dtype)`` cannot swap
-    the parameters of a model built on fake tensors)."""
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return build()
-    finally:
-        torch.set_default_dtype(prev)
 
 
 def _cuda_autocast(dtype):
@@ -559,7 +549,7 @@ def test_dropout_in_training_on_a_gpu_is_seeded_and_differentiated_right():
     of the function the forward computed (same seed: the same masks),
     checked against central differences in float64."""
     torch.manual_seed(0)
-    model = _built_in(torch.float64, lambda: Net(nn.LSTM, device="cuda", num_layers=3, dropout=0.5)).train()
+    model = built_in_dtype(torch.float64, lambda: Net(nn.LSTM, device="cuda", num_layers=3, dropout=0.5)).train()
     ref = copy.deepcopy(model).eval()
     compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=CUDNN))
     x = _input({}, "cuda").double().requires_grad_()
@@ -646,7 +636,7 @@ def test_a_folded_cell_loop_on_fake_cuda_becomes_the_same_cudnn_call(cell):
 def test_half_precision_rnns_on_fake_cuda_are_one_cudnn_call_in_their_dtype(dtype):
     keep = Keep()
     with _fake_mode():
-        model = _built_in(dtype, lambda: Net(nn.LSTM, device="cuda", num_layers=2))
+        model = built_in_dtype(dtype, lambda: Net(nn.LSTM, device="cuda", num_layers=2))
         x = torch.randn(T, B, I, device="cuda", dtype=dtype)
         torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))(x)
         with torch.no_grad():
@@ -675,7 +665,7 @@ def test_linear_and_batchnorm_formats_on_fake_cuda(train):
     keep = Keep()
     with _fake_mode():
         with torch.device("cuda"):
-            model = _built_in(torch.bfloat16, QKVBatchNorm).train(train)
+            model = built_in_dtype(torch.bfloat16, QKVBatchNorm).train(train)
         x = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16)
         with torch.set_grad_enabled(train):
             torch.compile(model, backend=wfpass.backend(inner=keep))(x)

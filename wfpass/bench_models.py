@@ -8,6 +8,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+
+def built_in_dtype(dtype: torch.dtype, build):
+    """``build()`` with ``dtype`` as torch's default dtype: a model built on
+    fake tensors (``FakeTensorMode``, ``device="cuda"``) cannot be cast with
+    ``.to(dtype)``, which would have to swap its fake parameters."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(prev)
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
