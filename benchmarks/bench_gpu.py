@@ -32,26 +32,9 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench_models import CellLoop, Decoder, RnnLM, built_in_dtype
+from wfpass.bench_models import CellLoop, Decoder, RnnLM, SpeechEncoder, built_in_dtype
 
 CUDNN = {"cuda": "cudnn"}
-
-
-class SpeechEncoder(nn.Module):
-    """Two strided 1-D convolutions over 80 mel bins, a 2-layer LSTM,
-    LayerNorm and a projection; input [batch, 80, frames]."""
-
-    def __init__(self, hidden: int = 256):
-        super().__init__()
-        self.conv = nn.Sequential(nn.Conv1d(80, hidden, 3, padding=1), nn.GELU(),
-                                  nn.Conv1d(hidden, hidden, 3, padding=1), nn.GELU())
-        self.rnn = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
-        self.norm = nn.LayerNorm(hidden)
-        self.proj = nn.Linear(hidden, 32)
-
-    def forward(self, x):
-        h = self.conv(x).transpose(1, 2)
-        return self.proj(self.norm(self.rnn(h)[0]))
 
 
 class CRNN(nn.Module):

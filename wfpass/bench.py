@@ -1,92 +1,47 @@
 """``python -m wfpass bench``: the headline comparisons in one run.
 
-Three models, each step timed four ways, interleaved:
+The rows (``bench_cases.py``): a LLaMA-like decoder (RMSNorm, grouped-query
+attention, SwiGLU MLP) at a decode and a prefill size, compiled per layer
+(regional compilation), after a dynamic recompile and in a training step;
+HF ``generate()`` with the same shape; an RNN language model and a conv +
+LSTM speech encoder, training step and inference; a bf16 CNN with
+BatchNorm (training step, eval forward, and the running statistics against
+an fp32 copy); Python loops of ``nn.LSTMCell`` / ``nn.GRUCell``.
 
-- a LLaMA-like decoder (RMSNorm, grouped-query attention, SwiGLU MLP),
-  forward without grad, at a decode size (1 token) and a prefill size;
-- an RNN language model (Embedding -> 2-layer LSTM -> Linear), a training
-  step and inference;
-- a bf16 CNN with BatchNorm (conv-BN-ReLU blocks), a training step and an
-  eval forward, plus the BatchNorm running statistics after a number of
-  training steps, against an fp32 copy.
+Each row runs up to four ways: eager PyTorch, ``torch.compile`` default
+(Inductor), the hand-fused reference compiled with Inductor (the decoder
+written with one Q/K/V and one gate/up linear; the CNN with its BatchNorms
+moved to fp32 by hand; a cell loop as one eager ``nn.LSTM``/``nn.GRU``),
+and ``backend="wformat"``; each in a process of its own, built from the
+same seed, its output checked against eager's.
 
-The four ways: eager PyTorch, ``torch.compile`` default (Inductor), the
-hand-fused reference compiled with Inductor (the decoder written with one
-Q/K/V and one gate/up linear; the CNN with its BatchNorms moved to fp32 by
-hand; the LSTM has none: eager already runs PyTorch's fused kernel), and
-``backend="wformat"``. Each output is first checked against eager.
-
-Timing: a round times every variant once (a sample: enough calls to last
-``min_s``, per-call time), in an order that rotates from round to round, so
-machine noise reaches all of them alike. The table gives the median over
-rounds and the spread (half the interquartile range over rounds, in % of
-the median).
+Timing: a round takes one sample of every variant (enough calls to last
+``min_s``, per-call time), one process working at a time, in an order that
+rotates from round to round, so machine noise reaches all of them alike.
+The table gives the median over rounds and the spread (half the
+interquartile range over rounds, in % of the median).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 import os
-import statistics
 import time
+import traceback
 import types
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from .bench_models import BnCNN, CellLoop, Decoder, RnnLM, _bn_fp32_by_hand, hand_fused_decoder
+from .bench_cases import FULL, PARTS, QUICK, Case, Sizes, cases
+from .bench_models import BnCNN, Decoder, RnnLM, hand_fused_decoder
 from .bench_report import VARIANTS, markdown, plot
-from .bench_timing import Progress, Timing, interleaved
+from .bench_timing import Progress, Timing, _calls_per_sample, interleaved, interleaved_samples
 
-__all__ = ["Progress", "interleaved", "Timing", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN", "main", "run"]
-
-
-# -- the cases -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Sizes:
-    decoder: dict
-    decode_tokens: int
-    prefill_tokens: int
-    rnn: dict
-    rnn_batch: int
-    rnn_steps: int
-    cnn: dict
-    cnn_input: tuple
-    bn_steps: int
-    rounds: int
-    min_s: float
-    cells: dict = dataclasses.field(default_factory=lambda: dict(inp=64, hidden=128))
-    cell_steps: int = 32
-    cell_batch: int = 4
-    train_tokens: int = 8
-
-
-QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode_tokens=1, prefill_tokens=32,
-              rnn=dict(vocab=100, hidden=32, layers=2), rnn_batch=4, rnn_steps=16,
-              cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01,
-              cells=dict(inp=16, hidden=32), cell_steps=8, cell_batch=2, train_tokens=8)
-FULL = Sizes(decoder=dict(d=256, layers=4, heads=8, kv_heads=2, ffn=1376), decode_tokens=1, prefill_tokens=256,
-             rnn=dict(vocab=500, hidden=128, layers=2), rnn_batch=8, rnn_steps=64,
-             cnn=dict(width=32, blocks=3), cnn_input=(8, 3, 32, 32), bn_steps=100, rounds=7, min_s=0.05)
-
-PARTS = ("decoder", "rnn", "cnn", "cells")
-
-
-@dataclasses.dataclass
-class Case:
-    model: str
-    step: str
-    size: str
-    # -> (models by variant, steps by variant, an optional extra measurement
-    # run after the first calls)
-    build: Callable[[], tuple]
-    tol: float  # max |out - eager| relative to max |eager|
-    note: str = ""
+__all__ = ["Progress", "interleaved", "Timing", "Case", "Sizes", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN",
+           "main", "run"]
 
 
 @dataclasses.dataclass
@@ -101,13 +56,12 @@ class Result:
 
 def _own_code(model: nn.Module) -> nn.Module:
     """Give ``model`` a ``forward`` with a code object of its own (a subclass
-    with a copy of the function). Dynamo keeps its state per code object:
-    cached graphs, and a mark that makes every later call of a frame it
-    failed to compile run eagerly, for every backend. Without this, the
-    first variant compiled decides for the others: ``torch.compile``'s
-    default gives up on a model with an LSTM, and from then on the wformat
-    copy of the same class would run eagerly too. Each variant is measured
-    as if it ran in a process of its own."""
+    with a copy of the function), for benchmarks that compare variants in
+    one process. Dynamo keeps its state per code object: cached graphs, and
+    a mark that makes every later call of a frame it failed to compile run
+    eagerly, for every backend. Without this, the first variant compiled
+    decides for the others. (``bench`` itself runs each variant in a
+    process of its own.)"""
     cls = type(model)
     fwd = cls.forward
     own = types.FunctionType(fwd.__code__.replace(), fwd.__globals__, fwd.__name__, fwd.__defaults__, fwd.__closure__)
@@ -116,212 +70,135 @@ def _own_code(model: nn.Module) -> nn.Module:
     return model
 
 
-def _compile(model: nn.Module, backend: str, dynamic: Optional[bool] = False) -> nn.Module:
-    # dynamic=False (unless asked): every size gets its own static graph, as
-    # in a serving loop that pads to fixed sizes; no size is compiled twice.
-    return torch.compile(_own_code(model), backend=backend, dynamic=dynamic)
+# -- one variant, one process ----------------------------------------------------------
 
 
-def _step(model: nn.Module, x: torch.Tensor, train: bool, sgd: bool = False) -> Callable[[], torch.Tensor]:
-    """One timed call: a training step (forward, ``sum().backward()`` in
-    fp32; with ``sgd``, an SGD step and ``zero_grad`` too, as a training
-    loop runs) or a forward without grad; returns the output, detached."""
-    if train:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6) if sgd else None
+def _worker(conn, sizes: Sizes, parts: tuple, index: int, variant: str, threads: int) -> None:
+    """Build one variant of case ``index`` and answer the coordinator:
+    ``first`` (the first call, timed, and its output), ``extra``, ``sample``
+    (per-call seconds over enough calls to last ``sizes.min_s``),
+    ``rewrites``, ``quit``. A fresh process: Dynamo's caches, Inductor's
+    compiled kernels and the allocator's state are this variant's own."""
+    try:
+        torch.set_num_threads(threads)
+        import wfpass
 
-        def run():
-            out = model(x)
-            out.float().sum().backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return out.detach()
-    else:
-        def run():
-            with torch.no_grad():
-                return model(x)
-    return run
+        wfpass._load_api()  # registers the backend's passes
+        from ._torch.aot import disable_compile_caches, stop_compile_workers
 
-
-def _decoder_case(s: Sizes, tokens: int, label: str) -> Case:
-    def build():
-        torch.manual_seed(0)
-        base = Decoder(**s.decoder).eval()
-        x = torch.randn(1, tokens, s.decoder["d"])
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
-                  "hand-fused": _compile(hand_fused_decoder(base), "inductor"),
-                  "wformat": _compile(copy.deepcopy(base), "wformat")}
-
-        return models, {k: _step(m, x, train=False) for k, m in models.items()}, None
-
-    d = s.decoder
-    return Case("LLaMA-like decoder", "forward", f"{label}: {tokens} token{'s' if tokens > 1 else ''}", build, 1e-4,
-                f"{d['layers']} layers, d_model {d['d']}, {d['heads']} heads / {d['kv_heads']} KV heads, SwiGLU {d['ffn']}, batch 1")
-
-
-def _decoder_dynamic_case(s: Sizes, tokens: int) -> Case:
-    """The decoder after Dynamo's dynamic recompile: every compiled variant
-    first runs two other lengths (the first compiles statically, the second
-    makes Dynamo recompile with the length symbolic), then is timed at
-    ``tokens`` on that symbolic graph, as a serving loop with varying
-    prompt lengths runs."""
-    def build():
-        torch.manual_seed(0)
-        base = Decoder(**s.decoder).eval()
-        d = s.decoder["d"]
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor", dynamic=None),
-                  "hand-fused": _compile(hand_fused_decoder(base), "inductor", dynamic=None),
-                  "wformat": _compile(copy.deepcopy(base), "wformat", dynamic=None)}
-        with torch.no_grad():
-            for n in (tokens + 2, tokens + 5):
-                for k, m in models.items():
-                    if k != "eager":
-                        m(torch.randn(1, n, d))
-        x = torch.randn(1, tokens, d)
-        return models, {k: _step(m, x, train=False) for k, m in models.items()}, None
-
-    return Case("LLaMA-like decoder", "forward after a dynamic recompile", f"{tokens} tokens", build, 1e-4)
+        disable_compile_caches()  # first calls are cold compiles
+        model, step, extra = cases(sizes, parts)[index].build(variant)
+        conn.send(("ready", None))
+        calls = 0
+        while True:
+            cmd = conn.recv()
+            if cmd == "first":
+                t0 = time.perf_counter()
+                out = step()
+                took = time.perf_counter() - t0
+                stop_compile_workers()  # no idle compile pool beside the timed calls
+                conn.send(("ok", (took, out.detach().float().numpy())))
+            elif cmd == "extra":
+                conn.send(("ok", extra() if extra is not None else {}))
+            elif cmd == "sample":
+                if not calls:
+                    calls = _calls_per_sample(step, sizes.min_s)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                conn.send(("ok", (time.perf_counter() - t0) / calls))
+            elif cmd == "rewrites":
+                conn.send(("ok", _rewrites(model) if variant == "wformat" else ""))
+            else:
+                break
+    except Exception:  # the coordinator raises it, with this traceback
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
-def _decoder_train_case(s: Sizes) -> Case:
-    """A training step of the decoder (forward, backward, SGD step)."""
-    def build():
-        torch.manual_seed(0)
-        base = Decoder(**s.decoder).train()
-        x = torch.randn(1, s.train_tokens, s.decoder["d"])
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
-                  "hand-fused": _compile(hand_fused_decoder(base).train(), "inductor"),
-                  "wformat": _compile(copy.deepcopy(base), "wformat")}
-        return models, {k: _step(m, x, True, sgd=True) for k, m in models.items()}, None
+class _Variant:
+    """The coordinator's handle on one worker process."""
 
-    return Case("LLaMA-like decoder", "training step (SGD)", f"{s.train_tokens} tokens", build, 1e-4)
+    def __init__(self, ctx, sizes: Sizes, parts: tuple, index: int, variant: str, threads: int) -> None:
+        self.name = variant
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, sizes, parts, index, variant, threads), daemon=True)
+        self.proc.start()
+        child.close()
 
+    def answer(self):
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"bench: the {self.name} process died (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"bench: the {self.name} variant failed:\n{value}")
+        return value
 
-def _cell_case(s: Sizes, cell: str, train: bool) -> Case:
-    """A Python loop of ``nn.LSTMCell`` / ``nn.GRUCell`` steps; the
-    hand-fused reference is the same weights in one eager ``nn.LSTM`` /
-    ``nn.GRU`` (what a user would rewrite the loop as)."""
-    def build():
-        torch.manual_seed(0)
-        c = s.cells
-        base = CellLoop(c["inp"], c["hidden"], cell=cell)
-        x = torch.randn(s.cell_steps, s.cell_batch, c["inp"])
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
-                  "hand-fused": base.as_rnn(), "wformat": _compile(copy.deepcopy(base), "wformat")}
-        return models, {k: _step(m, x, train) for k, m in models.items()}, None
+    def ask(self, cmd: str):
+        self.conn.send(cmd)
+        return self.answer()
 
-    c = s.cells
-    return Case(f"{cell} loop", "training step" if train else "inference", f"T={s.cell_steps}, batch {s.cell_batch}",
-                build, 1e-4, f"nn.{cell}({c['inp']}, {c['hidden']}) stepped in a Python loop, outputs stacked; "
-                f"hand-fused: the same weights in one eager nn.{cell[:-4]}")
-
-
-def _rnn_case(s: Sizes, train: bool) -> Case:
-    def build():
-        torch.manual_seed(0)
-        base = RnnLM(**s.rnn)
-        tok = torch.randint(0, s.rnn["vocab"], (s.rnn_steps, s.rnn_batch))
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
-                  "wformat": _compile(copy.deepcopy(base), "wformat")}
-
-        return models, {k: _step(m, tok, train) for k, m in models.items()}, None
-
-    r = s.rnn
-    return Case("RNN language model", "training step" if train else "inference", f"T={s.rnn_steps}, batch {s.rnn_batch}",
-                build, 1e-4, f"Embedding {r['vocab']} -> {r['layers']}-layer LSTM {r['hidden']} -> Linear {r['vocab']}")
-
-
-def _cnn_case(s: Sizes, train: bool, stats: Dict[str, float]) -> Case:
-    def build():
-        torch.manual_seed(0)
-        base = BnCNN(**s.cnn).to(torch.bfloat16)
-        ref32 = BnCNN(**s.cnn)
-        ref32.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
-        x = torch.randn(*s.cnn_input, dtype=torch.bfloat16)
-        models = {"eager": base, "inductor": _compile(copy.deepcopy(base), "inductor"),
-                  "hand-fused": _compile(_bn_fp32_by_hand(copy.deepcopy(base)), "inductor"),
-                  "wformat": _compile(copy.deepcopy(base), "wformat")}
-
-        def bn_statistics() -> None:
-            # Running statistics on a stream whose channel means and spread
-            # drift (weights fixed, so only the statistics differ), against
-            # an fp32 copy given the same bf16 inputs. Runs the compiled
-            # training graphs, after their first call.
-            ref32(x.float())  # the step every variant took on its first call
-            g = torch.Generator().manual_seed(1)
-            batches = [(torch.randn(*s.cnn_input, generator=g) * (1.0 + 0.01 * i) + 2.0 + 0.02 * i).to(torch.bfloat16)
-                       for i in range(s.bn_steps)]
-            for m in list(models.values()) + [ref32]:
-                for xb in batches:
-                    m(xb if m is not ref32 else xb.float())
-            ref_bns = [m for m in ref32.modules() if isinstance(m, nn.BatchNorm2d)]
-            stats.clear()
-            for k, m in models.items():
-                mod = getattr(m, "_orig_mod", m)
-                bns = [b for b in mod.modules() if isinstance(b, nn.BatchNorm2d)]
-                stats[k] = statistics.median(
-                    ((b.running_var.float() - r.running_var).norm() / r.running_var.norm()).item() for b, r in zip(bns, ref_bns))
-                stats[k + " dtype"] = str(bns[0].running_var.dtype).replace("torch.", "")
-
-        for m in models.values():
-            m.train(train)
-
-        return models, {k: _step(m, x, train) for k, m in models.items()}, (bn_statistics if train else None)
-
-    c = s.cnn
-    n_bn = 1 + 2 * c["blocks"]
-    return Case("bf16 CNN with BatchNorm", "training step" if train else "eval forward",
-                "x".join(map(str, s.cnn_input)), build, 5e-2,
-                f"{n_bn} conv-BatchNorm pairs, width {c['width']}, bf16")
+    def close(self) -> None:
+        try:
+            self.conn.send("quit")
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress] = None) -> tuple:
-    """Run the cases of ``parts``; returns (results, BatchNorm statistics)."""
-    stats: Dict[str, float] = {}
-    cases: List[Case] = []
-    if "decoder" in parts:
-        cases += [_decoder_case(sizes, sizes.decode_tokens, "decode"), _decoder_case(sizes, sizes.prefill_tokens, "prefill"),
-                  _decoder_dynamic_case(sizes, 8), _decoder_train_case(sizes)]
-    if "rnn" in parts:
-        cases += [_rnn_case(sizes, True), _rnn_case(sizes, False)]
-    if "cnn" in parts:
-        cases += [_cnn_case(sizes, True, stats), _cnn_case(sizes, False, stats)]
-    if "cells" in parts:
-        cases += [_cell_case(sizes, cell, train) for cell in ("LSTMCell", "GRUCell") for train in (True, False)]
+    """Run the cases of ``parts``, every variant in a process of its own
+    (started together, then compiled one at a time and timed in interleaved
+    rounds, one process working at a time); returns (results, BatchNorm
+    statistics)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parts = tuple(parts)
+    stats: Dict[str, object] = {}
+    todo = cases(sizes, parts)
     if progress is None:
         progress = Progress(0, enabled=False)
-    # Per case: one unit for building, one per variant's first call, one per round.
-    progress.total = sum(2 + len(VARIANTS) + sizes.rounds for _ in cases) + ("cnn" in parts)
+    # Per case: one unit for starting, one per variant's first call, one per round.
+    progress.total = sum(2 + len(VARIANTS) + sizes.rounds for _ in todo) + ("cnn" in parts)
+    threads = torch.get_num_threads()
     results = []
-    for case in cases:
-        torch.compiler.reset()  # each case starts from nothing compiled
+    for index, case in enumerate(todo):
         name = f"{case.model}, {case.step}, {case.size}"
-        with progress.working(f"{name}: building"):
-            models, steps, extra = case.build()
-        first, errors, ok = {}, {}, True
-        ref = None
-        for k, fn in steps.items():
-            what = "running eager" if k == "eager" else f"compiling {k}"
-            with progress.working(f"{name}: {what}"):
-                t0 = time.perf_counter()
-                out = fn()
-                first[k] = time.perf_counter() - t0
-            out = out.float()
-            if ref is None:
-                ref = out
-            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-            errors[k] = err
-            ok &= math.isfinite(err) and err <= case.tol
-        progress.advance(len(VARIANTS) - len(steps))
-        if extra is not None:
-            with progress.working(f"{name}: BatchNorm statistics, {sizes.bn_steps} steps"):
-                extra()
-        progress.say(f"{name}: timing, {sizes.rounds} interleaved rounds")
-        times = interleaved(steps, sizes.rounds, sizes.min_s, progress)
-        results.append(Result(case, times, first, errors, ok, _rewrites(models["wformat"])))
-        progress.advance()
-        del steps, models
-    torch.compiler.reset()
+        workers: Dict[str, _Variant] = {}
+        try:
+            with progress.working(f"{name}: starting {len(case.variants)} processes"):
+                for v in case.variants:
+                    workers[v] = _Variant(ctx, sizes, parts, index, v, threads)
+                for w in workers.values():
+                    w.answer()
+            first, errors, ok, ref = {}, {}, True, None
+            for v, w in workers.items():
+                what = "running eager" if v == "eager" else f"compiling {v}"
+                with progress.working(f"{name}: {what}"):
+                    first[v], out = w.ask("first")
+                out = torch.from_numpy(out)
+                ref = out if ref is None else ref
+                errors[v] = err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                ok &= math.isfinite(err) and err <= case.tol
+            progress.advance(len(VARIANTS) - len(workers))
+            extras = [w.ask("extra") for w in workers.values()]
+            for e in extras:
+                stats.update(e)
+            if any(extras):
+                progress.advance()
+            progress.say(f"{name}: timing, {sizes.rounds} interleaved rounds")
+            times = interleaved_samples({v: (lambda w=w: w.ask("sample")) for v, w in workers.items()},
+                                        sizes.rounds, progress)
+            results.append(Result(case, times, first, errors, ok, workers["wformat"].ask("rewrites")))
+            progress.advance()
+        finally:
+            for w in workers.values():
+                w.close()
     progress.close()
     return results, stats
 
@@ -340,13 +217,6 @@ def _rewrites(model: nn.Module) -> str:
 
 def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] = None, parts: Sequence[str] = PARTS,
          threads: Optional[int] = None, plot_file: bool = True, command: str = "python -m wfpass bench") -> int:
-    import wfpass
-
-    wfpass._load_api()  # registers the backend's passes
-    from ._torch.aot import disable_compile_caches
-
-    # First calls are cold compiles, not reads of an earlier run's cache.
-    disable_compile_caches()
     sizes = dataclasses.replace(QUICK if quick else FULL)
     if rounds is not None:
         sizes.rounds = rounds

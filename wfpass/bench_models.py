@@ -145,6 +145,23 @@ class RnnLM(nn.Module):
         return self.out(self.rnn(self.emb(tokens))[0])
 
 
+class SpeechEncoder(nn.Module):
+    """Two 1-D convolutions over the mel bins, a 2-layer LSTM, LayerNorm and
+    a projection; input [batch, mels, frames]."""
+
+    def __init__(self, mels: int = 80, hidden: int = 256) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(mels, hidden, 3, padding=1), nn.GELU(),
+                                  nn.Conv1d(hidden, hidden, 3, padding=1), nn.GELU())
+        self.rnn = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.norm = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, 32)
+
+    def forward(self, x):
+        h = self.conv(x).transpose(1, 2)
+        return self.proj(self.norm(self.rnn(h)[0]))
+
+
 class BnCNN(nn.Module):
     """Conv-BatchNorm-ReLU blocks with a residual, then pooling and a linear
     head: the BatchNorm pattern of a ResNet."""

@@ -46,11 +46,12 @@ def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, se
              "", worst_cells(results), "",
              "Times in ms per call: median over rounds, ± half the interquartile range over rounds. "
              "**x faster = baseline time / wformat time** (above 1: wformat is faster). "
+             "Every variant runs in a process of its own (its compile cold, its caches and heap its own). "
              "*hand-fused*: the decoder written with one Q/K/V and one gate/up linear, or the CNN with its "
-             "BatchNorms in fp32 by hand, compiled with Inductor; the LSTM has no hand-fused reference "
-             "(eager already runs PyTorch's fused kernel). For the RNN language model, `torch.compile`'s "
-             "default puts no LSTM in its graph and runs the model eagerly: its Inductor column is a second eager "
-             "run.",
+             "BatchNorms in fp32 by hand, compiled with Inductor; a cell loop written as one eager nn.LSTM/nn.GRU; "
+             "the LSTM models have none (eager already runs PyTorch's fused kernel). `torch.compile`'s "
+             "default puts no LSTM in its graph: for the RNN models its Inductor column runs the LSTM eagerly "
+             "between compiled pieces.",
              "",
              "| model | step | size | eager | Inductor | hand-fused | wformat | x faster than Inductor | x faster than eager | output checked | wformat rewrote |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -66,9 +67,9 @@ def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, se
     lines += ["", "*output checked*: largest |variant - eager| over largest |eager|, all compiled variants "
               "(bf16 CNN: tolerance 5e-2; the rest 1e-4). *wformat rewrote*: the rewrites in `wfpass.report` "
               "of the wformat model (linear groups, RNNs, BatchNorms) that ran.", ""]
-    lines += ["First call (compile included), seconds, in the order eager, Inductor, hand-fused, wformat. "
-              "Inductor's graph caches are off, but C++ kernels an earlier variant compiled are reused, which can "
-              "shorten a later variant's first call:", "",
+    lines += ["First call (compile included), seconds; variants compiled one after the other, in the order "
+              "Inductor, hand-fused, wformat. Inductor's graph caches are off, but C++ kernels an earlier "
+              "process compiled are read from Inductor's disk cache, which can shorten a later variant's first call:", "",
               "| model | step | size | Inductor | hand-fused | wformat |", "|---|---|---|---|---|---|"]
     for r in results:
         f = r.first_call_s

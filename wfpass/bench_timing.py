@@ -132,22 +132,34 @@ def _calls_per_sample(fn: Callable[[], None], min_s: float) -> int:
         n *= 2
 
 
-def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float = 0.02,
-                progress: Optional[Progress] = None) -> Dict[str, Timing]:
-    """Time every step ``rounds`` times, the variants interleaved inside each
-    round and their order rotated from round to round. Each step must
-    already have run once (compiled)."""
-    names = list(steps)
-    calls = {k: _calls_per_sample(steps[k], min_s) for k in names}
+def interleaved_samples(samplers: Dict[str, Callable[[], float]], rounds: int,
+                        progress: Optional[Progress] = None) -> Dict[str, Timing]:
+    """Take ``rounds`` samples of every sampler (each returns one per-call
+    time), the variants interleaved inside each round and their order
+    rotated from round to round, so machine noise reaches all alike."""
+    names = list(samplers)
     out: Dict[str, List[float]] = {k: [] for k in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for k in order:
-            fn, n = steps[k], calls[k]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            out[k].append((time.perf_counter() - t0) / n)
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            out[k].append(samplers[k]())
         if progress is not None:
             progress.advance()
     return {k: Timing(v) for k, v in out.items()}
+
+
+def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float = 0.02,
+                progress: Optional[Progress] = None) -> Dict[str, Timing]:
+    """Time every step in one process, ``interleaved_samples`` with each
+    sample enough calls to last ``min_s``. Each step must already have run
+    once (compiled)."""
+    calls = {k: _calls_per_sample(fn, min_s) for k, fn in steps.items()}
+
+    def sampler(fn: Callable[[], None], n: int) -> Callable[[], float]:
+        def sample() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n
+        return sample
+
+    return interleaved_samples({k: sampler(fn, calls[k]) for k, fn in steps.items()}, rounds, progress)

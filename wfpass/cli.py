@@ -23,7 +23,7 @@ objects and state_dict, and reports every decision (wfpass.report(model)).
 EPILOG = """\
 examples:
   python -m wfpass demo               where wformat pays, measured here, in under a minute
-  python -m wfpass bench --quick      the headline comparisons, about a minute
+  python -m wfpass bench --quick      the headline comparisons at tiny sizes, a few minutes
   python -m wfpass bench --out results
   python -m wfpass doctor             which torch, kernels and C++ build wfpass uses here
 """
@@ -84,20 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", help="time the headline models under eager, Inductor, a hand-fused reference and wformat",
-        description="A LLaMA-like decoder at a decode and a prefill size, an RNN language model (training step "
-                    "and inference) and a bf16 CNN with BatchNorm (training step, eval forward, and the "
-                    "BatchNorm statistics against fp32), each timed under eager PyTorch, torch.compile's "
-                    "default (Inductor), the hand-fused reference and backend='wformat', interleaved. Writes a "
-                    "markdown table (bench.md) and a plot (bench.png, needs matplotlib) into --out. "
-                    "The full run takes several minutes on a 2-core machine; --quick about one.")
+        description="A LLaMA-like decoder (decode and prefill sizes, regional compilation, after a dynamic "
+                    "recompile, a training step), HF generate(), an RNN language model and a speech encoder "
+                    "(training step and inference), a bf16 CNN with BatchNorm (training step, eval forward, and "
+                    "the BatchNorm statistics against fp32) and LSTMCell/GRUCell loops, each timed under eager "
+                    "PyTorch, torch.compile's default (Inductor), a hand-fused reference and "
+                    "backend='wformat', every variant in a process of its own, interleaved. Prints the worst "
+                    "row against Inductor and against eager, and writes a markdown table (bench.md), the "
+                    "figures (bench.json) and a plot (bench.png, needs matplotlib) into --out. The full run "
+                    "takes about ten minutes on a 2-core machine; --quick about two.")
     bench.add_argument("--quick", action="store_true",
-                       help="tiny sizes and 3 rounds: about a minute, to see that everything runs")
+                       help="tiny sizes and 3 rounds: a few minutes, to see that everything runs")
     bench.add_argument("--out", default="wfpass-bench", metavar="DIR",
                        help="folder for bench.md and bench.png, created if needed (default: ./wfpass-bench)")
     bench.add_argument("--rounds", type=_positive, default=None,
                        help="interleaved timing rounds (default: 7, or 3 with --quick)")
     bench.add_argument("--only", type=_parts, default=None, metavar="PARTS",
-                       help="comma list of the models to run: decoder, rnn, cnn, cells (default: all)")
+                       help="comma list of the models to run: decoder, generate, rnn, speech, cnn, cells (default: all)")
     bench.add_argument("--threads", type=_positive, default=None,
                        help="torch threads (default: torch's own choice; 1 with --quick)")
     bench.add_argument("--no-plot", action="store_true", help="write the table only, not bench.png")
