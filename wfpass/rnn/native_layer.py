@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from .._torch import aot as _aot
+from .._torch import native as _native
 from .lstm_layer import zero_states
 
 __all__ = ["MODES"]
@@ -111,13 +112,16 @@ def _gates_backward(x, w_ih, w_hh, b_ih, b_hh, h0, out, gout, ghy):
     k_r = a_n * gh[:, :, 2] * r * (1 - r)
     k_z = (h_prev - n) * z * (1 - z)
     k_h = torch.stack([k_r, k_z, a_n * r], 2)  # recurrent side: n's part is scaled by r
-    dgh = torch.empty_like(k_h)
-    dh_all = torch.empty_like(out)
-    carry = ghy[0] if ghy is not None else out.new_zeros((B, H))
-    for t in range(T - 1, -1, -1):  # the only sequential part: through w_hh
-        dh = torch.add(gout[t], carry, out=dh_all[t]) if gout is not None else dh_all[t].copy_(carry)
-        torch.mul(dh.unsqueeze(1), k_h[t], out=dgh[t])
-        carry = torch.addmm(dh * z[t], dgh[t].view(B, 3 * H), w_hh)
+    if _native.is_loaded():  # the same loop in C++ (_torch/native/rnn.cpp)
+        dgh, dh_all, carry = torch.ops.wfpass._gru_grad_loop(k_h, z, w_hh, gout, ghy)
+    else:
+        dgh = torch.empty_like(k_h)
+        dh_all = torch.empty_like(out)
+        carry = ghy[0] if ghy is not None else out.new_zeros((B, H))
+        for t in range(T - 1, -1, -1):  # the only sequential part: through w_hh
+            dh = torch.add(gout[t], carry, out=dh_all[t]) if gout is not None else dh_all[t].copy_(carry)
+            torch.mul(dh.unsqueeze(1), k_h[t], out=dgh[t])
+            carry = torch.addmm(dh * z[t], dgh[t].view(B, 3 * H), w_hh)
     dgi = dgh.clone()
     torch.mul(dh_all, a_n, out=dgi[:, :, 2])
     return dgi, dgh, carry, h_prev

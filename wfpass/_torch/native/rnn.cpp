@@ -77,6 +77,46 @@ Grads7 lstm_layer_backward(const Tensor& input, const Tensor& w_ih, const Tensor
   return {gs[0], gs[1], gs[2], gs[3], gs[4], gs[5], gs[6]};
 }
 
+// A forward-ordered GRU layer (PyTorch's nn.GRUCell formulas): the input
+// projection of every step as one GEMM, then per step one recurrent GEMM
+// and the gate math in five vectorized ATen calls (ATen's own CPU loop,
+// at::gru, spends about a dozen per step; at small batch and hidden sizes
+// those calls, not the GEMMs, are most of its time). Returns out [T, B, H];
+// the last state is out[T - 1].
+Tensor gru_forward(const Tensor& x, const Tensor& w_ih, const Tensor& w_hh, const Opt& b_ih, const Opt& b_hh,
+                   const Tensor& h0) {
+  const int64_t T = x.size(0), B = x.size(1), I = x.size(2), H = w_hh.size(1);
+  const Tensor x2 = x.reshape({T * B, I});
+  Tensor gi = (b_ih.has_value() ? at::addmm(*b_ih, x2, w_ih.t()) : at::mm(x2, w_ih.t())).view({T, B, 3 * H});
+  // b_hh's reset and update parts enter only through r and z's sums: added
+  // to every step's input gates once, so each step's GEMM needs no bias
+  // (addmm would copy the bias into its output first, every step).
+  if (b_hh.has_value()) gi.narrow(2, 0, 2 * H).add_(b_hh->narrow(0, 0, 2 * H));
+  const Tensor b_hn = b_hh.has_value() ? b_hh->narrow(0, 2 * H, H) : Tensor();
+  Tensor out = at::empty({T, B, H}, x.options());
+  Tensor gh = at::empty({B, 3 * H}, x.options());
+  Tensor rz = at::empty({B, 2 * H}, x.options());
+  Tensor n = at::empty({B, H}, x.options());
+  // Views made once: slicing is a dispatcher call each time.
+  const Tensor gh_rz = gh.narrow(1, 0, 2 * H), gh_n = gh.narrow(1, 2 * H, H);
+  const Tensor r = rz.narrow(1, 0, H), z = rz.narrow(1, H, H);
+  const Tensor gi_rz = gi.narrow(2, 0, 2 * H), gi_n = gi.narrow(2, 2 * H, H);
+  const Tensor w_hh_t = w_hh.t();
+  Tensor h = h0.reshape({B, H});
+  for (int64_t t = 0; t < T; ++t) {
+    at::mm_out(gh, h, w_hh_t);
+    at::add_out(rz, gi_rz.select(0, t), gh_rz);
+    rz.sigmoid_();
+    if (b_hn.defined()) gh_n.add_(b_hn);
+    at::addcmul_out(n, gi_n.select(0, t), r, gh_n);
+    n.tanh_();
+    Tensor h_new = out.select(0, t);
+    at::lerp_out(h_new, n, h, z);  // (1 - z) * n + z * h
+    h = h_new;
+  }
+  return out;
+}
+
 std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, const Opt& b_ih,
                                      const Opt& b_hh, const Opt& hx, c10::string_view mode, bool reverse) {
   const int64_t H = w_hh.size(1);
@@ -89,7 +129,14 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
   }
   const Tensor x = reverse ? input.flip(0) : input;
   std::tuple<Tensor, Tensor> r;
-  {
+  const auto dtype = input.scalar_type();
+  if (mode == "GRU" && (dtype == at::kFloat || dtype == at::kDouble) && input.size(0) > 0) {
+    // Half types keep ATen's kernel: its gate math rounds after every op,
+    // and eager bf16/fp16 GRUs are what wfpass's results are checked against.
+    at::NoGradGuard no_grad;
+    const Tensor out = gru_forward(x.contiguous(), w_ih.contiguous(), w_hh.contiguous(), b_ih, b_hh, h0);
+    r = {out, out.select(0, out.size(0) - 1).unsqueeze(0).clone()};  // its own storage, at offset 0
+  } else {
     at::NoGradGuard no_grad;
     if (mode == "GRU")
       r = at::gru(x, h0, params, bias, 1, 0.0, false, false, false);
@@ -108,7 +155,41 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
   return {out.contiguous(), hy};
 }
 
+// The sequential part of a GRU layer's backward (wfpass/rnn/native_layer.py,
+// _gates_backward): the same ATen ops in the same order as its Python loop,
+// so the same numbers, without Python's cost per op (four to five ops a
+// step, each ~3 us from Python at small sizes). Every factor that does not
+// depend on the incoming gradient (k_h [T, B, 3, H], z [T, B, H]) is
+// computed before, for all steps at once. Returns (dL/d recurrent gates,
+// dL/dh per step, dL/dh0).
+std::tuple<Tensor, Tensor, Tensor> gru_grad_loop(const Tensor& k_h, const Tensor& z, const Tensor& w_hh,
+                                                 const Opt& grad_output, const Opt& grad_hy) {
+  const int64_t T = k_h.size(0), B = k_h.size(1), H = k_h.size(3);
+  Tensor dgh = at::empty_like(k_h, at::MemoryFormat::Contiguous);
+  Tensor dh_all = at::empty({T, B, H}, k_h.options());
+  Tensor carry = grad_hy.has_value() ? grad_hy->select(0, 0) : at::zeros({B, H}, k_h.options());
+  for (int64_t t = T - 1; t >= 0; --t) {
+    Tensor dh = dh_all.select(0, t);
+    if (grad_output.has_value())
+      at::add_out(dh, grad_output->select(0, t), carry);
+    else
+      dh.copy_(carry);
+    Tensor dg = dgh.select(0, t);
+    at::mul_out(dg, dh.unsqueeze(1), k_h.select(0, t));
+    carry = at::addmm(dh * z.select(0, t), dg.view({B, 3 * H}), w_hh);
+  }
+  return {dgh, dh_all, carry};
+}
+
 }  // namespace
+
+// Called only inside wfpass::rnn_layer_backward's kernel (never traced, so
+// no fake implementation).
+TORCH_LIBRARY_FRAGMENT(wfpass, m) {
+  m.def("_gru_grad_loop(Tensor k_h, Tensor z, Tensor w_hh, Tensor? grad_output, Tensor? grad_hy) "
+        "-> (Tensor, Tensor, Tensor)",
+        gru_grad_loop);
+}
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("lstm_layer", lstm_layer);
