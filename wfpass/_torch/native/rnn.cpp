@@ -130,9 +130,12 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
   const Tensor x = reverse ? input.flip(0) : input;
   std::tuple<Tensor, Tensor> r;
   const auto dtype = input.scalar_type();
-  if (mode == "GRU" && (dtype == at::kFloat || dtype == at::kDouble) && input.size(0) > 0) {
+  bool same_dtype = h0.scalar_type() == dtype && w_ih.scalar_type() == dtype && w_hh.scalar_type() == dtype;
+  if (bias) same_dtype = same_dtype && b_ih->scalar_type() == dtype && b_hh->scalar_type() == dtype;
+  if (mode == "GRU" && (dtype == at::kFloat || dtype == at::kDouble) && same_dtype && input.size(0) > 0) {
     // Half types keep ATen's kernel: its gate math rounds after every op,
     // and eager bf16/fp16 GRUs are what wfpass's results are checked against.
+    // Mixed dtypes go to ATen too, which raises eager's error for them.
     at::NoGradGuard no_grad;
     const Tensor out = gru_forward(x.contiguous(), w_ih.contiguous(), w_hh.contiguous(), b_ih, b_hh, h0);
     r = {out, out.select(0, out.size(0) - 1).unsqueeze(0).clone()};  // its own storage, at offset 0
