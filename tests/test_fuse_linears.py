@@ -19,7 +19,7 @@ from wfpass.linear.guards import fusion_keeps_dag as _fusion_keeps_dag
 from wfpass.linear.match import dependency_graph as _dependency_graph
 
 from models import QKV, Chain, Functional, SwiGLU
-from wftest import Capture, assert_same_fwd_bwd, param_ids, train_steps
+from wftest import Capture, assert_applied, assert_same_fwd_bwd, param_ids, train_steps
 
 
 def _storage_bytes(model):
@@ -311,11 +311,15 @@ def test_dtype_round_trip_keeps_results_right():
     compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear_path="fused"))
     x = torch.randn(1, 32)
     torch.testing.assert_close(compiled(x), ref(x))
+    assert_applied(model, "linear")
     model.to(torch.float64)
     torch.testing.assert_close(compiled(x.double()), ref.double()(x.double()))
     model.to(torch.float32)
     ref.float()
     torch.testing.assert_close(compiled(x), ref(x))
+    # Back in float32, the group is one block again (re-fused, or a new layout).
+    assert_applied(model, "linear")
+    assert model.gate.weight.untyped_storage().data_ptr() == model.up.weight.untyped_storage().data_ptr()
 
 
 def test_restore_gives_independent_storage_same_values():

@@ -79,10 +79,18 @@ def make_inputs(cls, kw, T, B=3, dtype=torch.float32, state=False):
     return [x, h0]
 
 
-def wformat(**options):
+def wformat(expect="rnn", **options):
+    """The transform the tests compare with eager; ``assert_same_fwd_bwd``
+    also checks that an RNN was rewritten (``expect=None``: a test of a
+    skip)."""
     options.setdefault("inner", "aot_eager")
     options.setdefault("seq_threshold", N)
-    return lambda m: torch.compile(m, backend=wfpass.backend(**options))
+
+    def transform(m):
+        return torch.compile(m, backend=wfpass.backend(**options))
+
+    transform.expect = expect
+    return transform
 
 
 def rnn_record():

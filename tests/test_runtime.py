@@ -19,6 +19,7 @@ import torch.nn as nn
 
 import wfpass
 from wfpass.storage import fused_storage_of, live_layouts
+from wftest import assert_applied
 
 
 def _grads_close(model, ref, rtol=1e-4):
@@ -121,6 +122,9 @@ def test_rnn_residual_variants(variant):
     (ref(x2) * R).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
     _grads_close(model, ref)
+    assert_applied(model, "rnn")
+    (rec,) = wfpass.report(model).find("rnn", "rewritten")
+    assert rec.stats["unfused_calls" if variant == "threshold_path" else "fused_calls"] == 1, rec.stats
 
 
 def test_rnn_bf16_residual():
@@ -133,6 +137,7 @@ def test_rnn_bf16_residual():
     (fn(x) * R).float().sum().backward()
     (ref(x) * R).float().sum().backward()
     _grads_close(model, ref, rtol=3e-2)
+    assert_applied(model, "rnn")
 
 
 # -- writes to fused weights inside the graph ------------------------------------

@@ -7,7 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TOL", "Capture", "free_port", "assert_same_fwd_bwd", "clone_inputs", "param_ids", "train_steps"]
+__all__ = ["TOL", "Capture", "free_port", "assert_applied", "assert_same_fwd_bwd", "clone_inputs", "param_ids",
+           "train_steps"]
 
 #: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -29,9 +30,31 @@ def _loss(out) -> torch.Tensor:
     return sum(_loss(o) for o in out if isinstance(o, (torch.Tensor, tuple, list)))
 
 
+def assert_applied(model: torch.nn.Module, pattern: str) -> None:
+    """The format ``pattern`` ran on ``model``: its report has a rewritten
+    row for it, and the parameters of each such row that the row says were
+    moved share one storage (the fused block). A comparison with eager
+    alone would pass if the format silently did nothing."""
+    import wfpass
+
+    report = wfpass.report(model)
+    rows = report.find(pattern, "rewritten")
+    assert rows, f"no rewritten {pattern!r} row:\n{report}"
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for row in rows:
+        if "left where they are" in row.reason or "unfused" in row.reason.split(":")[0]:
+            continue
+        moved = [params[n] for n in row.params if n in params]
+        assert moved, (row.params, list(params))
+        blocks = {p.untyped_storage().data_ptr() for p in moved}
+        assert len(blocks) == 1, f"{row.params} are not one block: {row.reason}"
+
+
 def assert_same_fwd_bwd(model: torch.nn.Module, transform: Callable[[torch.nn.Module], Callable], inputs: Sequence, rtol=None, atol=None, dtype=torch.float32):
     """Run ``transform(model)(*inputs)`` and a deep-copied eager model on the
-    same inputs; assert outputs, input grads and every parameter grad agree."""
+    same inputs; assert outputs, input grads and every parameter grad agree.
+    A transform with an ``expect`` attribute (a format's name) must also
+    have applied that format (``assert_applied``)."""
     d_rtol, d_atol = TOL[dtype]
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol
@@ -40,6 +63,8 @@ def assert_same_fwd_bwd(model: torch.nn.Module, transform: Callable[[torch.nn.Mo
     a_in, r_in = clone_inputs(inputs), clone_inputs(inputs)
     out = fn(*a_in)
     ref_out = ref(*r_in)
+    if getattr(transform, "expect", None):
+        assert_applied(model, transform.expect)
     la, lr = _loss(out), _loss(ref_out)
     torch.testing.assert_close(la, lr, rtol=rtol, atol=atol * max(1, la.numel()))
     _assert_tree_close(out, ref_out, rtol, atol)
