@@ -1,0 +1,98 @@
+"""What a folded LSTMCell loop costs beyond the LSTM kernel it calls: the
+loop compiled with wformat against the same weights in an eager
+``nn.LSTM``, beside a one-linear model compiled with Inductor against the
+same linear eagerly (the compiled call's own cost: Dynamo's guards, the
+AOTAutograd wrappers and, in training, the compiled backward's), and the
+folded loop with ``inner="eager"`` (no AOTAutograd or Inductor around the
+one op the graph holds).
+
+    python benchmarks/profile_cell_floor.py --out docs/cell_floor.md
+
+One process, 1 thread; every variant its own module (its own forward code
+object), rounds interleaved, medians of 9 rounds of 100 calls. Training
+= forward + ``sum().backward()``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--lengths", default="32,128")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    import wfpass
+    from wfpass.bench import _own_code
+    from wfpass.bench_models import CellLoop
+
+    wfpass._load_api()
+    rows = []
+    for T in (int(t) for t in a.lengths.split(",")):
+        torch.manual_seed(0)
+        base = CellLoop(64, 128)
+        x = torch.randn(T, 4, 64)
+        lin = torch.nn.Linear(64, 128)
+        variants = {
+            "eager nn.LSTM (same weights)": base.as_rnn(),
+            "LSTMCell loop, wformat": torch.compile(_own_code(copy.deepcopy(base)), backend="wformat", dynamic=False),
+            "LSTMCell loop, wformat, inner='eager'": torch.compile(
+                _own_code(copy.deepcopy(base)), backend=wfpass.backend(inner="eager"), dynamic=False),
+            "one Linear, eager": lin,
+            "one Linear, Inductor": torch.compile(_own_code(copy.deepcopy(lin)), dynamic=False),
+        }
+        for train in (False, True):
+            def step(m):
+                if train:
+                    return lambda: m(x).sum().backward()
+
+                def f():
+                    with torch.no_grad():
+                        m(x)
+                return f
+
+            fns = {k: step(m) for k, m in variants.items()}
+            for f in fns.values():
+                f()
+                f()
+            res = {k: [] for k in fns}
+            for r in range(9):
+                for k, f in fns.items():
+                    t0 = time.perf_counter()
+                    for _ in range(100):
+                        f()
+                    res[k].append((time.perf_counter() - t0) / 100 * 1e6)
+            med = {k: statistics.median(v) for k, v in res.items()}
+            rows.append((T, "training" if train else "inference", med))
+            print(T, train, {k: round(v, 1) for k, v in med.items()}, flush=True)
+    names = list(rows[0][2])
+    lines = [f"Command: `python benchmarks/profile_cell_floor.py" + (f" --out {a.out}`" if a.out else "`"), "",
+             f"torch {torch.__version__}, 1 thread. nn.LSTMCell(64, 128) stepped over T steps, batch 4; times in us "
+             "per call (median of 9 interleaved rounds of 100 calls). *floor*: Inductor's one-Linear call minus the "
+             "eager one, the cost of a compiled call with nothing to gain in it; *gap*: the folded loop minus the "
+             "eager nn.LSTM.", "",
+             "| T | step | " + " | ".join(names) + " | floor | gap | wformat / eager nn.LSTM |",
+             "|---|---|" + "---|" * (len(names) + 3)]
+    for T, step_name, med in rows:
+        floor = med["one Linear, Inductor"] - med["one Linear, eager"]
+        gap = med["LSTMCell loop, wformat"] - med["eager nn.LSTM (same weights)"]
+        ratio = med["eager nn.LSTM (same weights)"] / med["LSTMCell loop, wformat"]
+        lines.append(f"| {T} | {step_name} | " + " | ".join(f"{med[k]:.0f}" for k in names)
+                     + f" | {floor:.0f} | {gap:.0f} | {ratio:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
