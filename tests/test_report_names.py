@@ -61,6 +61,22 @@ def test_optimized_module_names():
     assert "q.weight" in names_of(wfpass.report(model))
 
 
+def test_hf_model_whose_forward_takes_args_names():
+    """HF's ``LlamaForCausalLM.forward`` sits behind a decorator taking
+    ``*args``: Dynamo's sources start at ``L['args'][0]``, not
+    ``L['self']``. The compile's rows still use the model's keys (they were
+    ``0.model.layers.0...``)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=50)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    with torch.no_grad():
+        fn(torch.randint(0, 50, (1, 6)))
+    assert_state_dict_names(wfpass.last_report(), model)
+    assert "model.layers.0.self_attn.q_proj.weight" in names_of(wfpass.last_report())
+
+
 def test_nested_compile_names():
     """A submodule compiled on its own, inside a compiled model: Dynamo
     traces through the inner wrapper; the names are the outer model's

@@ -59,7 +59,10 @@ def module_name_from_source(source: str) -> str:
     return ".".join(_source_parts(source))
 
 
-_ROOT = re.compile(r"^([LG])\[['\"]([^'\"]+)['\"]\]")
+# ``L['self']``, or ``L['args'][0]``: a forward behind a decorator that
+# takes ``*args`` (HF's ``@can_return_tuple``) has the module as its first
+# positional argument.
+_ROOT = re.compile(r"^([LG])\[['\"]([^'\"]+)['\"]\](?:\[(\d+)\])?")
 
 
 def source_root(source: str):
@@ -80,11 +83,16 @@ def source_root(source: str):
     if tx is None:
         return None
     scope = getattr(tx, "f_locals", None) if m.group(1) == "L" else getattr(tx, "f_globals", None)
-    return (scope or {}).get(m.group(2))
+    root = (scope or {}).get(m.group(2))
+    if m.group(3) is not None:
+        i = int(m.group(3))
+        root = root[i] if isinstance(root, (tuple, list)) and i < len(root) else None
+    return root
 
 
 def source_root_key(source: str) -> Optional[str]:
-    """``L['self']`` of ``L['self']._modules['q']._parameters['weight']``."""
+    """``L['self']`` of ``L['self']._modules['q']._parameters['weight']``
+    (``L['args'][0]`` of ``L['args'][0]._modules[...]...``)."""
     m = _ROOT.match(source or "")
     return m.group(0) if m else None
 
