@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench_models import CellLoop, Decoder, RnnLM, SpeechEncoder, built_in_dtype
+from wfpass.tools.bench_models import CellLoop, Decoder, RnnLM, SpeechEncoder, built_in_dtype
 
 CUDNN = {"cuda": "cudnn"}
 
@@ -149,7 +149,7 @@ def check() -> int:
 # -- on a GPU: the tables --------------------------------------------------------
 
 
-def _own_code(model: nn.Module) -> nn.Module:
+def own_code(model: nn.Module) -> nn.Module:
     """A forward with a code object of its own (Dynamo's cache is per code object)."""
     f = type(model).forward
     code = f.__code__.replace()
@@ -164,7 +164,7 @@ def _variants(base: nn.Module, name: str) -> Dict[str, tuple]:
     import torch._inductor.config as inductor_config
 
     def copy_() -> nn.Module:
-        return _own_code(copy.deepcopy(base))
+        return own_code(copy.deepcopy(base))
 
     m = copy.deepcopy(base)
     out = {"eager": (m, m)}

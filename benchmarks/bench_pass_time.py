@@ -35,11 +35,11 @@ def _model(name: str):
 
     torch.manual_seed(0)
     if name == "decoder":
-        from wfpass.bench_models import Decoder
+        from wfpass.tools.bench_models import Decoder
 
         return Decoder(d=256, layers=4, heads=8, kv_heads=2, ffn=1376).eval(), (torch.randn(1, 16, 256),)
     if name == "rnn_lm":
-        from wfpass.bench_models import RnnLM
+        from wfpass.tools.bench_models import RnnLM
 
         return RnnLM(vocab=500, hidden=128, layers=2), (torch.randint(0, 500, (64, 8)),)
     if name == "cell_loop":
@@ -58,7 +58,7 @@ def _model(name: str):
 
         return Loop(), (torch.randn(32, 4, 64),)
     if name == "bf16_cnn":
-        from wfpass.bench_models import BnCNN
+        from wfpass.tools.bench_models import BnCNN
 
         return BnCNN(width=32, blocks=3).to(torch.bfloat16), (torch.randn(8, 3, 32, 32, dtype=torch.bfloat16),)
     import transformers
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
 
 
 def _note(name: str) -> str:
-    return {"decoder": "LLaMA-like decoder, 4 layers, d 256 (wfpass.bench_models), forward",
+    return {"decoder": "LLaMA-like decoder, 4 layers, d 256 (wfpass.tools.bench_models), forward",
             "rnn_lm": "Embedding -> 2-layer LSTM 128 -> Linear, training graph",
             "cell_loop": "a loop of 32 LSTMCell(64, 128) steps, training graph",
             "bf16_cnn": "bf16 conv-BatchNorm-ReLU x 3, training graph",

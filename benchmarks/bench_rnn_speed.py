@@ -50,7 +50,7 @@ ENC_BATCH, ENC_FRAMES = 8, 400
 def _lm():
     import torch
 
-    from wfpass.bench_models import RnnLM
+    from wfpass.tools.bench_models import RnnLM
 
     torch.manual_seed(0)
     return RnnLM()

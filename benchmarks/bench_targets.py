@@ -32,14 +32,14 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench import _own_code
-from wfpass.bench_models import Decoder, RnnLM, hand_fused_decoder
+from wfpass.tools.bench import own_code
+from wfpass.tools.bench_models import Decoder, RnnLM, hand_fused_decoder
 
 torch._dynamo.config.recompile_limit = 512
 torch._dynamo.config.accumulated_recompile_limit = 8192
 
 
-# -- the models: the ones ``python -m wfpass bench`` measures (wfpass/bench_models.py) --
+# -- the models: the ones ``python -m wfpass bench`` measures (wfpass/tools/bench_models.py) --
 
 
 def compiled(model: nn.Module, backend, mode: str) -> Callable:
@@ -127,8 +127,8 @@ def rnn_rows(lengths, batches, rounds: int, log) -> list:
                 # Dynamo marks a code object it failed to compile (torch.compile's
                 # default gives up on the LSTM) and then runs it eagerly for
                 # every backend, so a shared one made wformat run eagerly.
-                variants = {"eager": base, "inductor": torch.compile(_own_code(copy.deepcopy(base))),
-                            "wformat": torch.compile(_own_code(copy.deepcopy(base)), backend="wformat")}
+                variants = {"eager": base, "inductor": torch.compile(own_code(copy.deepcopy(base))),
+                            "wformat": torch.compile(own_code(copy.deepcopy(base)), backend="wformat")}
                 steps = {}
                 for k, m in variants.items():
                     if train:

@@ -30,10 +30,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     import wfpass
-    from wfpass.bench import _own_code
-    from wfpass.bench_models import CellLoop
+    from wfpass.tools.bench import own_code
+    from wfpass.tools.bench_models import CellLoop
 
-    wfpass._load_api()
     rows = []
     for T in (int(t) for t in a.lengths.split(",")):
         torch.manual_seed(0)
@@ -42,11 +41,11 @@ def main(argv=None) -> int:
         lin = torch.nn.Linear(64, 128)
         variants = {
             "eager nn.LSTM (same weights)": base.as_rnn(),
-            "LSTMCell loop, wformat": torch.compile(_own_code(copy.deepcopy(base)), backend="wformat", dynamic=False),
+            "LSTMCell loop, wformat": torch.compile(own_code(copy.deepcopy(base)), backend="wformat", dynamic=False),
             "LSTMCell loop, wformat, inner='eager'": torch.compile(
-                _own_code(copy.deepcopy(base)), backend=wfpass.backend(inner="eager"), dynamic=False),
+                own_code(copy.deepcopy(base)), backend=wfpass.backend(inner="eager"), dynamic=False),
             "one Linear, eager": lin,
-            "one Linear, Inductor": torch.compile(_own_code(copy.deepcopy(lin)), dynamic=False),
+            "one Linear, Inductor": torch.compile(own_code(copy.deepcopy(lin)), dynamic=False),
         }
         for train in (False, True):
             def step(m):

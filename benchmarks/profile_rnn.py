@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 import wfpass
-from wfpass.bench import _own_code
-from wfpass.bench_models import RnnLM
+from wfpass.tools.bench import own_code
+from wfpass.tools.bench_models import RnnLM
 
 
 def _per_call(fn, n: int) -> float:
@@ -45,7 +45,7 @@ def interleaved(fns: dict, n: int = 100, rounds: int = 7) -> dict:
 def _lm(T=16, B=1):
     torch.manual_seed(0)
     base = RnnLM()
-    wf = torch.compile(_own_code(copy.deepcopy(base)), backend="wformat")
+    wf = torch.compile(own_code(copy.deepcopy(base)), backend="wformat")
     return base, wf, torch.randint(0, 500, (T, B))
 
 
@@ -91,8 +91,8 @@ def floor() -> None:
 
     base = EmbLinear()
     tok = torch.randint(0, 500, (16, 1))
-    ms = {"eager": base, "inductor": torch.compile(_own_code(copy.deepcopy(base))),
-          "wformat": torch.compile(_own_code(copy.deepcopy(base)), backend="wformat")}
+    ms = {"eager": base, "inductor": torch.compile(own_code(copy.deepcopy(base))),
+          "wformat": torch.compile(own_code(copy.deepcopy(base)), backend="wformat")}
     with torch.no_grad():
         inf = interleaved({k: (lambda m=m: m(tok)) for k, m in ms.items()}, 300)
     tr = interleaved({k: (lambda m=m: m(tok).sum().backward()) for k, m in ms.items()}, 200)

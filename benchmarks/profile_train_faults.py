@@ -28,11 +28,10 @@ def one(variant: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import wfpass
+    import wfpass  # noqa: F401  (the "wformat" backend and its passes)
     from wfpass._torch.aot import disable_compile_caches, stop_compile_workers
-    from wfpass.bench_cases import FULL, cases
+    from wfpass.tools.bench_cases import FULL, cases
 
-    wfpass._load_api()
     disable_compile_caches()
     case = next(c for c in cases(FULL, ("decoder",)) if c.step.startswith("training"))
     _, step, _ = case.build(variant)

@@ -205,7 +205,7 @@ LAYERS = [
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.pack", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
-    ("tools", ("wfpass.cli", "wfpass.bench", "wfpass.bench_cases", "wfpass.bench_models", "wfpass.bench_report", "wfpass.bench_timing", "wfpass.demo", "wfpass.doctor", "wfpass.__main__")),
+    ("tools", ("wfpass.tools", "wfpass.__main__")),
 ]
 
 

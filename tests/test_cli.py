@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import wfpass
-from wfpass import bench, bench_cases, cli
+from wfpass.tools import bench, bench_cases, cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_help_and_version_answer_without_importing_torch():
     res = _run("-X", "importtime", "-m", "wfpass", "--help")
     assert res.returncode == 0, res.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
-    assert "torch" not in imported and "wfpass.cli" in imported
+    assert "torch" not in imported and "wfpass.tools.cli" in imported
     assert "demo" in res.stdout and "bench" in res.stdout and "--version" in res.stdout
     res = _run("-m", "wfpass", "--version")
     assert res.returncode == 0 and res.stdout.startswith(f"wfpass {wfpass.__version__} (torch ")

@@ -489,7 +489,7 @@ def test_a_dynamic_graph_serves_every_size_without_recompiling(what):
     recompiles (after 8, Dynamo runs the frame eagerly). Called at five
     sizes after a first one, the model compiles twice (Dynamo's static first
     graph, then one with the size symbolic), and every output is eager's."""
-    from wfpass.bench_models import Decoder, RnnLM
+    from wfpass.tools.bench_models import Decoder, RnnLM
 
     torch.manual_seed(0)
     if what == "decoder":

@@ -1,6 +1,6 @@
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 # Guarded: ``bench`` starts worker processes with "spawn", which imports
 # this module again in each of them.

@@ -142,6 +142,9 @@ def _decoder_dynamic_case(s: Sizes, tokens: int) -> Case:
         d = s.decoder["d"]
         # Drawn for every variant (eager too) before the hand-fused model
         # draws its own initial weights, so each variant gets the same x.
+        # Two other lengths: the first compiles statically, the second
+        # recompiles with the length symbolic (neither 1, which Dynamo
+        # specializes).
         warm = [torch.randn(1, n, d) for n in (tokens + 2, tokens + 5)]
         x = torch.randn(1, tokens, d)
         m = _variant(base, v, hand_fused_decoder, dynamic=None)
@@ -284,7 +287,7 @@ def cases(sizes: Sizes, parts: Sequence[str] = PARTS) -> List[Case]:
     if "decoder" in parts:
         out += [_decoder_case(sizes, sizes.decode_tokens, "decode"), _decoder_case(sizes, sizes.prefill_tokens, "prefill"),
                 _decoder_case(sizes, sizes.regional_tokens, "regional", regional=True),
-                _decoder_dynamic_case(sizes, 8), _decoder_train_case(sizes)]
+                *(_decoder_dynamic_case(sizes, n) for n in (1, 5, 8)), _decoder_train_case(sizes)]
     if "generate" in parts:
         out.append(_generate_case(sizes))
     if "rnn" in parts:

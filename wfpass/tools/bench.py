@@ -40,7 +40,7 @@ from .bench_models import BnCNN, Decoder, RnnLM, hand_fused_decoder
 from .bench_report import VARIANTS, markdown, plot
 from .bench_timing import Progress, Timing, _calls_per_sample, interleaved, interleaved_samples
 
-__all__ = ["Progress", "interleaved", "Timing", "Case", "Sizes", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN",
+__all__ = ["Progress", "interleaved", "Timing", "Case", "Sizes", "own_code", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN",
            "main", "run"]
 
 
@@ -54,7 +54,7 @@ class Result:
     rewrites: str = ""  # what wfpass.report says the wformat model got
 
 
-def _own_code(model: nn.Module) -> nn.Module:
+def own_code(model: nn.Module) -> nn.Module:
     """Give ``model`` a ``forward`` with a code object of its own (a subclass
     with a copy of the function), for benchmarks that compare variants in
     one process. Dynamo keeps its state per code object: cached graphs, and
@@ -84,7 +84,7 @@ def _worker(conn, sizes: Sizes, parts: tuple, index: int, variant: str, threads:
         import wfpass
 
         wfpass._load_api()  # registers the backend's passes
-        from ._torch.aot import disable_compile_caches, stop_compile_workers
+        from .._torch.aot import disable_compile_caches, stop_compile_workers
 
         disable_compile_caches()  # first calls are cold compiles
         model, step, extra = cases(sizes, parts)[index].build(variant)

@@ -32,7 +32,7 @@ examples:
 def _version() -> str:
     from importlib import metadata
 
-    from . import __version__
+    from .. import __version__
 
     try:
         torch_version = metadata.version("torch")

@@ -34,8 +34,8 @@ def lines() -> List[str]:
     """The report, one line per fact (builds the C++ kernels if needed)."""
     import torch
 
-    from . import __version__
-    from ._torch import kernels, native, versions
+    from .. import __version__
+    from .._torch import kernels, native, versions
 
     out = [f"wfpass {__version__}, Python {sys.version.split()[0]}"]
     v = versions.torch_version()
