@@ -96,7 +96,7 @@ def build_variants(base, train):
         v["inductor+freezing"] = torch.compile(mode(copy.deepcopy(base)), options={"freezing": True})
     v["hand-fused inductor"] = torch.compile(mode(HandFused(base)))
     for path in ("auto", "fused", "split"):
-        v[f"wformat {path}"] = torch.compile(mode(copy.deepcopy(base)), backend=wfpass.backend(linear_path=path))
+        v[f"wformat {path}"] = torch.compile(mode(copy.deepcopy(base)), backend=wfpass.backend(linear={"path": path}))
     return v
 
 

@@ -54,7 +54,7 @@ def per_call(batch, hidden, lengths, train, rounds, log):
     fns = {"eager": models["eager"]}
     for name, n in VARIANTS.items():
         models[name] = copy.deepcopy(base)
-        fns[name] = torch.compile(models[name], backend=wfpass.backend(seq_threshold=n), dynamic=False)
+        fns[name] = torch.compile(models[name], backend=wfpass.backend(rnn={"seq_threshold": n}), dynamic=False)
     rows = {}
     for T in lengths:
         x = torch.randn(T, batch, hidden, device="cuda")

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     model = nn.Sequential(*[Block() for _ in range(a.layers)])
     captured = {}
-    be = wfpass.backend(inner="eager", linear_path="fused")
+    be = wfpass.backend(inner="eager", linear={"path": "fused"})
 
     def grab(gm, ex):
         fn = be(gm, ex)

@@ -375,11 +375,40 @@ def test_explain_changes_nothing():
         (dict(seq_threshold="never"), ValueError, "'seq_threshold'"),
         (dict(passes=("fuse_all",)), ValueError, "'passes'"),
         (dict(innr="eager"), ValueError, "innr"),
+        (dict(linear={"path": "fast"}), ValueError, "'linear.path'"),
+        (dict(linear={"min_group_size": 1}), ValueError, "'linear.min_group_size'"),
+        (dict(linear={"rows": 8}), ValueError, "'linear.rows'"),
+        (dict(linear=8), TypeError, "'linear'"),
+        (dict(rnn={"seq_threshold": "never"}), ValueError, "'rnn.seq_threshold'"),
+        (dict(linear_path="split", linear={"path": "fused"}), ValueError, "'linear_path' and 'linear.path' disagree"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, err, needle):
     with pytest.raises(err, match=needle):
         wfpass.backend(**options)
+
+
+def test_options_are_shaped_per_format_and_the_flat_names_still_work_with_a_warning():
+    """``linear=LinearOptions(...)`` (or its dict) and ``rnn={"seq_threshold": ...}``;
+    the earlier flat names give the same config and a DeprecationWarning
+    naming the new place."""
+    new = wfpass.Config(linear=wfpass.LinearOptions(path="split", fused_max_rows=8), rnn={"seq_threshold": "auto"})
+    with pytest.warns(DeprecationWarning, match=r"'linear_path' is now linear=\{'path'"):
+        old = wfpass.Config.from_options(linear_path="split", fused_max_rows=8, seq_threshold="auto")
+    assert old == new and old.linear.path == "split" and old.rnn.seq_threshold == "auto"
+    # The same value given both ways is not a conflict.
+    with pytest.warns(DeprecationWarning):
+        assert wfpass.Config(min_group_size=3, linear={"min_group_size": 3}).linear.min_group_size == 3
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the nested names warn about nothing
+        wfpass.backend(linear={"path": "fused"}, rnn={"seq_threshold": 4})
+    # And they act: the forced path is the one the report names.
+    model = QKV()
+    torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear={"path": "split"}))(torch.randn(1, 32))
+    (rec,) = wfpass.report(model).find("linear", "rewritten")
+    assert rec.stats["split_calls"] == 1 and rec.stats.get("fused_calls", 0) == 0
 
 
 def test_apply_rejects_non_graphmodule():

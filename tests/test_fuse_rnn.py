@@ -768,7 +768,7 @@ def test_rnn_options_reach_the_rnn_call_of_the_graph():
     rec = Recorder(inner="eager", seq_threshold=N, rnn={"unfused_impl": "loop", "auto_lengths": [1, 3]})
     torch.compile(Net(nn.LSTM), backend=rec.backend)(torch.randn(7, 3, 5))
     (fn,) = [n.target for g in rec.graphs for n in g.graph.nodes if isinstance(n.target, rnn_ops.RnnForward)]
-    assert fn.spec.options == wfpass.RnnOptions(unfused_impl="loop", auto_lengths=(1, 3))
+    assert fn.spec.options == wfpass.RnnOptions(seq_threshold=N, unfused_impl="loop", auto_lengths=(1, 3))
 
 
 def test_auto_threshold_skips_measuring_when_paths_share_a_kernel():

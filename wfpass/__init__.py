@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "apply", "backend", "explain", "last_report", "report", "restore",
     "register_format", "unregister_format", "registered_formats",
-    "Config", "RnnOptions", "PackOptions", "Format", "ParamFormat", "Record", "Report",
+    "Config", "LinearOptions", "RnnOptions", "PackOptions", "Format", "ParamFormat", "Record", "Report",
 ]
 
 
@@ -21,7 +21,7 @@ def _load_api() -> None:
     versions.check()  # a clear error on a torch wfpass does not run on, before any private API is touched
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, PackOptions, RnnOptions
+    from .config import Config, LinearOptions, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .records import Record, Report
 
@@ -45,7 +45,7 @@ def _started_by_cli() -> bool:
 if TYPE_CHECKING:
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, PackOptions, RnnOptions
+    from .config import Config, LinearOptions, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .records import Record, Report
 

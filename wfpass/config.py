@@ -7,11 +7,12 @@ typo fails at ``torch.compile`` time instead of deep inside a kernel.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import pipeline
 
-__all__ = ["Config", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
+__all__ = ["Config", "LinearOptions", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
            "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
@@ -41,6 +42,31 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"wfpass option {name!r} must be >= {minimum}, got {value}")
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+    """Options of the sibling-linear format (``fuse_linears``):
+    ``Config(linear=LinearOptions(...))``, or a dict of these fields
+    (``wfpass.backend(linear={"path": "fused"})``).
+
+    path:            ``"auto"`` picks per group from the static row count M
+                     (``"fused"`` when M <= ``fused_max_rows``), or force
+                     ``"fused"`` (one GEMM over the block) or ``"split"``
+                     (one GEMM per member over its view of the block).
+    fused_max_rows:  largest M for which ``"auto"`` takes the single GEMM.
+    min_group_size:  smallest sibling group worth fusing (>= 2).
+    """
+
+    path: str = "auto"
+    fused_max_rows: int = 4  # measured: docs/targets.md (one GEMM lost at 8 rows in three runs)
+    min_group_size: int = 2
+
+    def __post_init__(self) -> None:
+        if self.path not in LINEAR_PATHS:
+            raise ValueError(f"wfpass option 'linear.path' must be one of {LINEAR_PATHS}, got {self.path!r}")
+        _check_int("linear.fused_max_rows", self.fused_max_rows, 0)
+        _check_int("linear.min_group_size", self.min_group_size, 2)
+
+
 #: How the RNN format's unfused path runs where it is called eagerly
 #: (``wfpass.apply`` graphs, the ``seq_threshold="auto"`` measurement).
 UNFUSED_IMPLS = ("auto", "loop")
@@ -57,6 +83,10 @@ class RnnOptions:
                    call for all steps; oneDNN switched off for an LSTM),
                    elsewhere the per-step loop in PyTorch ops; ``"loop"``:
                    that loop everywhere (it is what compiled graphs trace).
+    seq_threshold: RNN calls with at most this many time steps take the
+                   unfused per-step path; ``"auto"`` measures once per shape;
+                   ``None`` (default): the measured default of the RNN's
+                   device, ``DEFAULT_SEQ_THRESHOLD`` (docs/rnn.md).
     auto_lengths:  the sequence lengths ``seq_threshold="auto"`` times, in
                    increasing order; it stops after the fused kernel wins at
                    two lengths in a row.
@@ -67,11 +97,17 @@ class RnnOptions:
                    on fake CUDA tensors, not yet measured on a GPU).
     """
 
+    seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     unfused_impl: str = "auto"
     auto_lengths: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     cuda: str = "eager"
 
     def __post_init__(self) -> None:
+        if self.seq_threshold is not None and self.seq_threshold != "auto":
+            if isinstance(self.seq_threshold, str):
+                raise ValueError(f"wfpass option 'rnn.seq_threshold' must be an int >= 0, 'auto' or None, "
+                                 f"got {self.seq_threshold!r}")
+            _check_int("rnn.seq_threshold", self.seq_threshold, 0)
         if self.unfused_impl not in UNFUSED_IMPLS:
             raise ValueError(f"wfpass option 'rnn.unfused_impl' must be one of {UNFUSED_IMPLS}, got {self.unfused_impl!r}")
         if self.cuda not in CUDA_RNN_PATHS:
@@ -125,6 +161,23 @@ class PackOptions:
             _check_int("pack.max_bytes", self.max_bytes, 0)
 
 
+class _Unset:
+    """The default of a deprecated flat option: not given."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+    def __reduce__(self):
+        return "_UNSET"
+
+
+_UNSET = _Unset()
+
+#: Deprecated flat option -> (options group, field).
+_FLAT = {"linear_path": ("linear", "path"), "fused_max_rows": ("linear", "fused_max_rows"),
+         "min_group_size": ("linear", "min_group_size"), "seq_threshold": ("rnn", "seq_threshold")}
+
+
 def _options(name: str, cls: type, value: Any) -> Any:
     """``value`` as a ``cls`` (an options dataclass), from an instance or a
     dict of its fields, with errors that name the option."""
@@ -153,33 +206,35 @@ class Config:
                       report's pattern names, each standing for every format
                       that reports under it (``"rnn"``: ``fold_cells`` and
                       ``fuse_rnn``).
-    linear_path:      ``"auto"`` picks per group from the static row count M
-                      (``fused`` when M <= ``fused_max_rows``), or force one.
-    fused_max_rows:   largest M for which ``"auto"`` takes the single GEMM.
-    min_group_size:   smallest sibling group worth fusing (>= 2).
-    seq_threshold:    RNN calls with at most this many time steps take the
-                      unfused per-step path; ``"auto"`` measures once per shape;
-                      ``None`` (default): the measured default of the RNN's
-                      device, ``DEFAULT_SEQ_THRESHOLD`` (docs/rnn.md).
-    fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
-                      (inference only).
-    rnn:              the RNN format's other options (:class:`RnnOptions`,
-                      or a dict of its fields).
+    linear:           the sibling-linear format's options
+                      (:class:`LinearOptions`, or a dict of its fields).
+    rnn:              the RNN format's options (:class:`RnnOptions`, or a
+                      dict of its fields).
     pack:             the packed-weight format's options (:class:`PackOptions`,
                       or a dict of its fields).
+    fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
+                      (inference only).
     dry_run:          decide and report, change nothing (used by ``explain``).
+    linear_path, fused_max_rows, min_group_size, seq_threshold:
+                      the earlier flat names of ``linear.path``,
+                      ``linear.fused_max_rows``, ``linear.min_group_size``
+                      and ``rnn.seq_threshold``: still accepted, with a
+                      ``DeprecationWarning``, for one release.
     """
 
     inner: Union[str, Callable] = "inductor"
     passes: Optional[tuple] = None
-    linear_path: str = "auto"
-    fused_max_rows: int = 4  # measured: docs/targets.md (one GEMM lost at 8 rows in three runs)
-    min_group_size: int = 2
-    seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
-    fold_batchnorm: bool = False
+    linear: LinearOptions = LinearOptions()
     rnn: RnnOptions = RnnOptions()
     pack: PackOptions = PackOptions()
+    fold_batchnorm: bool = False
     dry_run: bool = False
+    # Deprecated flat names (one release): folded into ``linear`` / ``rnn``
+    # when given, then reset, so every reader uses the nested options.
+    linear_path: Any = dataclasses.field(default=_UNSET, repr=False)
+    fused_max_rows: Any = dataclasses.field(default=_UNSET, repr=False)
+    min_group_size: Any = dataclasses.field(default=_UNSET, repr=False)
+    seq_threshold: Any = dataclasses.field(default=_UNSET, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -207,16 +262,25 @@ class Config:
                 raise ValueError(f"wfpass option 'passes' has unknown names {unknown}; allowed: {allowed}")
             chosen = {n for p in self.passes for n in ([p] if p in known else by_pattern[p])}
             object.__setattr__(self, "passes", tuple(n for n in known if n in chosen))
-        if self.linear_path not in LINEAR_PATHS:
-            raise ValueError(f"wfpass option 'linear_path' must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
-        _check_int("fused_max_rows", self.fused_max_rows, 0)
-        _check_int("min_group_size", self.min_group_size, 2)
-        if self.seq_threshold is not None and self.seq_threshold != "auto":
-            if isinstance(self.seq_threshold, str):
-                raise ValueError(f"wfpass option 'seq_threshold' must be an int >= 0, 'auto' or None, got {self.seq_threshold!r}")
-            _check_int("seq_threshold", self.seq_threshold, 0)
+        object.__setattr__(self, "linear", _options("linear", LinearOptions, self.linear))
         object.__setattr__(self, "rnn", _options("rnn", RnnOptions, self.rnn))
         object.__setattr__(self, "pack", _options("pack", PackOptions, self.pack))
+        for flat, (group, field) in _FLAT.items():
+            value = getattr(self, flat)
+            if value is _UNSET:
+                continue
+            warnings.warn(f"wfpass option {flat!r} is now {group}={{'{field}': ...}}; the flat name goes in the "
+                          f"next release", DeprecationWarning, stacklevel=3)
+            nested = getattr(self, group)
+            default = getattr(type(nested)(), field)
+            if getattr(nested, field) != default and getattr(nested, field) != value:
+                raise ValueError(f"wfpass options {flat!r} and '{group}.{field}' disagree ({value!r} against "
+                                 f"{getattr(nested, field)!r}); give '{group}.{field}' only")
+            try:
+                object.__setattr__(self, group, dataclasses.replace(nested, **{field: value}))
+            except (TypeError, ValueError) as e:  # the nested check's message, under the name the caller used
+                raise type(e)(str(e).replace(f"'{group}.{field}'", f"{flat!r}")) from None
+            object.__setattr__(self, flat, _UNSET)
         for flag in ("fold_batchnorm", "dry_run"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")

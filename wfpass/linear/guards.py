@@ -75,10 +75,10 @@ def storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int,
 
 
 def choose_path(ctx: PassContext, x: fx.Node) -> tuple:
-    mode = ctx.config.linear_path
+    mode = ctx.config.linear.path
     m = rows_of(x)
     if mode != "auto":
-        return mode, f"linear_path={mode!r}"
+        return mode, f"linear.path={mode!r}"
     if m is None and not ctx.is_dynamo:
         # A traced graph without shapes (``wfpass.apply`` of symbolic_trace).
         return "fused", "rows unknown (no shapes in the graph): fused GEMM"
@@ -88,9 +88,9 @@ def choose_path(ctx: PassContext, x: fx.Node) -> tuple:
         # faster at M = 1 and lost at M = 8 to 64, so such a graph keeps the
         # separate GEMMs (over views of the block).
         return "split", "rows symbolic: one GEMM per member over views of the fused block"
-    if m <= ctx.config.fused_max_rows:
-        return "fused", f"M={m} <= fused_max_rows={ctx.config.fused_max_rows}: one GEMM"
-    return "split", f"M={m} > fused_max_rows={ctx.config.fused_max_rows}: one GEMM per member over views of the fused block"
+    if m <= ctx.config.linear.fused_max_rows:
+        return "fused", f"M={m} <= fused_max_rows={ctx.config.linear.fused_max_rows}: one GEMM"
+    return "split", f"M={m} > fused_max_rows={ctx.config.linear.fused_max_rows}: one GEMM per member over views of the fused block"
 
 
 def narrow_group(m: LinearGroup, ctx: PassContext) -> Tuple[Optional[LinearGroup], List[Tuple[LinearGroup, str]]]:
@@ -139,7 +139,7 @@ def narrow_group(m: LinearGroup, ctx: PassContext) -> Tuple[Optional[LinearGroup
             else:
                 leave([s], "depends on the output of a sibling linear (fusing would create a cycle)")
         ok = chosen
-    if len(ok) < ctx.config.min_group_size:
+    if len(ok) < ctx.config.linear.min_group_size:
         return (m.part(ok) if ok else None), out
 
     problems = storage_problems(ctx, ok)
@@ -153,8 +153,8 @@ def group_problem(m: LinearGroup, ctx: PassContext) -> Optional[str]:
     """Why the group left after ``narrow_group`` is not fused, or None; a
     taken group gets its path (one GEMM or one per member), its row's
     detail and its dry-run plan."""
-    if len(m.sites) < ctx.config.min_group_size:
-        return f"group of {len(m.sites)} left after {m.checked}; min_group_size={ctx.config.min_group_size}"
+    if len(m.sites) < ctx.config.linear.min_group_size:
+        return f"group of {len(m.sites)} left after {m.checked}; min_group_size={ctx.config.linear.min_group_size}"
     if ctx.is_dynamo and any(r.node is None or r.node.op != "placeholder" for r in m.refs()):
         # The per-call layout check reads the parameters from the call's
         # arguments; a parameter baked into the graph as an attribute

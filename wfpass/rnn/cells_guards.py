@@ -31,7 +31,7 @@ def refusal(ctx: PassContext, layers: List[Chain]) -> Optional[str]:
 
 def _fold_threshold(ctx: PassContext, device: torch.device) -> int:
     """The N at or below which a loop is left as cells (they are the unfused path)."""
-    n = ctx.config.seq_threshold
+    n = ctx.config.rnn.seq_threshold
     if n is None:
         return default_seq_threshold(device.type)
     return 0 if n == "auto" else n  # "auto": fuse_rnn measures per shape and may still take the loop

@@ -214,7 +214,7 @@ def module_group(ctx: PassContext, layers: List[Chain], label: str, claimed: dic
     for w in ws:
         offsets.append(acc)
         acc += w.numel()
-    thr = ctx.config.seq_threshold
+    thr = ctx.config.rnn.seq_threshold
     spec = RnnSpec(name=label, mode=first.mode, input_size=ws[0].shape[1], hidden_size=ws[1].shape[1], proj_size=0,
                    num_layers=len(layers), bidirectional=False, batch_first=False,
                    has_biases=len(first.weight_nodes) == 4, dropout=0.0,

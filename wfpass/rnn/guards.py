@@ -86,7 +86,7 @@ def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional
         name=s.name, mode=s.mode, input_size=ws[0].shape[1], hidden_size=hidden, proj_size=proj_size,
         num_layers=int(num_layers), bidirectional=bool(bidirectional), batch_first=bool(batch_first),
         has_biases=bool(has_biases), dropout=float(dropout),
-        threshold=default_seq_threshold(ws[0].device.type) if config.seq_threshold is None else config.seq_threshold,
+        threshold=default_seq_threshold(ws[0].device.type) if config.rnn.seq_threshold is None else config.rnn.seq_threshold,
         options=config.rnn,
     )
     offsets, acc = [], 0
