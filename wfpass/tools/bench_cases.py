@@ -154,7 +154,8 @@ def _decoder_dynamic_case(s: Sizes, tokens: int) -> Case:
                     m(w)
         return m, _step(m, x, train=False), None
 
-    return Case("LLaMA-like decoder", "forward after a dynamic recompile", f"{tokens} tokens", build, 1e-4)
+    return Case("LLaMA-like decoder", "forward after a dynamic recompile", f"{tokens} token{'s' if tokens > 1 else ''}",
+                build, 1e-4)
 
 
 def _decoder_train_case(s: Sizes) -> Case:
