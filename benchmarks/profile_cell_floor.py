@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from _out import emit  # beside this script
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -85,12 +87,7 @@ def main(argv=None) -> int:
         ratio = med["eager nn.LSTM (same weights)"] / med["LSTMCell loop, wformat"]
         lines.append(f"| {T} | {step_name} | " + " | ".join(f"{med[k]:.0f}" for k in names)
                      + f" | {floor:.0f} | {gap:.0f} | {ratio:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from _out import emit  # beside this script
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,12 +66,7 @@ def main(argv=None) -> int:
     for shape, med in rows:
         lines.append(f"| {', '.join(map(str, shape))} | " + " | ".join(f"{med[k]:.0f}" for k in names)
                      + f" | {med['nn.GRU (eager)'] / med['wfpass op, C++ loop']:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":

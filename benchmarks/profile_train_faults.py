@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from _out import emit  # beside this script
+
 VARIANTS = ("eager", "inductor", "wformat")
 RAISED = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
 
@@ -79,12 +81,7 @@ def main(argv=None) -> int:
     for (setting, v), vals in rows.items():
         lines.append(f"| {setting} | {v} | {', '.join(f'{t:.1f}' for t, _ in vals)} | "
                      f"{', '.join(f'{f:.0f}' for _, f in vals)} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":
