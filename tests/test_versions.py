@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from wfpass import cli
+from wfpass.tools import cli
 from wfpass._torch import kernels, native, versions
 
 
