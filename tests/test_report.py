@@ -166,3 +166,26 @@ def test_a_row_over_several_graphs_names_every_path_and_the_report_sums_calls():
     text = wfpass.report(model).render(width=200)
     line = text.splitlines()[1]
     assert line.startswith("calls so far: linear: ") and "fused_calls=1" in line and "split_calls=2" in line
+
+
+def test_markdown_form_has_one_row_per_record_and_keeps_every_cell_whole():
+    """``Report.to_markdown()`` (and Jupyter's ``_repr_markdown_``): a
+    heading with the counts, then a markdown table, one row per record,
+    nothing cut; a ``|`` inside a reason is escaped so the row keeps its
+    five cells."""
+    rep = Report("r")
+    long_reason = "a reason with a | pipe " + "and many words " * 20
+    rep.add("linear", "rewritten", long_reason, ["layers.0.q.weight", "layers.0.k.weight"]).bump("fused_calls", 3)
+    rep.add("rnn", "skipped", "short", [])
+    md = rep.to_markdown()
+    assert md == rep._repr_markdown_()
+    lines = md.strip().splitlines()
+    assert lines[0] == "**r**: 1 rewritten, 1 skipped" and lines[1] == ""
+    table = lines[2:]
+    assert len(table) == 2 + len(rep.records)
+    assert [c.strip() for c in table[0].strip("|").split("|")] == ["pattern", "action", "parameters", "why", "counters"]
+    row = table[2]
+    assert len(re.split(r"(?<!\\)\|", row.strip().strip("|"))) == 5  # the escaped pipe splits nothing
+    assert "`layers.0.q.weight`, `layers.0.k.weight`" in row and "fused_calls=3" in row
+    assert "and many words " * 19 in row.replace("\\|", "|")
+    assert Report("empty").to_markdown() == "**empty**: no pattern of any registered format found"

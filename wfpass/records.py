@@ -237,6 +237,28 @@ class Report:
 
     __repr__ = __str__
 
+    def to_markdown(self) -> str:
+        """The report as a markdown table (for notebooks, issues and pull
+        requests): the heading line, then one row per record with its
+        parameters, reason and counters. Cells are written whole; markdown
+        wraps them."""
+        from tabulate import tabulate
+
+        if not self.records:
+            return f"**{self.title}**: no pattern of any registered format found"
+        head = f"**{self.title}**: " + ", ".join(f"{n} {a}" for a, n in _count_actions(self.records))
+
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", " ")
+
+        rows = [[r.pattern, r.action, cell(", ".join(f"`{p}`" for p in r.params) or "-"), cell(_short_reason(r.reason)),
+                 cell(" ".join(f"{k}={v}" for k, v in r.stats.items()))] for r in self.records]
+        table = tabulate(rows, headers=["pattern", "action", "parameters", "why", "counters"], tablefmt="github")
+        return f"{head}\n\n{table}\n"
+
+    def _repr_markdown_(self) -> str:  # Jupyter shows this instead of the terminal form
+        return self.to_markdown()
+
 
 # -- rendering -------------------------------------------------------------------------
 
