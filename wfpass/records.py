@@ -238,8 +238,8 @@ class Report:
     __repr__ = __str__
 
     def to_markdown(self) -> str:
-        """The report as a markdown table (for notebooks, issues and pull
-        requests): the heading line, then one row per record with its
+        """The report as a markdown table (for notebooks, bug reports and code
+        reviews): the heading line, then one row per record with its
         parameters, reason and counters. Cells are written whole; markdown
         wraps them."""
         from tabulate import tabulate
