@@ -3,6 +3,7 @@ Inductor, and what changes it.
 
     python benchmarks/profile_train_cold.py inductor --cold
     python benchmarks/profile_train_cold.py wformat --cold
+    python benchmarks/profile_train_cold.py wformat --cold --rows 8,64,512 --steps 5
     python benchmarks/profile_train_cold.py wformat --cold --collect      # gc.collect() before timing
     python benchmarks/profile_train_cold.py wformat-nolinear --cold       # passes=["fuse_rnn"]: no sibling-linear fusion
     MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=1000000000 \\
@@ -10,8 +11,8 @@ Inductor, and what changes it.
 
 The HF LLaMA of bench_pack.py (d512, bf16), training step (forward,
 ``(h.float() * R).sum()`` backward, SGD step) at 8, 64 and 512 rows in that
-order (a dynamic recompile after the first), then timed at 8 and 64 rows:
-median of 9 steps, 1 thread. ``--cold``: Inductor's caches off, so this
+order (a dynamic recompile after the first), then timed at the ``--rows``
+given (default 8 and 64): median of ``--steps`` steps (default 9), 1 thread. ``--cold``: Inductor's caches off, so this
 process compiles everything itself. One variant per process.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ def main(argv=None) -> None:
     ap.add_argument("variant", choices=["inductor", "wformat", "wformat-nolinear"])
     ap.add_argument("--cold", action="store_true", help="Inductor's caches off")
     ap.add_argument("--collect", action="store_true", help="gc.collect() after compiling, before timing")
+    ap.add_argument("--rows", default="8,64", help="the row counts timed, comma-separated, of 8, 64, 512 (default: 8,64)")
+    ap.add_argument("--steps", type=int, default=9, help="steps timed per row count (median; default 9)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = 64
@@ -48,9 +51,9 @@ def main(argv=None) -> None:
     steps = bench_pack.train_steps(model, fwd)
     if a.collect:
         gc.collect()
-    for rows in (8, 64):
+    for rows in (int(r) for r in a.rows.split(",")):
         ts = []
-        for _ in range(9):
+        for _ in range(a.steps):
             t = time.perf_counter()
             steps[rows]()
             ts.append((time.perf_counter() - t) * 1e3)
