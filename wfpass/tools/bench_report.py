@@ -9,6 +9,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from .tables import markdown_table
+
 __all__ = ["VARIANTS", "markdown", "plot", "worst_cells"]
 
 #: The four ways every model runs, in the table's column order.
@@ -52,9 +54,8 @@ def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, se
              "the LSTM models have none (eager already runs PyTorch's fused kernel). `torch.compile`'s "
              "default puts no LSTM in its graph: for the RNN models its Inductor column runs the LSTM eagerly "
              "between compiled pieces.",
-             "",
-             "| model | step | size | eager | Inductor | hand-fused | wformat | x faster than Inductor | x faster than eager | output checked | wformat rewrote |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ""]
+    rows = []
     for r in results:
         t = r.times
         cells = [t[k].cell() if k in t else "-" for k in VARIANTS]
@@ -62,19 +63,20 @@ def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, se
         vs_e = t["eager"].median / t["wformat"].median
         worst = max(v for k, v in r.errors.items() if k != "eager")
         check = f"{'ok' if r.ok else 'MISMATCH'} ({worst:.0e})"
-        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | " + " | ".join(cells)
-                     + f" | {vs_i:.2f} | {vs_e:.2f} | {check} | {r.rewrites} |")
+        rows.append([r.case.model, r.case.step, r.case.size, *cells, f"{vs_i:.2f}", f"{vs_e:.2f}", check, r.rewrites])
+    lines.append(markdown_table(["model", "step", "size", "eager", "Inductor", "hand-fused", "wformat",
+                                 "x faster than Inductor", "x faster than eager", "output checked", "wformat rewrote"],
+                                rows))
     lines += ["", "*output checked*: largest |variant - eager| over largest |eager|, all compiled variants "
               "(bf16 CNN: tolerance 5e-2; the rest 1e-4). *wformat rewrote*: the rewrites in `wfpass.report` "
               "of the wformat model (linear groups, RNNs, BatchNorms) that ran.", ""]
     lines += ["First call (compile included), seconds; variants compiled one after the other, in the order "
               "Inductor, hand-fused, wformat. Inductor's graph caches are off, but C++ kernels an earlier "
-              "process compiled are read from Inductor's disk cache, which can shorten a later variant's first call:", "",
-              "| model | step | size | Inductor | hand-fused | wformat |", "|---|---|---|---|---|---|"]
-    for r in results:
-        f = r.first_call_s
-        lines.append(f"| {r.case.model} | {r.case.step} | {r.case.size} | "
-                     + " | ".join(f"{f[k]:.1f}" if k in f else "-" for k in VARIANTS[1:]) + " |")
+              "process compiled are read from Inductor's disk cache, which can shorten a later variant's first call:", ""]
+    lines.append(markdown_table(["model", "step", "size", "Inductor", "hand-fused", "wformat"],
+                                ([r.case.model, r.case.step, r.case.size,
+                                  *(f"{r.first_call_s[k]:.1f}" if k in r.first_call_s else "-" for k in VARIANTS[1:])]
+                                 for r in results)))
     lines.append("")
     models = {}
     for r in results:
@@ -83,11 +85,9 @@ def markdown(results: Sequence, stats: Dict[str, float], sizes, command: str, se
     if stats:
         lines += [f"BatchNorm running_var after {sizes.bn_steps} training steps on a drifting bf16 stream "
                   "(weights fixed), relative error against an fp32 copy given the same inputs, median over the "
-                  "BatchNorms:", "",
-                  "| variant | statistics dtype | running_var error |", "|---|---|---|"]
-        for k in VARIANTS:
-            if k in stats:
-                lines.append(f"| {k} | {stats[k + ' dtype']} | {stats[k]:.2e} |")
+                  "BatchNorms:", ""]
+        lines.append(markdown_table(["variant", "statistics dtype", "running_var error"],
+                                    ([k, stats[k + " dtype"], f"{stats[k]:.2e}"] for k in VARIANTS if k in stats)))
         lines.append("")
     return "\n".join(lines)
 
