@@ -9,16 +9,15 @@ one op the graph holds).
     python benchmarks/profile_cell_floor.py --out docs/cell_floor.md
 
 One process, 1 thread; every variant its own module (its own forward code
-object), rounds interleaved, medians of 9 rounds of 100 calls. Training
+object), timed with the bench's ``interleaved`` (9 rounds, the order
+rotated each round, a sample of at least 0.1 s), medians. Training
 = forward + ``sum().backward()``.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 
 import torch
 
@@ -33,6 +32,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import wfpass
     from wfpass.tools.bench import own_code
+    from wfpass.tools.bench_timing import interleaved
     from wfpass.tools.bench_models import CellLoop
 
     rows = []
@@ -60,23 +60,16 @@ def main(argv=None) -> int:
                 return f
 
             fns = {k: step(m) for k, m in variants.items()}
-            for f in fns.values():
+            for f in fns.values():  # compiled, and past Dynamo's first calls
                 f()
                 f()
-            res = {k: [] for k in fns}
-            for r in range(9):
-                for k, f in fns.items():
-                    t0 = time.perf_counter()
-                    for _ in range(100):
-                        f()
-                    res[k].append((time.perf_counter() - t0) / 100 * 1e6)
-            med = {k: statistics.median(v) for k, v in res.items()}
+            med = {k: t.median * 1e6 for k, t in interleaved(fns, rounds=9, min_s=0.1).items()}
             rows.append((T, "training" if train else "inference", med))
             print(T, train, {k: round(v, 1) for k, v in med.items()}, flush=True)
     names = list(rows[0][2])
     lines = [f"Command: `python benchmarks/profile_cell_floor.py" + (f" --out {a.out}`" if a.out else "`"), "",
              f"torch {torch.__version__}, 1 thread. nn.LSTMCell(64, 128) stepped over T steps, batch 4; times in us "
-             "per call (median of 9 interleaved rounds of 100 calls). *floor*: Inductor's one-Linear call minus the "
+             "per call (median of 9 interleaved rounds, a sample of at least 0.1 s each). *floor*: Inductor's one-Linear call minus the "
              "eager one, the cost of a compiled call with nothing to gain in it; *gap*: the folded loop minus the "
              "eager nn.LSTM.", "",
              "| T | step | " + " | ".join(names) + " | floor | gap | wformat / eager nn.LSTM |",

@@ -4,15 +4,14 @@ and the op's Python kernel (``torch.gru``), without grad, same weights.
 
     python benchmarks/profile_gru_kernel.py --out docs/gru_kernel.md
 
-1 thread; medians of 9 interleaved rounds of 100 calls; outputs checked
+1 thread; the bench's ``interleaved`` timing (9 rounds, order rotated, a
+sample of at least 0.1 s), medians; outputs checked
 equal to ``nn.GRU``'s (to 1e-5).
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ def main(argv=None) -> int:
     import wfpass  # noqa: F401  (registers the op)
     from wfpass._torch import native
     from wfpass.rnn import native_layer
+    from wfpass.tools.bench_timing import interleaved
 
     if not native.loaded():
         print(native.status())
@@ -44,23 +44,14 @@ def main(argv=None) -> int:
         fns = {"nn.GRU (eager)": lambda: gru(x),
                "wfpass op, C++ loop": lambda: torch.ops.wfpass.rnn_layer_fw(x, *ws, None, "GRU", False),
                "wfpass op, Python kernel (torch.gru)": lambda: native_layer._rnn_layer(x, *ws, None, "GRU", False)}
-        res = {k: [] for k in fns}
         with torch.no_grad():
-            for f in fns.values():
-                f()
-            for _ in range(9):
-                for k, f in fns.items():
-                    t0 = time.perf_counter()
-                    for _ in range(100):
-                        f()
-                    res[k].append((time.perf_counter() - t0) / 100 * 1e6)
-        med = {k: statistics.median(v) for k, v in res.items()}
+            med = {k: t.median * 1e6 for k, t in interleaved(fns, rounds=9, min_s=0.1).items()}
         rows.append(((T, B, I, H), med))
         print((T, B, I, H), {k: round(v) for k, v in med.items()}, flush=True)
     names = list(rows[0][1])
     lines = ["Command: `python benchmarks/profile_gru_kernel.py" + (f" --out {a.out}`" if a.out else "`"), "",
-             f"torch {torch.__version__}, 1 thread, no grad; us per call (median of 9 interleaved rounds of 100 "
-             "calls); x faster = nn.GRU's time / the C++ loop's.", "",
+             f"torch {torch.__version__}, 1 thread, no grad; us per call (median of 9 interleaved rounds, a sample "
+             "of at least 0.1 s each); x faster = nn.GRU's time / the C++ loop's.", "",
              "| T, batch, input, hidden | " + " | ".join(names) + " | x faster than nn.GRU |",
              "|---|" + "---|" * (len(names) + 1)]
     for shape, med in rows:
