@@ -193,12 +193,16 @@ def _variants(base: nn.Module, name: str) -> Dict[str, tuple]:
 
 
 def _step(fn: Callable, x, train: bool, params):
+    """One inference call, or one training step: forward, backward of a
+    fixed projection, an SGD step (what a user's loop runs)."""
+    opt = torch.optim.SGD(params, lr=1e-4) if train else None
+
     def run():
         if train:
             out = fn(x)
             out.float().sum().backward()
-            for p in params:
-                p.grad = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
                 fn(x)
@@ -210,7 +214,7 @@ def _step(fn: Callable, x, train: bool, params):
 GPU_TESTS = "on_a_gpu or layout_without_a_gpu"
 
 
-def gpu_tests() -> str:
+def gpu_tests(timeout_s: float = 240) -> str:
     """Run the GPU tests of tests/test_cudnn.py first (a wrong layout or
     reserve would make every table below wrong); their summary line."""
     import os
@@ -221,67 +225,151 @@ def gpu_tests() -> str:
         import pytest  # noqa: F401
     except ImportError:
         return "GPU tests not run: pytest is not installed here"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cudnn.py",
-                           "-k", GPU_TESTS], cwd=root, capture_output=True, text=True)
-    print(done.stdout[-4000:], done.stderr[-2000:], file=sys.stderr)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cudnn.py",
+                               "-k", GPU_TESTS], cwd=root, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"GPU tests (`pytest tests/test_cudnn.py -k \"{GPU_TESTS}\"`): not finished in {timeout_s:.0f} s"
+    print(done.stdout[-6000:], done.stderr[-2000:], file=sys.stderr, flush=True)
     tail = [line for line in done.stdout.splitlines() if line.strip()]
     return f"GPU tests (`pytest tests/test_cudnn.py -k \"{GPU_TESTS}\"`): {tail[-1] if tail else done.returncode}"
 
 
-def measure(out_path: str, rounds: int) -> int:
-    assert torch.cuda.is_available(), "the tables need a GPU (--check does not)"
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(0)
-    lines = [f"Command: `python benchmarks/bench_gpu.py --out {out_path} --rounds {rounds}`  ",
-             f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
-             f"{torch.backends.cudnn.version()}; medians of {rounds} interleaved rounds, ms per step; "
-             "x faster = baseline time / wformat time.", "", gpu_tests(), ""]
-    for name in EXPECT:
-        Ts = (1, 16, 128, 512) if name in RNN_MODELS else (1, 8)
-        for train in (False, True):
-            rows = []
-            for T in Ts:
-                for B in ((1, 16, 64) if name in RNN_MODELS else (1,)):
-                    torch._dynamo.reset()
-                    torch.manual_seed(0)
-                    base = _model(name).to(dev).train(train)
-                    x = _inputs(name, T, B, dev)
-                    variants = _variants(base, name)
-                    steps = {}
-                    for k, (fn, m) in variants.items():
-                        steps[k] = _step(fn, x, train, list(m.parameters()))
-                        try:
-                            for _ in range(3):
-                                steps[k]()
-                        except Exception as e:  # noqa: BLE001 - a variant that fails is shown as failed
-                            steps[k] = None
-                            print(f"{name} T={T} B={B} {k}: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
-                                  file=sys.stderr)
-                    times: Dict[str, List[float]] = {k: [] for k in steps}
-                    for _ in range(rounds):
-                        for k, run in steps.items():
-                            if run is None:
-                                continue
-                            torch.cuda.synchronize()
-                            t = time.perf_counter()
-                            for _ in range(5):
-                                run()
-                            torch.cuda.synchronize()
-                            times[k].append((time.perf_counter() - t) / 5 * 1e3)
-                    med = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
-                    rows.append((T, B, med))
-            cols = list(rows[0][2])
+#: Each model's points, most telling first: with ``--budget`` the run stops
+#: starting new points when time is up, and every model gets its first
+#: points before any gets its later ones.
+POINTS = {
+    "LSTM LM": [(16, 16), (128, 64), (1, 1), (512, 16), (16, 1), (128, 16), (512, 64), (1, 16),
+                (16, 64), (128, 1), (512, 1), (1, 64)],
+    "LSTMCell loop": [(16, 16), (128, 1), (512, 16), (1, 1), (16, 1), (128, 64)],
+    "speech encoder": [(128, 16), (512, 64), (16, 1), (1, 1), (128, 1), (512, 16)],
+    "CRNN bf16": [(16, 16), (128, 64), (16, 1), (512, 16)],
+    "decoder bf16": [(1, 1), (8, 1), (1, 16), (8, 16)],
+}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure_point(name: str, T: int, B: int, train: bool, dev, rounds: int) -> Dict[str, float]:
+    """Median ms per call of every variant at one point."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _model(name).to(dev).train(train)
+    x = _inputs(name, T, B, dev)
+    steps = {}
+    for k, (fn, m) in _variants(base, name).items():
+        steps[k] = _step(fn, x, train, list(m.parameters()))
+        try:
+            for _ in range(3):
+                steps[k]()
+        except Exception as e:  # noqa: BLE001 - a variant that fails is shown as failed
+            steps[k] = None
+            print(f"{name} T={T} B={B} {k}: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                  file=sys.stderr, flush=True)
+    times: Dict[str, List[float]] = {k: [] for k in steps}
+    for r in range(rounds):
+        order = list(steps.items())
+        order = order[r % len(order):] + order[:r % len(order)]  # rotate who goes first
+        for k, run in order:
+            if run is None:
+                continue
+            _sync(dev)
+            t = time.perf_counter()
+            for _ in range(5):
+                run()
+            _sync(dev)
+            times[k].append((time.perf_counter() - t) / 5 * 1e3)
+    return {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
+
+
+def bn_stats_error(dev, steps: int = 30) -> List[str]:
+    """The CRNN's BatchNorm running statistics after ``steps`` bf16
+    training steps (same inputs, weights not updated), against an fp32
+    copy's: the largest relative error of running_var over the layers."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = CRNN().to(dev).train()
+    variants = {"eager bf16": copy.deepcopy(ref).to(torch.bfloat16)}
+    variants["Inductor bf16"] = own_code(copy.deepcopy(variants["eager bf16"]))
+    variants["wformat bf16"] = own_code(copy.deepcopy(variants["eager bf16"]))
+    fns = {"eager bf16": variants["eager bf16"], "Inductor bf16": torch.compile(variants["Inductor bf16"]),
+           "wformat bf16": torch.compile(variants["wformat bf16"], backend=wfpass.backend(rnn=CUDNN))}
+    xs = [torch.randn(16, 1, 32, 64, device=dev) * 3 + 1 for _ in range(steps)]
+    for x in xs:
+        ref(x).sum().backward()
+        for k, fn in fns.items():
+            fn(x.to(torch.bfloat16)).float().sum().backward()
+    ref_bns = [m for m in ref.modules() if isinstance(m, nn.BatchNorm2d)]
+    lines = [f"### CRNN bf16: BatchNorm running statistics after {steps} training steps", "",
+             "| variant | running_var max rel. error vs fp32 | running_mean max abs. error vs fp32 |", "|---|---|---|"]
+    for k, m in variants.items():
+        bns = [b for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
+        var_err = max(((b.running_var.float() - r.running_var).abs() / r.running_var.abs()).max().item()
+                      for b, r in zip(bns, ref_bns))
+        mean_err = max((b.running_mean.float() - r.running_mean).abs().max().item() for b, r in zip(bns, ref_bns))
+        lines.append(f"| {k} | {var_err:.2e} | {mean_err:.2e} |")
+    return lines + [""]
+
+
+def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device) -> int:
+    """The tables, on ``dev`` (``--device cpu`` runs the same code on the
+    CPU with no GPU figure: a dry run of this script before a GPU is at hand)."""
+    assert dev.type != "cuda" or torch.cuda.is_available(), "the tables need a GPU (--check does not)"
+    start = time.perf_counter()
+    name = torch.cuda.get_device_properties(0).name if dev.type == "cuda" else "CPU (dry run: no GPU figure)"
+    head = [f"Command: `python benchmarks/bench_gpu.py --out {out_path} --rounds {rounds} --budget {budget_s:.0f}`  ",
+            f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+            f"{torch.backends.cudnn.version()}; medians of {rounds} interleaved rounds (5 calls each), ms per call; "
+            "a training step is forward, backward and an SGD step; "
+            "x faster = baseline time / wformat time.", "", gpu_tests() if dev.type == "cuda" else "", ""]
+    rows: Dict[tuple, list] = {}
+
+    def write():
+        lines = list(head)
+        for (name, train), rs in rows.items():
+            cols = list(rs[0][2])
             lines += [f"### {name}, {'training step' if train else 'inference'}", "",
                       "| T | batch | " + " | ".join(cols) + " | x faster than eager | x faster than Inductor |",
                       "|" + "---|" * (len(cols) + 4)]
-            for T, B, med in rows:
+            for T, B, med in sorted(rs, key=lambda r: (r[0], r[1])):
                 w = med["wformat"]
                 lines.append(f"| {T} | {B} | " + " | ".join(f"{med[c]:.3f}" for c in cols)
                              + f" | {med['eager'] / w:.2f} | {med['Inductor'] / w:.2f} |")
             lines.append("")
-    with open(out_path, "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+        with open(out_path, "w") as f:
+            f.write("\n".join(lines + tail))
+
+    tail: List[str] = []
+    try:
+        tail = bn_stats_error(dev)
+    except Exception as e:  # noqa: BLE001
+        tail = [f"BatchNorm statistics check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
+    print("\n".join(tail), flush=True)
+    skipped = []
+    for i in range(max(len(p) for p in POINTS.values())):
+        for name, points in POINTS.items():
+            if i >= len(points):
+                continue
+            T, B = points[i]
+            for train in (True, False):
+                if time.perf_counter() - start > budget_s:
+                    skipped.append(name)
+                    continue
+                t0 = time.perf_counter()
+                med = _measure_point(name, T, B, train, dev, rounds)
+                rows.setdefault((name, train), []).append((T, B, med))
+                print(f"{name} T={T} B={B} {'train' if train else 'infer'} ({time.perf_counter() - t0:.0f} s): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+                write()
+    if skipped:
+        head.append(f"Not measured within the {budget_s:.0f} s budget (points x modes): "
+                    + ", ".join(f"{n} {skipped.count(n)}" for n in dict.fromkeys(skipped)) + ".")
+        head.append("")
+    write()
+    print(open(out_path).read())
     return 0
 
 
@@ -290,10 +378,13 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="no GPU: check every model's graph on fake CUDA")
     ap.add_argument("--out", default="gpu_results.md")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=float("inf"),
+                    help="seconds after which no new point is started (the GPU is lent for minutes)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the measuring code, no GPU figure")
     args = ap.parse_args()
     if args.check:
         return 1 if check() else 0
-    return measure(args.out, args.rounds)
+    return measure(args.out, args.rounds, args.budget, torch.device(args.device))
 
 
 if __name__ == "__main__":
