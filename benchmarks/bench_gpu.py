@@ -314,17 +314,27 @@ def bn_stats_error(dev, steps: int = 30) -> List[str]:
     return lines + [""]
 
 
-def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device) -> int:
+def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only: str = "") -> int:
     """The tables, on ``dev`` (``--device cpu`` runs the same code on the
     CPU with no GPU figure: a dry run of this script before a GPU is at hand)."""
     assert dev.type != "cuda" or torch.cuda.is_available(), "the tables need a GPU (--check does not)"
     start = time.perf_counter()
     name = torch.cuda.get_device_properties(0).name if dev.type == "cuda" else "CPU (dry run: no GPU figure)"
-    head = [f"Command: `python benchmarks/bench_gpu.py --out {out_path} --rounds {rounds} --budget {budget_s:.0f}`  ",
+    flags = f" --budget {budget_s:.0f}" if budget_s != float("inf") else ""
+    flags += f' --only "{only}"' if only else ""
+    head = [f"Command: `python benchmarks/bench_gpu.py --out {out_path} --rounds {rounds}{flags}`  ",
             f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
             f"{torch.backends.cudnn.version()}; medians of {rounds} interleaved rounds (5 calls each), ms per call; "
             "a training step is forward, backward and an SGD step; "
-            "x faster = baseline time / wformat time.", "", gpu_tests() if dev.type == "cuda" else "", ""]
+            "x faster = baseline time / wformat time.", "", gpu_tests() if dev.type == "cuda" and not only else "", ""]
+    points = POINTS
+    if only:  # "decoder bf16:8x1,LSTM LM:128x64": these points alone, no tests, no BatchNorm check
+        points = {}
+        for item in only.split(","):
+            name, tb = item.rsplit(":", 1)
+            if name not in POINTS:
+                raise ValueError(f"--only: no model {name!r}; models: {', '.join(POINTS)}")
+            points.setdefault(name, []).append(tuple(int(v) for v in tb.split("x")))
     rows: Dict[tuple, list] = {}
 
     def write():
@@ -344,16 +354,16 @@ def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device) -> i
 
     tail: List[str] = []
     try:
-        tail = bn_stats_error(dev)
+        tail = bn_stats_error(dev) if not only else []
     except Exception as e:  # noqa: BLE001
         tail = [f"BatchNorm statistics check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", ""]
     print("\n".join(tail), flush=True)
     skipped = []
-    for i in range(max(len(p) for p in POINTS.values())):
-        for name, points in POINTS.items():
-            if i >= len(points):
+    for i in range(max(len(p) for p in points.values())):
+        for name, its in points.items():
+            if i >= len(its):
                 continue
-            T, B = points[i]
+            T, B = its[i]
             for train in (True, False):
                 if time.perf_counter() - start > budget_s:
                     skipped.append(name)
@@ -381,10 +391,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=float("inf"),
                     help="seconds after which no new point is started (the GPU is lent for minutes)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the measuring code, no GPU figure")
+    ap.add_argument("--only", default="", help='these points alone, e.g. "decoder bf16:8x1,LSTM LM:128x64"')
     args = ap.parse_args()
     if args.check:
         return 1 if check() else 0
-    return measure(args.out, args.rounds, args.budget, torch.device(args.device))
+    return measure(args.out, args.rounds, args.budget, torch.device(args.device), args.only)
 
 
 if __name__ == "__main__":

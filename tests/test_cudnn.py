@@ -12,6 +12,7 @@ marked ``gpu`` need a real one and skip without it.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 
 import pytest
@@ -486,6 +487,97 @@ def test_with_a_symbolic_length_the_training_reserve_keeps_the_graph_out_of_cuda
     assert cudagraph_blocker(call(False)) is None
 
 
+def test_the_layout_without_a_gpu_matches_every_layout_recorded_on_a_gpu():
+    """cuDNN 9 puts every layer's matrices first and the biases after them,
+    and keeps the bias space of an RNN without biases: the buffer can end
+    past the last weight. The rule wfpass follows without a GPU, against
+    the layouts cuDNN gave on an H200 (``benchmarks/probe_cudnn_layout.py``):
+    every mode, 1-3 layers, bidirectional, projections, no biases, fp32 and
+    fp16, two sizes."""
+    import json
+    import pathlib
+
+    from wfpass.rnn.guards import cudnn_layout_without_gpu
+
+    doc = json.loads((pathlib.Path(__file__).parent / "data" / "cudnn_layouts.json").read_text())
+    gates = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+    assert len(doc["entries"]) == 240 and doc["cudnn"] >= 90000
+    past_the_weights = set()
+    for e in doc["entries"]:
+        kw = e["kwargs"]
+        pseudo = kw["num_layers"] * (2 if kw["bidirectional"] else 1)
+        offsets, numel = cudnn_layout_without_gpu([tuple(s) for s in e["shapes"]], pseudo,
+                                                  gates[e["mode"]] * e["hidden_size"])
+        assert (list(offsets), numel) == (e["offsets"], e["numel"]), e
+        if numel > sum(math.prod(s) for s in e["shapes"]):
+            past_the_weights.add(kw["bias"])
+        if kw["bias"] and kw["num_layers"] > 1:  # a later layer's matrix before the first layer's bias
+            assert e["offsets"][4] < e["offsets"][2]
+    assert past_the_weights == {False}  # only an RNN without biases keeps space past its weights
+
+
+@needs_cuda_build
+def test_fake_cuda_rnn_without_biases_gets_cudnns_buffer_size():
+    """On fake CUDA the fused block of an RNN without biases has cuDNN's
+    size (the zero bias space included), so the op's buffer is the one
+    cuDNN checks against."""
+    with _fake_mode():
+        model = Net(nn.LSTM, device="cuda", bias=False).eval()
+        with torch.no_grad():
+            torch.compile(model, backend=wfpass.backend(inner=Keep(), rnn=CUDNN))(_input({}, "cuda"))
+    fs = fused_storage_of(model.rnn.weight_ih_l0)
+    ws = list(model.rnn._flat_weights)
+    assert fs is not None and fs.numel == sum(w.numel() for w in ws) + 2 * 4 * H
+
+
+def test_autocast_block_follows_cudnns_order_and_size():
+    """Under CUDA autocast the fp16 block is one ``cat``: in offset order
+    (biases after the matrices, not in the list's order), zeros in gaps and
+    up to the buffer's size. On the CPU, with autocast reported on."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    # a layer's w_ih, w_hh, b_ih, b_hh, then the next layer's w_ih, which
+    # cuDNN puts before the first layer's biases; a gap, and space at the end
+    ws = [torch.randn(8, 2), torch.randn(8, 4), torch.randn(8), torch.randn(8), torch.randn(8, 4)]
+    spec = SimpleNamespace(offsets=(0, 16, 84, 92, 48), numel=104)
+    with mock.patch.object(torch, "is_autocast_enabled", lambda *a: True):
+        x, hx, got = cudnn.autocast_half(spec, torch.randn(3, 1, 2), [], ws)
+    base = got[0].storage_offset()
+    assert got[0].untyped_storage().nbytes() == 104 * 2 and x.dtype == torch.float16
+    for w, g, off in zip(ws, got, spec.offsets):
+        assert g.dtype == torch.float16 and g.storage_offset() - base == off and torch.equal(g, w.half())
+    flat = torch.empty(0, dtype=torch.float16).set_(got[0].untyped_storage(), base, (104,))
+    assert torch.equal(flat[80:84], torch.zeros(4, dtype=torch.float16))  # the gap
+    assert torch.equal(flat[100:], torch.zeros(4, dtype=torch.float16))  # up to the buffer's size
+
+
+def test_dropout_state_is_made_with_the_modules_p():
+    """cuDNN's dropout state is made with ``p > 0`` (``p == 0`` trips an
+    internal assert in ``_cudnn_init_dropout_state``, seen on an H200,
+    torch 2.11.0): the op passes its dropout on. Without a GPU, with the
+    CUDA generator and the state's maker stood in for."""
+    from unittest import mock
+
+    made = []
+
+    class Gen:
+        def initial_seed(self):
+            return 7
+
+        def get_offset(self):
+            return 0
+
+    cudnn._DROPOUT_STATES.clear()
+    with mock.patch.object(torch.cuda, "default_generators", (Gen(),)), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0), \
+            mock.patch.object(torch, "randint", lambda *a, **k: torch.tensor([5])), \
+            mock.patch.object(kernels, "cudnn_dropout_state", lambda dev, seed, p: made.append(p) or torch.empty(0)):
+        p, state = cudnn._dropout_args(torch.empty(0), True, 0.25)
+    cudnn._DROPOUT_STATES.clear()
+    assert p == 0.25 and made == [0.25]
+
+
 def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():
     block = torch.zeros(40)
     a, b, c = block[0:12].view(3, 4), block[12:20].view(2, 4), block[20:24]
@@ -494,6 +586,10 @@ def test_flat_buffer_found_only_where_every_weight_sits_at_its_offset():
     assert cudnn.flat_buffer([a, b, c], [0, 12, 21]) is None  # a weight not where cuDNN reads it
     assert cudnn.flat_buffer([a, b.clone(), c], [0, 12, 20]) is None  # another storage
     assert cudnn.flat_buffer([a, block[12:20].view(4, 2).t(), c], [0, 12, 20]) is None  # not contiguous
+    # with the buffer's size as a last entry: the buffer ends there, past the
+    # last weight (cuDNN's bias space of an RNN without biases)
+    assert cudnn.flat_buffer([a, b, c], [0, 12, 20, 30]).numel() == 30
+    assert cudnn.flat_buffer([a, b, c], [0, 12, 20, 41]) is None  # past the storage
 
 
 # -- on a GPU ---------------------------------------------------------------------
@@ -574,9 +670,12 @@ def test_dropout_in_training_on_a_gpu_is_seeded_and_differentiated_right():
 
 @gpu
 def test_the_layout_without_a_gpu_is_cudnns():
-    """Without a GPU wfpass lays the weights out one after another in the
-    order of the list; on a GPU it asks cuDNN. They must agree, or a model
-    traced on fake CUDA describes a buffer cuDNN would read wrongly."""
+    """Without a GPU wfpass computes cuDNN's layout by rule
+    (``cudnn_layout_without_gpu``); on a GPU it asks cuDNN. They must agree,
+    or a model traced on fake CUDA describes a buffer cuDNN would read
+    wrongly."""
+    from wfpass.rnn.guards import cudnn_layout_without_gpu
+
     for variant, (cls, kw) in VARIANTS.items():
         m = cls(I, H, device="cuda", **{k: v for k, v in kw.items() if k != "batch_first"})
         ws = list(m._flat_weights)
@@ -584,11 +683,8 @@ def test_the_layout_without_a_gpu_is_cudnns():
         per = len(ws) // (m.num_layers * D)
         got = kernels.cudnn_flat_layout(ws, per, I, m.mode, H, m.proj_size, m.num_layers, False, m.bidirectional)
         assert got is not None, variant
-        offsets, acc = [], 0
-        for w in ws:
-            offsets.append(acc)
-            acc += w.numel()
-        assert list(got[0]) == offsets, variant
+        rule = cudnn_layout_without_gpu([tuple(w.shape) for w in ws], m.num_layers * D, ws[0].shape[0])
+        assert (list(got[0]), got[1]) == (list(rule[0]), rule[1]), variant
 
 
 class CellLoop(nn.Module):

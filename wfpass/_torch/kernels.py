@@ -77,12 +77,15 @@ cudnn_rnn = torch.ops.aten._cudnn_rnn.default
 cudnn_rnn_backward = torch.ops.aten._cudnn_rnn_backward.default
 
 
-def cudnn_dropout_state(device: torch.device, seed: int) -> torch.Tensor:
+def cudnn_dropout_state(device: torch.device, seed: int, p: float) -> torch.Tensor:
     """cuDNN's dropout RNG state for ``device``, seeded with ``seed``
     (``torch._cudnn_init_dropout_state``, private; torch 2.11.0-2.15.0):
     what eager PyTorch keeps one of per device for RNN dropout, and cuDNN
-    advances in place on every call that drops."""
-    return torch._cudnn_init_dropout_state(0.0, True, seed, dtype=torch.uint8, device=device)
+    advances in place on every call that drops. ``p`` must be above 0 (an
+    internal assert, seen on an H200 with torch 2.11.0); the state does not
+    depend on it, and a call with another ``p`` restores it, as eager's
+    cached state is."""
+    return torch._cudnn_init_dropout_state(p, True, seed, dtype=torch.uint8, device=device)
 
 
 def cudnn_flatten(weights, weights_per_layer: int, input_size: int, mode: int, hidden_size: int, proj_size: int,

@@ -25,8 +25,9 @@ formula is ``_cudnn_rnn_backward``):
   (``reserve_numel``), or says 0 where there is no GPU (graphs traced on
   fake CUDA tensors, which never run).
 * The flat buffer cuDNN reads (``weight_buf``) is found by the op itself:
-  the weights are views of one block in cuDNN's layout (``offsets``, from
-  ``_cudnn_rnn_flatten_weight`` on the GPU), put there once by the format.
+  the weights are views of one block in cuDNN's layout (``offsets``: each
+  weight's offset, then the block's size; from ``_cudnn_rnn_flatten_weight``
+  on the GPU), put there once by the format.
   Where they are not (the layout was lost), the op flattens copies, as
   eager PyTorch does, and the result is the same.
 
@@ -79,9 +80,14 @@ def _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirection
 
 def flat_buffer(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> Optional[torch.Tensor]:
     """The 1-D buffer the weights are views of, when each sits at its offset
-    in cuDNN's layout (``offsets``: element offsets from the buffer's start),
-    contiguous and in one storage; else None."""
-    if not weights or len(offsets) != len(weights):
+    in cuDNN's layout, contiguous and in one storage; else None.
+
+    ``offsets``: each weight's element offset from the buffer's start, then
+    the buffer's size. The size is not the end of the last weight: cuDNN 9
+    puts every layer's matrices first and the biases after them, and keeps
+    the bias space (zeros) for an RNN without biases, so the buffer can end
+    past every weight (seen on an H200, cuDNN 9.19)."""
+    if not weights or len(offsets) not in (len(weights), len(weights) + 1):
         return None
     w0 = weights[0]
     ptr = w0.untyped_storage().data_ptr()
@@ -92,7 +98,9 @@ def flat_buffer(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> Opti
                 or w.storage_offset() - base != off):
             return None
         end = max(end, off + w.numel())
-    if base < 0:
+    if len(offsets) > len(weights):
+        end = max(end, offsets[-1])
+    if base < 0 or (base + end) * w0.element_size() > w0.untyped_storage().nbytes():
         return None
     return w0.new_empty(0).set_(w0.untyped_storage(), base, (end,))
 
@@ -114,7 +122,7 @@ def _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidi
 _DROPOUT_STATES: Dict[str, list] = {}
 
 
-def dropout_state(device: torch.device) -> torch.Tensor:
+def dropout_state(device: torch.device, p: float) -> torch.Tensor:
     """cuDNN's dropout state for ``device``, as eager PyTorch keeps one:
     made on first use from a seed drawn from torch's CUDA generator, then
     advanced by cuDNN on every call that drops. Made again when that
@@ -130,7 +138,7 @@ def dropout_state(device: torch.device) -> torch.Tensor:
     entry = _DROPOUT_STATES.get(key)
     if entry is None or entry[0] != seed or offset < entry[1]:
         draw = int(torch.randint(0, 2**62, (1,), generator=gen, device=key).item())  # once, not per call
-        entry = [seed, 0, _kernels.cudnn_dropout_state(torch.device(key), draw)]
+        entry = [seed, 0, _kernels.cudnn_dropout_state(torch.device(key), draw, p)]
         _DROPOUT_STATES[key] = entry
     entry[1] = gen.get_offset()
     return entry[2]
@@ -138,7 +146,7 @@ def dropout_state(device: torch.device) -> torch.Tensor:
 
 def _dropout_args(input, train, dropout):
     if train and dropout > 0:
-        return float(dropout), dropout_state(input.device)
+        return float(dropout), dropout_state(input.device, float(dropout))
     return 0.0, None
 
 
@@ -317,12 +325,18 @@ def autocast_half(spec, x, hx, ws):
     if not torch.is_autocast_enabled("cuda") or not _eligible(ws[0]):
         return x, hx, ws
     half = torch.float16
+    # In offset order (cuDNN 9 puts the biases after every matrix), zeros
+    # in the gaps and up to the buffer's size (the last entry of offsets).
+    order = sorted(range(len(ws)), key=lambda i: spec.offsets[i])
     pieces, pos = [], 0
-    for w, off in zip(ws, spec.offsets):
+    for i in order:
+        off = spec.offsets[i]
         if off > pos:
-            pieces.append(w.new_zeros((off - pos,), dtype=half))
-        pieces.append(w.reshape(-1).to(half))
-        pos = off + w.numel()
+            pieces.append(ws[i].new_zeros((off - pos,), dtype=half))
+        pieces.append(ws[i].reshape(-1).to(half))
+        pos = off + ws[i].numel()
+    if spec.numel > pos:
+        pieces.append(ws[0].new_zeros((spec.numel - pos,), dtype=half))
     block = torch.cat(pieces)
     ws = [block[off:off + w.numel()].view(w.shape) for w, off in zip(ws, spec.offsets)]
     x = x.to(half) if _eligible(x) else x
@@ -345,7 +359,7 @@ def cudnn_call(spec, x, hx, ws, need_grad: bool, training: bool = False):
     dropout = float(spec.dropout) if training and spec.num_layers > 1 else 0.0
     op = torch.ops.wfpass.cudnn_rnn.default if need_grad else torch.ops.wfpass.cudnn_rnn_fw.default
     out, hy, cy, _ = op(xt.contiguous(), list(ws), h, c, mode, spec.hidden_size, spec.proj_size, spec.num_layers,
-                        bool(need_grad or dropout > 0), spec.bidirectional, list(spec.offsets), dropout)
+                        bool(need_grad or dropout > 0), spec.bidirectional, [*spec.offsets, spec.numel], dropout)
     if spec.batch_first:
         out = out.transpose(0, 1)
     return out, hy, (cy if spec.mode == "LSTM" else None)

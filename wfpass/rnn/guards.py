@@ -64,8 +64,8 @@ def _weights_problem(s: RnnCall, config: Config) -> Optional[str]:
 
 def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional[str]]:
     """The call's spec, with the layout of its flat block (each weight's
-    offset: cuDNN's own layout on CUDA, the weights one after another
-    elsewhere), or the reason the weights do not make the RNN the call
+    offset and the block's size: cuDNN's own layout on CUDA, the weights one
+    after another elsewhere), or the reason the weights do not make the RNN the call
     declares."""
     has_biases, num_layers, dropout, train, bidirectional, batch_first = s.consts
     ws = [r.tensor for r in s.weights]
@@ -89,17 +89,43 @@ def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional
         threshold=default_seq_threshold(ws[0].device.type) if config.rnn.seq_threshold is None else config.rnn.seq_threshold,
         options=config.rnn,
     )
-    offsets, acc = [], 0
     layout = None
     if ws[0].device.type == "cuda":
         layout = _kernels.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
                                            bool(batch_first), bool(bidirectional))
-    if layout is not None:
-        offsets, acc = layout
-    else:
-        for k in range(num_layers * D):
-            chunk = ws[k * per : (k + 1) * per]
-            for w in chunk:
-                offsets.append(acc)
-                acc += w.numel()
-    return RnnSpec(offsets=tuple(offsets), numel=acc, **spec), None
+        if layout is None:
+            layout = cudnn_layout_without_gpu([tuple(w.shape) for w in ws], num_layers * D, gates * hidden)
+    else:  # the CPU kernels read each layer's weights one after another
+        layout = ([sum(w.numel() for w in ws[:i]) for i in range(len(ws))], sum(w.numel() for w in ws))
+    offsets, numel = layout
+    return RnnSpec(offsets=tuple(offsets), numel=numel, **spec), None
+
+
+def cudnn_layout_without_gpu(shapes, pseudo_layers: int, gate_rows: int):
+    """cuDNN's flat weight layout where no GPU can be asked (a model traced
+    on fake CUDA tensors): each weight's element offset and the buffer's
+    size.
+
+    cuDNN 9 lays out every pseudo-layer's (layer, then direction) matrices
+    first, ``w_ih, w_hh[, w_hr]``, then every pseudo-layer's biases
+    ``b_ih, b_hh``; an RNN without biases keeps their space. Recorded on an
+    H200 with cuDNN 9.19 for every mode, 1-3 layers, bidirectional,
+    projections and no biases, fp32 and fp16, in
+    ``tests/data/cudnn_layouts.json``, which the tests check this against."""
+    per = len(shapes) // pseudo_layers
+    offsets = [0] * len(shapes)
+    pos = 0
+    for k in range(pseudo_layers):
+        chunk = range(k * per, (k + 1) * per)
+        # w_ih, w_hh, then w_hr (torch lists it after the biases)
+        for i in [i for i in chunk if len(shapes[i]) == 2]:
+            offsets[i] = pos
+            pos += shapes[i][0] * shapes[i][1]
+    for k in range(pseudo_layers):
+        biases = [i for i in range(k * per, (k + 1) * per) if len(shapes[i]) == 1]
+        if not biases:  # bias=False: the space stays, zeros
+            pos += 2 * gate_rows
+        for i in biases:
+            offsets[i] = pos
+            pos += shapes[i][0]
+    return offsets, pos
