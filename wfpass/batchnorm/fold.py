@@ -4,8 +4,9 @@ before and after are described in ``wfpass/passes/fold_batchnorm.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -103,10 +104,10 @@ def fold_sites(ctx: PassContext) -> Iterator[FoldSite]:
         yield FoldSite(site, _kind(ctx, site.x), run)
 
 
-def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
-    """Why ``m`` is not folded (a row naming the conv/linear's tensors sets
-    ``m.params``), or None: then ``m`` holds the layer's tensors, the row's
-    reason and details."""
+def _batchnorm_problem(m: FoldSite, ctx: PassContext) -> Optional[str]:
+    """Why the batch norm itself cannot be folded: no conv/linear in front,
+    training mode, a non-constant eps, no running statistics, grad enabled,
+    other users of the layer's output, statistics that are not model state."""
     site, prod, kind = m.site, m.prod, m.kind
     if kind is None:
         what = prod.target if prod.op != "placeholder" else "a graph input"
@@ -125,44 +126,76 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
     unresolved = [r for r in _BN_TENSORS if site.present[r] and (site.refs[r] is None or not site.refs[r].is_state)]
     if unresolved:
         return f"BatchNorm {', '.join(unresolved)} not a Parameter or buffer of the model"
+    return None
 
-    # The conv/linear's weight and bias.
+
+@dataclasses.dataclass
+class _Layer:
+    """The conv/linear's weight and bias: tensors, names and (function
+    flavour) the graph nodes that read them."""
+
+    w_t: torch.Tensor
+    b_t: Optional[torch.Tensor]
+    w_name: str
+    b_name: Optional[str]
+    w_node: Any = None
+    b_node: Any = None
+
+
+def _layer_tensors(m: FoldSite, ctx: PassContext) -> Union[_Layer, str]:
+    """The conv/linear's weight and bias (a module call sets ``m.layer``),
+    or why they cannot be had: extra arguments, tensors that are not model
+    state, a layer and a batch norm of different flavours."""
+    site, prod, kind = m.site, m.prod, m.kind
     if site.flavour == "module" and prod.op == "call_module":
         if len(prod.args) != 1 or prod.kwargs:
             return f"the {kind} module is called with extra arguments"
         m.layer = layer = ctx.module_of(prod)
-        w_t, b_t = layer.weight, layer.bias
-        w_name, b_name = f"{prod.target}.weight", f"{prod.target}.bias"
-        w_node = b_node = None
-    elif prod.op == "call_function" and site.flavour == "function":
+        return _Layer(layer.weight, layer.bias, f"{prod.target}.weight", f"{prod.target}.bias")
+    if prod.op == "call_function" and site.flavour == "function":
         w_node, b_node = node_arg(prod, 1, "weight"), node_arg(prod, 2, "bias")
         w_ref = ctx.resolve(w_node)
         b_ref = ctx.resolve(b_node) if b_node is not None else None
         if w_ref is None or not w_ref.is_state or (b_node is not None and (b_ref is None or not b_ref.is_state)):
             return f"the {kind}'s weight/bias is not a Parameter or buffer of the model"
-        w_t, b_t, w_name = w_ref.tensor, (b_ref.tensor if b_ref else None), w_ref.name
-        b_name = b_ref.name if b_ref else None
-    else:
-        return "conv/linear and BatchNorm in different flavours (module vs functional call)"
+        return _Layer(w_ref.tensor, (b_ref.tensor if b_ref else None), w_ref.name, b_ref.name if b_ref else None,
+                      w_node, b_node)
+    return "conv/linear and BatchNorm in different flavours (module vs functional call)"
+
+
+def _layer_problem(m: FoldSite, ctx: PassContext, layer: _Layer) -> Optional[str]:
+    """Why the layer's output cannot take the fold: a transposed conv; in a
+    function-flavour graph, an output of unknown rank, a tensor written in
+    place in the graph, or (Dynamo) tensors that are not graph inputs."""
+    site, prod, kind, w_t = m.site, m.prod, m.kind, layer.w_t
     if kind == "conv" and (w_t.dim() < 3 or (prod.op == "call_module" and m.layer.transposed)):
         return "transposed or unexpected conv weight"
-    if site.flavour == "function":
-        # BatchNorm normalizes dim 1; the fold scales the layer's output
-        # channels (conv: dim 1 when batched; linear: the last dim).
-        v = meta_value(prod)
-        want = 2 if kind == "linear" else w_t.dim()
-        if v is None or v.dim() != want:
-            what = "2-D" if kind == "linear" else f"a batched {w_t.dim() - 2}-d conv output"
-            return f"the {kind} output is not known to be {what} (BatchNorm over its output channels)"
-        srcs = [w_node, b_node] + [site.args[r] for r in _BN_TENSORS]
-        written = m.run.written
-        hit = next((unwrap(n) for n in srcs if isinstance(n, fx.Node) and unwrap(n) in written), None)
-        if hit is not None:
-            # The fold is computed in front of the conv; a write between
-            # them (a BatchNorm pre-hook, clamp_ in forward) would come after it.
-            return f"{hit.name} is written in place inside the graph by {written[hit]}: the fold would read it before the write"
-        if ctx.is_dynamo and any(isinstance(n, fx.Node) and unwrap(n).op != "placeholder" for n in srcs):
-            return "the conv/BatchNorm tensors are not all inputs of this Dynamo graph"
+    if site.flavour != "function":
+        return None
+    # BatchNorm normalizes dim 1; the fold scales the layer's output
+    # channels (conv: dim 1 when batched; linear: the last dim).
+    v = meta_value(prod)
+    want = 2 if kind == "linear" else w_t.dim()
+    if v is None or v.dim() != want:
+        what = "2-D" if kind == "linear" else f"a batched {w_t.dim() - 2}-d conv output"
+        return f"the {kind} output is not known to be {what} (BatchNorm over its output channels)"
+    srcs = [layer.w_node, layer.b_node] + [site.args[r] for r in _BN_TENSORS]
+    written = m.run.written
+    hit = next((unwrap(n) for n in srcs if isinstance(n, fx.Node) and unwrap(n) in written), None)
+    if hit is not None:
+        # The fold is computed in front of the conv; a write between
+        # them (a BatchNorm pre-hook, clamp_ in forward) would come after it.
+        return f"{hit.name} is written in place inside the graph by {written[hit]}: the fold would read it before the write"
+    if ctx.is_dynamo and any(isinstance(n, fx.Node) and unwrap(n).op != "placeholder" for n in srcs):
+        return "the conv/BatchNorm tensors are not all inputs of this Dynamo graph"
+    return None
+
+
+def _sharing_problem(m: FoldSite, ctx: PassContext, layer: _Layer) -> Optional[str]:
+    """Why the tensors cannot be replaced: one that cannot be moved (a
+    DTensor, a subclass), or one tied to another tensor. From here on the
+    rows name the layer's tensors too (sets ``m.params``)."""
+    site, w_t, b_t, w_name, b_name = m.site, layer.w_t, layer.b_t, layer.w_name, layer.b_name
     layer_names = [w_name] + ([b_name] if b_t is not None else [])
     others = ctx.named_state()
     # A DTensor, another subclass or an FSDP2 parameter: not a tie, and
@@ -172,7 +205,7 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
     problem = first_unmovable([(w_name, w_t), (b_name, b_t)] + bn_tensors)
     if problem:
         return problem
-    for name, t, n in [(w_name, w_t, w_node), (b_name, b_t, b_node)]:
+    for name, t, n in [(w_name, w_t, layer.w_node), (b_name, b_t, layer.b_node)]:
         if t is not None:
             problem = _tied(ctx, others, t, name, n)
             if problem:
@@ -180,8 +213,15 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
     problem = problem or first_sharing_problem(bn_tensors, others)
     if problem:
         return f"tied weights: {problem}"
+    return None
 
-    m.w_t, m.b_t, m.w_name, m.b_name, m.w_node, m.b_node = w_t, b_t, w_name, b_name, w_node, b_node
+
+def _take(m: FoldSite, ctx: PassContext, layer: _Layer) -> None:
+    """Record on a folded ``m`` the layer's tensors, its details, the
+    ``rewritten`` row's reason and the dry run's plan."""
+    site, kind, w_t, b_t, w_name = m.site, m.kind, layer.w_t, layer.b_t, layer.w_name
+    m.w_t, m.b_t, m.w_name, m.b_name = w_t, b_t, w_name, layer.b_name
+    m.w_node, m.b_node = layer.w_node, layer.b_node
     out_ch = w_t.shape[0]
     extra = w_t.numel() * w_t.element_size() + out_ch * (b_t.element_size() if b_t is not None else w_t.element_size())
     into = w_name.rpartition(".")[0] or w_name
@@ -195,6 +235,25 @@ def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
         m.reason += ("; computed on every call, which measured slower than not folding (bf16 ResNet: "
                      "0.60-0.93x as fast with Inductor, 0.35-0.81x without; docs/batchnorm.md)")
     m.plan = f"would be {m.reason}"
+
+
+def refusal(m: FoldSite, ctx: PassContext) -> Optional[str]:
+    """Why ``m`` is not folded (a row naming the conv/linear's tensors sets
+    ``m.params``), or None: then ``m`` holds the layer's tensors, the row's
+    reason and details. The batch norm is checked first, then the layer's
+    tensors are found and checked, then whether they can be replaced."""
+    why = _batchnorm_problem(m, ctx)
+    if why is not None:
+        return why
+    layer = _layer_tensors(m, ctx)
+    if isinstance(layer, str):
+        return layer
+    why = _layer_problem(m, ctx, layer)
+    if why is None:
+        why = _sharing_problem(m, ctx, layer)
+    if why is not None:
+        return why
+    _take(m, ctx, layer)
     return None
 
 
