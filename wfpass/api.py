@@ -7,9 +7,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .compiler import _set_last, backend
+from .compiler import backend, compile_with_report
 from .config import Config
 from .graph import PassContext
+from .history import set_last
+from .pipeline import registered
 from .passes import run_passes
 from .records import Report
 from .storage import overlaps, restore_tensor
@@ -40,7 +42,7 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
     ctx.run_deferred()
     for move in ctx.take_first_call_moves():
         move()
-    _set_last(report)
+    set_last(report)
     return report
 
 
@@ -50,14 +52,12 @@ def explain(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Report:
     and run once under ``no_grad``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.explain expects an nn.Module, got {type(model).__name__}")
-    from .compiler import _compile_with_report
-
     probe = copy.deepcopy(model)
     be = backend(inner="eager", dry_run=True)
     reports = Report(f"wfpass explain ({type(model).__name__}, dry run: nothing changed)", dry_run=True)
 
     def collect(gm, example_inputs):
-        out, rep = _compile_with_report(be.config, gm, example_inputs)
+        out, rep = compile_with_report(be.config, gm, example_inputs)
         reports.extend(rep)
         return out
 
@@ -87,13 +87,10 @@ def restore(model: torch.nn.Module) -> int:
     object, or overlapping bytes) stay tied. Returns how many tensors moved."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.restore expects an nn.Module, got {type(model).__name__}")
-    from .batchnorm.eager import drop_eager_hook
-    from .pack.kernel import drop_copies
-    from .passes.fuse_rnn import unname_errors
-
+    formats = registered()
     for m in model.modules():
-        unname_errors(m)
-        drop_eager_hook(m)
+        for fmt in formats:
+            fmt.restore(m)  # what each format attached to the module besides storage
     n = 0
     seen = set()
     tensors = []
@@ -102,7 +99,6 @@ def restore(model: torch.nn.Module) -> int:
             continue
         seen.add(id(t))
         tensors.append(t)
-        drop_copies(t)  # packed copies are derived state: the next call makes them again
         n += restore_tensor(t)
     return n + _separate_views(tensors)
 

@@ -11,9 +11,10 @@ import torch
 import torch.fx as fx
 
 from ._torch.kernels import HigherOrderOperator
-from .graph import PassContext, TensorRef, _getattr_path, mutated_state
+from .graph import PassContext, TensorRef, getattr_path, mutated_state
+from .pipeline import registered, run_format
 
-__all__ = ["BODY_HOPS", "BodyContext", "HopBody", "hop_bodies"]
+__all__ = ["BODY_HOPS", "BodyContext", "HopBody", "hop_bodies", "run_in_bodies"]
 
 
 # -- higher-order-op bodies (activation checkpointing, wrap, invoke_subgraph) ----
@@ -59,11 +60,11 @@ def hop_bodies(gm: fx.GraphModule) -> List[HopBody]:
         if op is None:
             continue
         pos = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
-                    and isinstance(_getattr_path(gm, a.target), fx.GraphModule)), None)
+                    and isinstance(getattr_path(gm, a.target), fx.GraphModule)), None)
         if pos is None:
             continue
         attr = node.args[pos].target
-        body = _getattr_path(gm, attr)
+        body = getattr_path(gm, attr)
         operands = list(node.args[pos + 1:])
         if op == "invoke_subgraph" and operands and not isinstance(operands[0], fx.Node):
             operands = operands[1:]  # (subgraph, identifier, *operands)
@@ -145,3 +146,45 @@ class BodyContext(PassContext):
             if isinstance(o, fx.Node) and o in outer:
                 out.setdefault(ph, outer[o])
         return out
+
+
+# -- the formats in bodies ------------------------------------------------------
+
+
+def run_in_bodies(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Run the formats that rewrite inside higher-order-op bodies
+    (``Format.in_bodies``: activation checkpointing, ``wrap``) in every body
+    of ``gm``, nested bodies too, and write a skip record, with the reason,
+    for each pattern the other formats find there."""
+    formats = [f for f in registered() if ctx.config.runs(f.name)]
+    inside = [f for f in formats if f.in_bodies]
+    for hop in hop_bodies(gm):
+        sub = BodyContext(ctx, hop)
+        if hop.problem is not None:
+            _report_body_patterns(sub, formats, hop.problem)
+            continue
+        for fmt in inside:
+            run_format(fmt, hop.body, sub)
+        names = ", ".join(f.name for f in inside) or "no format"
+        _report_body_patterns(sub, [f for f in formats if not f.in_bodies],
+                              f"inside a {hop.op} region: wfpass runs only {names} there (this format is not "
+                              f"applied inside it)")
+        run_in_bodies(hop.body, sub)
+
+
+def _report_body_patterns(ctx: BodyContext, formats, why: str) -> None:
+    """A skip record per match of ``formats`` in ``ctx``'s body (and the
+    bodies nested in it), so that nothing inside a region wfpass does not
+    rewrite goes unmentioned. The matchers only find: nothing is decided or
+    applied. Two formats of one pattern finding the same tensors (the
+    BatchNorm formats) give one row."""
+    seen = set()
+    for fmt in formats:
+        pattern = fmt.pattern or fmt.name
+        for m in fmt.matches(ctx.gm, ctx):
+            key = (pattern, tuple(m.params))
+            if key not in seen:
+                seen.add(key)
+                ctx.report.add(pattern, "skipped", why, m.params, region=ctx.region)
+    for hop in hop_bodies(ctx.gm):
+        _report_body_patterns(BodyContext(ctx, hop), formats, why)

@@ -1,5 +1,5 @@
 """What Dynamo puts into the graph for a wformat backend: wfpass's decisions,
-installed into the private-PyTorch layer (``wfpass._torch.dynamo``), which
+installed into the private-PyTorch layer (``wfpass._torch.dynamo_hooks``), which
 calls them while Dynamo traces.
 
 * **RNN capture**: Dynamo graph-breaks on ``nn.RNN/GRU/LSTM`` unless
@@ -10,8 +10,8 @@ calls them while Dynamo traces.
   stop the compile (``install_item_break_probe``, called by
   ``fp32_batchnorm``).
 * **Which backend is ours**: ``wformat_config`` finds the ``Config`` of a
-  wformat backend through Dynamo's wrappers. The registered ``wformat``
-  function registers itself here (``register_default_backend``), so this
+  wformat backend through Dynamo's wrappers: every wformat backend (the
+  registered ``wformat`` function too) carries it as ``.config``, so this
   module never imports ``wfpass.compiler``.
 """
 from __future__ import annotations
@@ -20,18 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ._torch import dynamo as _dynamo
+from ._torch import dynamo as _dynamo, dynamo_hooks as _hooks
 from .config import Config
-
-# The registered ``"wformat"`` backend function and its Config
-# (``register_default_backend``).
-_DEFAULT_BACKEND: list = [None, None]
-
-
-def register_default_backend(fn: Callable, config: Config) -> None:
-    """``wfpass.compiler`` calls this for its ``wformat`` function, which runs
-    with ``config`` and carries no ``.config`` of its own."""
-    _DEFAULT_BACKEND[:] = [fn, config]
 
 
 def wformat_config(compiler_fn) -> Optional[Config]:
@@ -47,8 +37,6 @@ def wformat_config(compiler_fn) -> Optional[Config]:
         cfg = getattr(fn, "config", None)
         if isinstance(cfg, Config):
             return cfg
-        if fn is _DEFAULT_BACKEND[0]:
-            return _DEFAULT_BACKEND[1]
         fn = (
             getattr(fn, "_torchdynamo_orig_backend", None)
             or getattr(fn, "compiler_fn", None)
@@ -110,7 +98,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
         path = _dynamo.module_name_from_source(source_name) if source_name else ""
         try:
             name_errors(module, path)
-            _dynamo.refresh_flat_weight_refs(module)
+            _hooks.refresh_flat_weight_refs(module)
         except Exception:  # never break a trace over this: capture it unnamed
             return wanted
         config = wformat_config(compiler_fn)
@@ -127,7 +115,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
             return False
         return wanted
 
-    _dynamo.install_rnn_capture(policy)
+    _hooks.install_rnn_capture(policy)
 
 
 def install_item_break_probe(note_item_break: Callable) -> None:
@@ -140,4 +128,4 @@ def install_item_break_probe(note_item_break: Callable) -> None:
         if config is not None:
             note_item_break(module, _dynamo.module_name_from_source(source_name) if source_name else "", config)
 
-    _dynamo.install_item_break_probe(hook)
+    _hooks.install_item_break_probe(hook)

@@ -14,69 +14,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
-from . import capture as _capture
 from ._torch import aot as _aot, dynamo as _dynamo
+from .bodies import run_in_bodies
 from .config import Config
-from .bodies import BodyContext, hop_bodies
 from .graph import PassContext
+from .history import last_report, set_last
 from .passes import run_passes
-from .pipeline import registered, run_format
-from .records import Report, print_at_exit_if_asked
-from .runtime import _UNCOMPILED, file_report, guarded_call
+from .records import Report
+from .runtime import file_report, guarded_call
 
-__all__ = ["backend", "wformat", "last_report"]
+__all__ = ["backend", "wformat", "last_report", "compile_with_report"]
 
 log = logging.getLogger("wfpass")
-
-_LAST: List[Report] = []
-_LAST_ORIGIN: List[Any] = [None]
-_LAST_CALL: List[Any] = [[]]
-
-
-def last_report() -> Report:
-    """The report of what wfpass compiled or rewrote most recently: one graph,
-    or, where Dynamo split one call into several graphs (a graph break, whose
-    rest runs as a resume function; DDP's per-bucket subgraphs), all of them
-    in order. Records are the live ones: their ``stats`` keep counting."""
-    if _UNCOMPILED:
-        # Dynamo broke the graph after the last compile and compiled nothing
-        # since: say where, rather than show an older compile.
-        out = Report("wfpass report (Dynamo compiled no graph since: a graph break ran the model eagerly)")
-        out.records.extend(_UNCOMPILED)
-        return out
-    if not _LAST:
-        return Report("wfpass report (nothing compiled yet)")
-    if len(_LAST) == 1:
-        return _LAST[0]
-    merged = Report(f"wfpass report ({len(_LAST)} graphs of one call, split by Dynamo)")
-    for r in _LAST:
-        merged.extend(r)
-    return merged
-
-
-def _set_last(report: Report, origin: Any = None, continues: bool = False, call: Sequence[Any] = ()) -> None:
-    """``origin``: Dynamo's (compile context, attempt) (None outside Dynamo);
-    ``continues``: this graph continues a call already under way (a nested
-    frame or resume function after a graph break), whose tensor arguments are
-    ``call``. A continuation joins the previous reports only if they came
-    from the same call (the same argument objects, held weakly)."""
-    _UNCOMPILED.clear()
-    last = _LAST_ORIGIN[0]
-    same = origin is not None and last is not None and origin[0] is last[0] and origin[1] == last[1]
-    refs = _LAST_CALL[0]
-    same_call = bool(call) and len(refs) == len(call) and all(r() is t for r, t in zip(refs, call))
-    if _LAST and (same or (continues and same_call)):
-        _LAST.append(report)
-    else:
-        _LAST[:] = [report]
-    _LAST_ORIGIN[0] = origin
-    _LAST_CALL[0] = [weakref.ref(t) for t in call]
-    print_at_exit_if_asked(report)  # WFPASS_REPORT=1
 
 
 def inductor_settings(inner: Any, mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -112,11 +65,14 @@ def _resolve_inner(inner: Any, settings: Optional[Dict[str, Any]] = None) -> Cal
 
 
 def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
-    return _compile_with_report(config, gm, example_inputs, **compile_kwargs)[0]
+    return compile_with_report(config, gm, example_inputs, **compile_kwargs)[0]
 
 
-def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any],
+def compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any],
                          mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None):
+    """One compile of one graph: the formats over a copy of it, the report
+    published, the inner compiler, then the parameters moved and the result
+    wrapped in the per-call layout check. Returns (callable, report)."""
     # torch.compile(backend=..., mode=..., options=...) passes these on to
     # every backend; checked before any work.
     settings = inductor_settings(config.inner, mode, options)
@@ -129,14 +85,26 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
     run_passes(gm, ctx)
     run_in_bodies(gm, ctx)
     if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
-        _set_last(report, *_dynamo.compile_origin())
-        # Parameters Dynamo kept as graph attributes (Inductor's freezing=True)
-        # are not inputs; their records are filed under them too.
-        attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in gm.graph.nodes if n.op == "get_attr")
-                 if r is not None and r.is_state}
-        file_report(report, {**attrs, **{r.name: r.tensor for r in ctx.state_tensors()}})
-    inner = _resolve_inner(config.inner, settings)
-    compiled = inner(gm, ctx.compile_inputs())
+        _publish(report, ctx)
+    compiled = _resolve_inner(config.inner, settings)(gm, ctx.compile_inputs())
+    return _settle(compiled, ctx, original), report
+
+
+def _publish(report: Report, ctx: PassContext) -> None:
+    """``report`` as ``last_report()``, and filed under the tensors it
+    concerns (``wfpass.report(model)``)."""
+    set_last(report, *_dynamo.compile_origin())
+    # Parameters Dynamo kept as graph attributes (Inductor's freezing=True)
+    # are not inputs; their records are filed under them too.
+    attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in ctx.gm.graph.nodes if n.op == "get_attr")
+             if r is not None and r.is_state}
+    file_report(report, {**attrs, **{r.name: r.tensor for r in ctx.state_tensors()}})
+
+
+def _settle(compiled: Callable, ctx: PassContext, original: fx.GraphModule) -> Callable:
+    """After the inner compiler: the parameters moved into their formats
+    (``ctx.run_deferred``; a move that changes a tensor's metadata waits for
+    the first call), and the callable Dynamo gets."""
     ctx.run_deferred()
     at_call = ctx.take_first_call_moves()
     if at_call:
@@ -146,15 +114,13 @@ def _compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Seq
         # guards then see the change and recompile once, and that compile
         # finds the tensors already in format.
         log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
-        compiled = _first_call_then(at_call, gm.forward)
+        compiled = _first_call_then(at_call, ctx.gm.forward)
     if not ctx.sites:
-        if ctx.kept:
-            compiled = _keeping(compiled, ctx.kept)
-        return compiled, report
+        return _keeping(compiled, ctx.kept) if ctx.kept else compiled
     call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs())
-    call._wfpass_report = report  # type: ignore[attr-defined]
+    call._wfpass_report = ctx.report  # type: ignore[attr-defined]
     call._wfpass_kept = ctx.kept  # type: ignore[attr-defined]
-    return call, report
+    return call
 
 
 def _keeping(compiled: Callable, kept: List[Any]) -> Callable:
@@ -166,45 +132,6 @@ def _keeping(compiled: Callable, kept: List[Any]) -> Callable:
 
     call._wfpass_kept = kept  # type: ignore[attr-defined]
     return call
-
-
-def run_in_bodies(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Run the formats that rewrite inside higher-order-op bodies
-    (``Format.in_bodies``: activation checkpointing, ``wrap``) in every body
-    of ``gm``, nested bodies too, and write a skip record, with the reason,
-    for each pattern the other formats find there."""
-    formats = [f for f in registered() if ctx.config.runs(f.name)]
-    inside = [f for f in formats if f.in_bodies]
-    for hop in hop_bodies(gm):
-        sub = BodyContext(ctx, hop)
-        if hop.problem is not None:
-            _report_body_patterns(sub, formats, hop.problem)
-            continue
-        for fmt in inside:
-            run_format(fmt, hop.body, sub)
-        names = ", ".join(f.name for f in inside) or "no format"
-        _report_body_patterns(sub, [f for f in formats if not f.in_bodies],
-                              f"inside a {hop.op} region: wfpass runs only {names} there (this format is not "
-                              f"applied inside it)")
-        run_in_bodies(hop.body, sub)
-
-
-def _report_body_patterns(ctx: BodyContext, formats, why: str) -> None:
-    """A skip record per match of ``formats`` in ``ctx``'s body (and the
-    bodies nested in it), so that nothing inside a region wfpass does not
-    rewrite goes unmentioned. The matchers only find: nothing is decided or
-    applied. Two formats of one pattern finding the same tensors (the
-    BatchNorm formats) give one row."""
-    seen = set()
-    for fmt in formats:
-        pattern = fmt.pattern or fmt.name
-        for m in fmt.matches(ctx.gm, ctx):
-            key = (pattern, tuple(m.params))
-            if key not in seen:
-                seen.add(key)
-                ctx.report.add(pattern, "skipped", why, m.params, region=ctx.region)
-    for hop in hop_bodies(ctx.gm):
-        _report_body_patterns(BodyContext(ctx, hop), formats, why)
 
 
 def _first_call_then(moves, fn: Callable) -> Callable:
@@ -237,5 +164,5 @@ def wformat(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs:
 
 
 _DEFAULT = Config()
-# ``wformat`` carries no ``.config``: tell the capture policy which Config it runs.
-_capture.register_default_backend(wformat, _DEFAULT)
+# As backends built by ``backend(...)`` do: the capture policy reads it.
+wformat.config = _DEFAULT  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from ._torch.kernels import OpOverload, linear as _aten_linear
 from .config import Config
 from .records import Report
 
-__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "meta_value", "static_int", "same_size", "mutated_state", "node_arg",
+__all__ = ["PassContext", "TensorRef", "LINEAR_TARGETS", "getattr_path", "meta_value", "static_int", "same_size", "mutated_state", "node_arg",
            "set_node_arg"]
 
 #: What Dynamo and symbolic_trace graphs call for ``nn.Linear`` / ``F.linear``
@@ -190,7 +190,7 @@ class PassContext:
                 kind = "tensor"
             return TensorRef(qual or arg.name, t, kind, arg)
         if arg.op == "get_attr":
-            t = _getattr_path(self.gm, arg.target)
+            t = getattr_path(self.gm, arg.target)
             if not isinstance(t, torch.Tensor):
                 return None
             kind = "parameter" if isinstance(t, torch.nn.Parameter) else ("buffer" if self._is_buffer(arg.target) else "tensor")
@@ -265,7 +265,7 @@ class PassContext:
             return self.gm.graph.get_attr(qualname)
 
 
-def _getattr_path(root: torch.nn.Module, target: str) -> Any:
+def getattr_path(root: torch.nn.Module, target: str) -> Any:
     obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)

@@ -112,6 +112,15 @@ class Format:
     def apply(self, match: Match, ctx) -> None:  # pragma: no cover - interface
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
+    def install(self) -> None:
+        """Called once, when the format joins the pipeline: what it puts in
+        place outside the graph (the RNN format's Dynamo capture policy)."""
+
+    def restore(self, module: Any) -> None:
+        """Called by ``wfpass.restore`` for every module of the model: drop
+        what this format attached to ``module`` (hooks, derived copies of
+        its tensors). Storage is given back by ``restore`` itself."""
+
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` if this format cannot be registered."""
         if not self.name or not isinstance(self.name, str):
@@ -191,6 +200,8 @@ def install_builtins(formats: Sequence[Format]) -> None:
     _FORMATS[:] = new
     _BUILTIN.clear()
     _BUILTIN.update(names)
+    for f in formats:
+        f.install()
 
 
 def append_format(fmt: Format) -> None:
@@ -201,6 +212,7 @@ def append_format(fmt: Format) -> None:
             raise ValueError(f"a format named {fmt.name!r} is already registered ({f!r})")
     check_order(_FORMATS + [fmt])
     _FORMATS.append(fmt)
+    fmt.install()
 
 
 def remove_format(name: str) -> None:

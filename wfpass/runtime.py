@@ -19,7 +19,7 @@ parameters were re-assigned). So the backend returns::
 
 The check is address arithmetic against a block the layout keeps alive (see
 ``storage.FusedStorage``), so it is complete, and it allocates nothing.
-Layouts and their records belong to the parameters (``storage._OWNER``):
+Layouts and their records belong to the parameters (``storage.layout_of``):
 nothing here outlives the model, and a graph that serves N layers finds N
 layouts and moves none of them again.
 """
@@ -32,7 +32,7 @@ import torch
 
 from ._torch import distributed as _distributed, tensors as _tensors
 from .records import Record, Report
-from .storage import FusedStorage, _OWNER, first_sharing_problem, fuse, layout_of, layout_of_set, re_fuse
+from .storage import FusedStorage, entry_by_id, first_sharing_problem, fuse, layout_of, layout_of_set, re_fuse
 
 __all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]
 
@@ -167,7 +167,7 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
     compiled graph, or the fallback graph when a group that the compiled graph
     reads as a block cannot be laid out for this call."""
     plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block) for s in sites]
-    owner_get = _OWNER.get
+    owner_get = entry_by_id
 
     def others(args):
         return [(n, args[i]) for n, i in tensor_inputs if isinstance(args[i], torch.Tensor)]
@@ -200,19 +200,6 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
 # -- records, by the tensors they concern ---------------------------------------
 
 # tensor -> the records that concern it. Weak keys: a deleted model's records go with it.
-# Records of graph breaks that may leave nothing compiled (``note_uncompiled``),
-# newer than the last compile; ``backend.last_report`` shows them and clears
-# them when the next graph compiles.
-_UNCOMPILED: List[Any] = []
-
-
-def note_uncompiled(record: Any) -> None:
-    """A record about a graph break that may leave nothing compiled
-    (``batchnorm.eager.note_item_break``): ``last_report()`` shows it until
-    the next graph is compiled."""
-    _UNCOMPILED.append(record)
-
-
 _NOTES = _tensors.weak_id_key_dict()
 
 

@@ -21,7 +21,7 @@ import torch
 from ._torch import distributed as _distributed, tensors as _tensors
 
 __all__ = [
-    "FusedStorage", "fuse", "re_fuse", "fused_storage_of", "layout_of", "layout_of_set", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
+    "FusedStorage", "fuse", "re_fuse", "fused_storage_of", "layout_of", "layout_of_set", "entry_by_id", "live_layouts", "restore_tensor", "register_undo", "undo_registered",
     "overlaps", "sharing_problem", "byte_extent", "unmovable",
     "first_unmovable", "first_sharing_problem", "move_problem",
 ]
@@ -214,6 +214,10 @@ class FusedStorage:
 # when its member dies (weak-reference callback), so the table holds only
 # live members and a deleted model frees its blocks.
 _OWNER: Dict[int, Tuple["weakref.ref", FusedStorage]] = {}
+#: ``entry_by_id(id(t))``: ``(weak reference to t, its layout)`` or None, the
+#: table's own ``get``: the per-call layout check's fast path
+#: (``runtime.guarded_call``), which checks the reference itself.
+entry_by_id = _OWNER.get
 
 
 def _own(t: torch.Tensor, fs: FusedStorage) -> None:

@@ -17,7 +17,8 @@ from .._torch import distributed as _distributed, dynamo as _dynamo
 from ..graph import PassContext
 from ..pipeline import Match
 from ..records import Record as _Record
-from ..runtime import Group, note, note_uncompiled, unnote
+from ..history import note_uncompiled
+from ..runtime import Group, note, unnote
 from ..storage import first_sharing_problem
 from .fp32 import ddp_problem, dtype_name
 from .kernels import HALF, ROLES, bn_eager_pre_hook, to_fp32

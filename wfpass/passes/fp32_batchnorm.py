@@ -66,7 +66,8 @@ from typing import Iterator, Optional
 import torch.fx as fx
 
 from .. import capture as _capture
-from ..batchnorm.eager import EagerBatchNorm, eager_apply, eager_batchnorms, eager_guard, note_item_break
+from ..batchnorm.eager import (EagerBatchNorm, drop_eager_hook, eager_apply, eager_batchnorms, eager_guard,
+                               note_item_break)
 from ..batchnorm.fp32 import BatchNormCall, batchnorm_calls, call_problem, rewrite_call
 from ..graph import PassContext
 from ..pipeline import Format, Match
@@ -80,6 +81,13 @@ class Fp32BatchNorm(Format):
     Dynamo runs eagerly (``EagerBatchNorm``, ``wfpass/batchnorm/eager.py``)."""
 
     name, pattern = "fp32_batchnorm", "batchnorm"
+
+    def install(self) -> None:
+        # Tells the user which BatchNorm (``momentum=None``) stops a compile.
+        _capture.install_item_break_probe(note_item_break)
+
+    def restore(self, module) -> None:
+        drop_eager_hook(module)  # the fp32 hook on a BatchNorm Dynamo runs eagerly
 
     def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[Match]:
         yield from batchnorm_calls(ctx)
@@ -97,7 +105,3 @@ class Fp32BatchNorm(Format):
         else:
             rewrite_call(m, ctx)
 
-
-# Installed when the format is imported (``wfpass.passes`` imports it): tells
-# the user which BatchNorm (``momentum=None``) stops a compile.
-_capture.install_item_break_probe(note_item_break)

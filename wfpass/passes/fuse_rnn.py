@@ -40,18 +40,20 @@ from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
 from ..rnn.rewrite import rewrite_call
 
-# ``wfpass.api.restore`` imports ``unname_errors`` from here; the capture
-# policy gets ``name_errors`` and ``note_seen`` through the call below.
-__all__ = ["FuseRnn", "RNN_FUNCTIONS", "name_errors", "unname_errors"]
-
-# Let Dynamo put RNN modules into the graph for wformat backends only.
-_capture.install_rnn_capture(name_errors, note_seen)
+__all__ = ["FuseRnn", "RNN_FUNCTIONS"]
 
 
 class FuseRnn(Format):
     """The RNN format: match every RNN call, guard it, rewrite it."""
 
     name, pattern = "fuse_rnn", "rnn"
+
+    def install(self) -> None:
+        # Let Dynamo put RNN modules into the graph for wformat backends only.
+        _capture.install_rnn_capture(name_errors, note_seen)
+
+    def restore(self, module) -> None:
+        unname_errors(module)  # the errors Dynamo's wrapping gave the RNN name it no more
 
     def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[RnnCall]:
         # What this run's calls share: the weight sets already grouped (the

@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from ..graph import PassContext
 from ..pack.guards import pack_problem
+from ..pack.kernel import drop_copies
 from ..pack.match import PackMatch, pack_candidates
 from ..pack.rewrite import rewrite_call
 from ..pipeline import Format
@@ -52,6 +53,11 @@ class PackLinears(Format):
     """The packed-weight format (see the module docstring)."""
 
     name, pattern = "pack_linears", "pack"
+
+    def restore(self, module) -> None:
+        # Packed copies are derived state: the next call makes them again.
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            drop_copies(t)
 
     def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[PackMatch]:
         yield from pack_candidates(gm, ctx)

@@ -165,7 +165,7 @@ def demo(rounds: int = 5, threads: int = 1) -> int:
 
     from .bench import Progress
 
-    wfpass._load_api()
+    wfpass.Config  # loads the API (lazy under `python -m wfpass`)
     torch.set_num_threads(threads)
     print(f"wfpass {wfpass.__version__}, torch {torch.__version__}, {torch.get_num_threads()} thread(s). Times: median "
           f"of {rounds} interleaved rounds ± half the interquartile range; x faster = baseline time / wformat time.\n")
