@@ -83,7 +83,7 @@ def _worker(conn, sizes: Sizes, parts: tuple, index: int, variant: str, threads:
         torch.set_num_threads(threads)
         import wfpass
 
-        wfpass._load_api()  # registers the backend's passes
+        wfpass.Config  # loads the API (lazy under `python -m wfpass`), which registers the formats
         from .._torch.aot import disable_compile_caches, stop_compile_workers
 
         disable_compile_caches()  # first calls are cold compiles
