@@ -38,7 +38,7 @@ import torch.nn as nn
 from .bench_cases import FULL, PARTS, QUICK, Case, Sizes, cases
 from .bench_models import BnCNN, Decoder, RnnLM, hand_fused_decoder
 from .bench_report import VARIANTS, markdown, plot
-from .bench_timing import Progress, Timing, _calls_per_sample, interleaved, interleaved_samples
+from .bench_timing import Progress, Timing, calls_per_sample, interleaved, interleaved_samples
 
 __all__ = ["Progress", "interleaved", "Timing", "Case", "Sizes", "own_code", "Decoder", "hand_fused_decoder", "RnnLM", "BnCNN",
            "main", "run"]
@@ -102,7 +102,7 @@ def _worker(conn, sizes: Sizes, parts: tuple, index: int, variant: str, threads:
                 conn.send(("ok", extra() if extra is not None else {}))
             elif cmd == "sample":
                 if not calls:
-                    calls = _calls_per_sample(step, sizes.min_s)
+                    calls = calls_per_sample(step, sizes.min_s)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     step()

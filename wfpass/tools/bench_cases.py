@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .bench_models import BnCNN, CellLoop, Decoder, RnnLM, SpeechEncoder, _bn_fp32_by_hand, hand_fused_decoder
+from .bench_models import BnCNN, CellLoop, Decoder, RnnLM, SpeechEncoder, bn_fp32_by_hand, hand_fused_decoder
 from .bench_report import VARIANTS
 
 __all__ = ["Sizes", "QUICK", "FULL", "PARTS", "Case", "cases"]
@@ -254,7 +254,7 @@ def _cnn_case(s: Sizes, train: bool) -> Case:
         x = torch.randn(*s.cnn_input, dtype=torch.bfloat16)
         ref32 = BnCNN(**s.cnn)
         ref32.load_state_dict({k: val.float() for k, val in base.state_dict().items()})
-        m = _variant(base, v, _bn_fp32_by_hand)
+        m = _variant(base, v, bn_fp32_by_hand)
         m.train(train)
 
         def bn_statistics() -> Dict[str, object]:

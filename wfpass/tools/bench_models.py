@@ -182,7 +182,7 @@ class BnCNN(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def _bn_fp32_by_hand(model: nn.Module) -> nn.Module:
+def bn_fp32_by_hand(model: nn.Module) -> nn.Module:
     """The reference for the batchnorm format: BatchNorms in fp32 in a half
     model; PyTorch's mixed-precision batch norm kernel then runs."""
     for m in model.modules():

@@ -121,7 +121,7 @@ class Timing:
         return f"{self.median * unit:.3f} ±{self.spread * 100:.0f}%"
 
 
-def _calls_per_sample(fn: Callable[[], None], min_s: float) -> int:
+def calls_per_sample(fn: Callable[[], None], min_s: float) -> int:
     n = 1
     while True:
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float 
     """Time every step in one process, ``interleaved_samples`` with each
     sample enough calls to last ``min_s``. Each step must already have run
     once (compiled)."""
-    calls = {k: _calls_per_sample(fn, min_s) for k, fn in steps.items()}
+    calls = {k: calls_per_sample(fn, min_s) for k, fn in steps.items()}
 
     def sampler(fn: Callable[[], None], n: int) -> Callable[[], float]:
         def sample() -> float:
