@@ -54,12 +54,19 @@ def _rows_hint(x) -> Optional[int]:
     return None if any(d is None for d in dims) else math.prod(dims)
 
 
-def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+def _options_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """Packing switched off, or no bytes allowed for packed copies."""
     opts: PackOptions = ctx.config.pack
     if opts.mode == "off":
         return "pack.mode='off'"
     if opts.max_bytes == 0:
         return "pack.max_bytes=0: no packed copies"
+    return None
+
+
+def _weights_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """Each weight is a Parameter or buffer the pass can see, not a constant
+    of a Dynamo graph, and one a packed copy could be kept for."""
     for w in m.weights:
         if w is None:
             return "weight is not a tensor the pass can resolve (computed in the graph?)"
@@ -71,6 +78,12 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
         why = unmovable(w.tensor, w.name)
         if why is not None:
             return why.replace("wfpass leaves it alone", "a packed copy would be made again every call; left alone")
+    return None
+
+
+def _kernel_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """The weight is 2-D, on the CPU, in a dtype a packed kernel of this
+    CPU's oneDNN or MKL multiplies."""
     w = m.weights[0]
     t = w.tensor
     if t.dim() != 2 or m.rows <= 0:
@@ -84,6 +97,13 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     if not _k.onednn_packs(t.dtype) and not _k.mkl_packs(t.dtype):
         need = {torch.float16: "avx512_fp16 or avx_ne_convert", torch.bfloat16: "avx512 with bf16 support"}.get(t.dtype, "")
         return f"oneDNN cannot multiply {t.dtype} on this CPU{' (it needs ' + need + ')' if need else ''}"
+    return None
+
+
+def _dtype_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """Input, output and bias of the weight's dtype (no autocast inside
+    the call)."""
+    t = m.weights[0].tensor
     xv, yv = meta_value(m.x), meta_value(m.node)
     for what, v in (("input", xv), ("output", yv)):
         if isinstance(v, torch.Tensor) and v.dtype != t.dtype:
@@ -91,11 +111,22 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
                     f"plain GEMM")
     if m.bias_ref is not None and (m.bias_ref.tensor.dtype != t.dtype or m.bias_ref.tensor.device != t.device):
         return f"bias {m.bias_ref.name} has dtype {m.bias_ref.tensor.dtype}, the weight {t.dtype}"
+    return None
+
+
+def _written_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """No weight is written in place inside the graph."""
     written = m.written
     for r in m.weights:
         if r.node is not None and r.node in written:
             return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
                     f"in forward): a copy would be packed on every call; left to the plain GEMM")
+    return None
+
+
+def _grad_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """No gradient through the call unless ``pack.training``, and none ever
+    through a block (its members' biases get theirs from ``fused_linear``)."""
     grad = m.needs_grad()
     if grad is None and ctx.is_dynamo:
         grad = True  # a Dynamo call whose value says nothing: assume it trains, never the reverse
@@ -107,36 +138,68 @@ def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     if grad and m.block:
         return ("the one-GEMM block in a graph that computes gradients: its biases' gradients go to each member "
                 "through fused_linear; left to it")
-    if grad and not opts.training:
+    if grad and not ctx.config.pack.training:
         return ("the graph computes gradients through it (training): packing is for inference unless "
                 "pack.training=True (a copy made again after every optimizer step; measured in docs/pack.md)")
-    k = t.shape[1]
-    if m.m is None:
-        # One graph for every M: the op would serve sizes nobody measured,
-        # and its call costs even where it then runs the plain GEMM. So it
-        # goes in only where packing was measured to pay at the M this graph
-        # was compiled for (its hint); then each further M is measured when
-        # first seen. Else the linear stays the compiler's own GEMM.
-        if not ctx.is_dynamo:
-            # ``wfpass.apply`` graphs carry no shapes and run eagerly: each M
-            # is measured when the op first sees it.
-            m.kernel = ""
-            m.why = "row count M unknown in this graph: the kernel is chosen per M when first seen"
-            return None
-        hint = _rows_hint(m.x)
-        if hint is None:
-            return "row count M symbolic with no size to measure at: left to the plain GEMM"
-        kernel = choose_kernel(opts, t.dtype, k, m.rows, hint)
-        words = describe_choice(opts, t.dtype, k, m.rows, hint)
-        if kernel == "plain":
-            return f"row count M symbolic; measured at the size this graph was compiled for, {words}"
+    return None
+
+
+def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """A graph for every M: packed only where packing was measured to pay at
+    the size the graph was compiled for; sets ``m.kernel`` and ``m.why``."""
+    opts: PackOptions = ctx.config.pack
+    t = m.weights[0].tensor
+    # One graph for every M: the op would serve sizes nobody measured,
+    # and its call costs even where it then runs the plain GEMM. So it
+    # goes in only where packing was measured to pay at the M this graph
+    # was compiled for (its hint); then each further M is measured when
+    # first seen. Else the linear stays the compiler's own GEMM.
+    if not ctx.is_dynamo:
+        # ``wfpass.apply`` graphs carry no shapes and run eagerly: each M
+        # is measured when the op first sees it.
         m.kernel = ""
-        m.why = (f"row count M symbolic: measured at the size this graph was compiled for, {words}; every other M "
-                 f"is measured when first seen")
+        m.why = "row count M unknown in this graph: the kernel is chosen per M when first seen"
         return None
-    kernel = choose_kernel(opts, t.dtype, k, m.rows, m.m)
-    words = describe_choice(opts, t.dtype, k, m.rows, m.m)
+    hint = _rows_hint(m.x)
+    if hint is None:
+        return "row count M symbolic with no size to measure at: left to the plain GEMM"
+    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, hint)
+    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, hint)
+    if kernel == "plain":
+        return f"row count M symbolic; measured at the size this graph was compiled for, {words}"
+    m.kernel = ""
+    m.why = (f"row count M symbolic: measured at the size this graph was compiled for, {words}; every other M "
+             f"is measured when first seen")
+    return None
+
+
+def _kernel_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """The kernel measured fastest at this graph's row count, the plain GEMM
+    refused as no gain; sets ``m.kernel`` and ``m.why`` (a symbolic M:
+    ``_symbolic_rows_choice``)."""
+    if m.m is None:
+        return _symbolic_rows_choice(m, ctx)
+    opts: PackOptions = ctx.config.pack
+    t = m.weights[0].tensor
+    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, m.m)
+    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, m.m)
     if kernel == "plain":
         return words
     m.kernel, m.why = kernel, words
+    return None
+
+
+# The guard's checks, in the order they run: the first to find a problem gives the row's reason.
+_CHECKS = (_options_problem, _weights_problem, _kernel_problem, _dtype_problem, _written_problem, _grad_problem,
+           _kernel_choice)
+
+
+def pack_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
+    """Why ``m``'s weight is not packed, or None: then ``m`` holds the kernel
+    for its static row count (or "" for the op to choose per M) and its
+    row's words."""
+    for check in _CHECKS:
+        why = check(m, ctx)
+        if why is not None:
+            return why
     return None

@@ -10,7 +10,7 @@ packed copy.
 from __future__ import annotations
 
 import operator
-from typing import Dict
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -44,8 +44,9 @@ def _reason(rec: Record) -> str:
     return f"{kind}: packed copy of the weight beside the parameter; " + "; ".join(p for p in parts if p) + op
 
 
-def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
-    opts = ctx.config.pack
+def _record_for(ctx: PassContext, m: PackMatch) -> Record:
+    """The weight (set)'s ``rewritten`` record, made on its first graph and
+    shared by every later one, with this graph's choice noted in it."""
     w0 = m.weights[0].tensor
     dtype, k, n = w0.dtype, w0.shape[1], m.rows
     what = (f"{len(m.weights)} linears' block ({n}x{k} {str(dtype).replace('torch.', '')})" if m.block
@@ -62,6 +63,16 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
     else:
         rec.detail["pending"] = m.why
     rec.reason = _reason(rec)
+    return rec
+
+
+def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
+    """The call's ``PackSite`` (its record, options and kernel per row
+    count, each further M chosen and noted when first seen), registered
+    and kept alive with the graph; its id."""
+    opts = ctx.config.pack
+    w0 = m.weights[0].tensor
+    dtype, k, n = w0.dtype, w0.shape[1], m.rows
 
     def choose(rows: int, opts=opts, dtype=dtype, k=k, n=n, rec=rec) -> str:
         kernel = choose_kernel(opts, dtype, k, n, rows)
@@ -79,47 +90,66 @@ def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
     if not ctx.is_dynamo:
         # ``wfpass.apply`` graphs run eagerly: the op sees grad mode itself.
         site.eager_training = opts.training
+    return sid
 
+
+def _operands(ctx: PassContext, m: PackMatch) -> Tuple[fx.Node, List[Any], List[Any]]:
+    """The op's input, weights and biases as the graph has them, for each
+    kind of match; called at the new call's insertion point (a module
+    call's tensors are fetched there, a block's layout check kept there)."""
+    node, g = m.node, m.node.graph
+    if m.members:
+        # A split group: one call over the block, its columns split among the members.
+        return m.x, [w.node for w in m.weights], list(m.bias_nodes)
+    if node.op == "call_module":
+        w_nodes = [ctx.get_attr_node(m.weights[0].name, node)]
+        biases = [ctx.get_attr_node(m.bias_ref.name, node)] if m.bias_ref is not None else []
+        return m.x, w_nodes, biases
+    if m.block:
+        x, w_block, b_block = node.args[0], node.args[1], node.args[2]
+        w_nodes = list(node.args[4:4 + len(m.weights)])
+        b_nodes = list(node.args[4 + len(m.weights):])
+        # Every member has a bias: the members' biases, which the op
+        # reads as their block (gradients reach each); only some: the
+        # graph's bias vector (inference only, the guard made sure).
+        biases = b_nodes if len(b_nodes) == len(w_nodes) else ([b_block] if b_block is not None else [])
+        if isinstance(getattr(w_block, "target", None), EagerBlock):
+            # ``wfpass.apply`` graphs: the block's layout check (and
+            # re-fuse) that EagerBlock made, kept for its effect.
+            g.call_function(EagerLayoutCheck(w_block.target.site, "linear_layout_check"), tuple(w_nodes))
+        return x, w_nodes, biases
+    return m.x, [m.weights[0].node], [m.bias] if isinstance(m.bias, fx.Node) else []
+
+
+def _replace_members(m: PackMatch, new: fx.Node) -> None:
+    """A split group: the op's output split among the members, each
+    member's uses moved to its part, the members erased."""
+    g = m.node.graph
+    with g.inserting_before(m.node):
+        sizes = [w.tensor.shape[0] for w in m.weights]
+        parts = g.call_function(torch.split, (new, sizes, -1))
+        outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sizes))]
+    for member, out in zip(m.members, outs):
+        out.meta.update({key: v for key, v in member.meta.items() if key in ("nn_module_stack", "stack_trace")})
+        member.replace_all_uses_with(out)
+        g.erase_node(member)
+
+
+def rewrite_call(ctx: PassContext, m: PackMatch) -> None:
+    """The call (or split group) becomes ``wfpass::packed_linear`` over the
+    parameters themselves, with its site; the record notes this graph."""
+    sid = _open_site(ctx, m, _record_for(ctx, m))
     g = m.node.graph
     node = m.node
     # The input as the graph reads it now: an earlier rewrite may have
     # replaced the node the matcher saw (a linear feeding this one).
     m.x = node_arg(m.members[0] if m.members else node, 0, "input")
     with g.inserting_before(node):
-        if m.members:
-            # A split group: one call over the block, its columns split among the members.
-            x, w_nodes, biases = m.x, [w.node for w in m.weights], list(m.bias_nodes)
-        elif node.op == "call_module":
-            w_nodes = [ctx.get_attr_node(m.weights[0].name, node)]
-            biases = [ctx.get_attr_node(m.bias_ref.name, node)] if m.bias_ref is not None else []
-            x = m.x
-        elif m.block:
-            x, w_block, b_block = node.args[0], node.args[1], node.args[2]
-            w_nodes = list(node.args[4:4 + len(m.weights)])
-            b_nodes = list(node.args[4 + len(m.weights):])
-            # Every member has a bias: the members' biases, which the op
-            # reads as their block (gradients reach each); only some: the
-            # graph's bias vector (inference only, the guard made sure).
-            biases = b_nodes if len(b_nodes) == len(w_nodes) else ([b_block] if b_block is not None else [])
-            if isinstance(getattr(w_block, "target", None), EagerBlock):
-                # ``wfpass.apply`` graphs: the block's layout check (and
-                # re-fuse) that EagerBlock made, kept for its effect.
-                g.call_function(EagerLayoutCheck(w_block.target.site, "linear_layout_check"), tuple(w_nodes))
-        else:
-            x = m.x
-            biases = [m.bias] if isinstance(m.bias, fx.Node) else []
-            w_nodes = [m.weights[0].node]
+        x, w_nodes, biases = _operands(ctx, m)
         op = OP if ctx.is_dynamo and m.needs_grad() is False else OP_TRAIN  # unknown: the op with a gradient
-        new = g.call_function(op, (x, w_nodes, biases, n, sid))
-        if m.members:
-            sizes = [w.tensor.shape[0] for w in m.weights]
-            parts = g.call_function(torch.split, (new, sizes, -1))
-            outs = [g.call_function(operator.getitem, (parts, i)) for i in range(len(sizes))]
+        new = g.call_function(op, (x, w_nodes, biases, m.rows, sid))
     if m.members:
-        for member, out in zip(m.members, outs):
-            out.meta.update({key: v for key, v in member.meta.items() if key in ("nn_module_stack", "stack_trace")})
-            member.replace_all_uses_with(out)
-            g.erase_node(member)
+        _replace_members(m, new)
         return
     new.meta.update({key: v for key, v in node.meta.items() if key in ("nn_module_stack", "stack_trace", "val", "example_value")})
     node.replace_all_uses_with(new)
