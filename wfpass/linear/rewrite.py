@@ -10,11 +10,13 @@ flavour: ``EagerBlock`` / ``EagerLayoutCheck`` make the same check in place.
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.fx as fx
 
 from ..graph import PassContext, meta_value
+from ..records import Record
 from ..runtime import GroupSite
 from ..storage import FusedStorage, fuse, layout_of_set, re_fuse
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
@@ -55,40 +57,80 @@ def _note_path(record, why: str, counter: str) -> None:
 def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
     """Move the group's weights (and biases) into one block and rewrite its
     calls; ``m`` has passed ``narrow`` and ``guard``, which set its path and
-    sorted its members in graph order."""
-    sites, x, path, why, region, fuse_biases = m.sites, m.x, m.path, m.why, m.region, m.fuse_biases
-    params, detail = m.params, m.detail
-    sizes = tuple(s.out_features for s in sites)
-    has_bias = tuple(s.has_bias for s in sites)
-    weights = [s.weight.tensor for s in sites]
-    layout = LinearLayout(sizes, has_bias, weights[0].shape[1])
-    w_offsets = layout.w_offsets
-    biases = [s.bias.tensor for s in sites if s.has_bias]
-    b_offsets = [o for o, hb in zip(layout.b_slots, has_bias) if hb]
-    dynamo = ctx.is_dynamo
-    w_nodes = [s.weight.node for s in sites]
-    b_nodes = [s.bias.node for s in sites if s.has_bias]
+    sorted its members in graph order. The graph's flavour decides how the
+    parameters are read: placeholders (Dynamo) or ``get_attr`` nodes
+    (``symbolic_trace``)."""
+    sites = m.sites
+    layout = LinearLayout([s.out_features for s in sites], [s.has_bias for s in sites], sites[0].weight.tensor.shape[1])
+    if ctx.is_dynamo:
+        _rewrite_dynamo(ctx, m, layout)
+    else:
+        _rewrite_traced(ctx, m, layout)
 
+
+def _rewrite_dynamo(ctx: PassContext, m: LinearGroup, layout: LinearLayout) -> None:
+    """Dynamo flavour: the parameters are graph inputs, checked per call by
+    the backend (``ctx.add_site``); the fused path reads the block as an
+    ``as_strided`` view of the first member."""
+    w_nodes = [s.weight.node for s in m.sites]
+    b_nodes = [s.bias.node for s in m.sites if s.has_bias]
+    wsite, bsite = _open_sites(ctx, m, layout, [ctx.placeholder_index(n) for n in w_nodes],
+                               [ctx.placeholder_index(n) for n in b_nodes])
+    for n in w_nodes + (b_nodes if m.fuse_biases else []):
+        ctx.refakify(n)
+    ctx.add_site(wsite)
+    if bsite is not None:
+        ctx.add_site(bsite)
+    if m.path == "split":
+        return  # the graph keeps one linear per member; they read views of the block
+    g = m.run.gm.graph
+    with g.inserting_before(m.sites[0].node):
+        w_block = g.call_function(torch.as_strided, (w_nodes[0], (layout.total, layout.in_features), (layout.in_features, 1), 0))
+        b_block = g.call_function(torch.as_strided, (b_nodes[0], (layout.total,), (1,), 0)) if m.fuse_biases else None
+    _fused_call(m, layout, w_block, b_block, w_nodes, b_nodes)
+
+
+def _rewrite_traced(ctx: PassContext, m: LinearGroup, layout: LinearLayout) -> None:
+    """``symbolic_trace`` flavour: the parameters are ``get_attr`` nodes,
+    and the graph checks the layout in place: ``EagerLayoutCheck`` on the
+    split path, ``EagerBlock`` (which also hands out the block) on the
+    fused one."""
+    wsite, bsite = _open_sites(ctx, m, layout)
+    g = m.run.gm.graph
+    first = m.sites[0].node  # the guard sorted them
+    w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in m.sites]
+    b_nodes = [s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first)
+               for s in m.sites if s.has_bias]
+    with g.inserting_before(first):
+        if m.path == "split":
+            # The graph keeps one linear per member; they read views of the block.
+            g.call_function(EagerLayoutCheck(wsite, "linear_layout_check"), tuple(w_nodes))
+            if bsite is not None:
+                g.call_function(EagerLayoutCheck(bsite, "linear_bias_layout_check"), tuple(b_nodes))
+            return
+        w_block = g.call_function(EagerBlock(wsite, layout.total, layout.in_features, "linear_weight_block"), tuple(w_nodes))
+        b_block = None
+        if bsite is not None:
+            b_block = g.call_function(EagerBlock(bsite, layout.total, None, "linear_bias_block"), tuple(b_nodes))
+    _fused_call(m, layout, w_block, b_block, w_nodes, b_nodes)
+
+
+def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: Sequence[int] = (),
+                b_idx: Sequence[int] = ()) -> Tuple[GroupSite, Optional[GroupSite]]:
+    """Both flavours: the group's record, its blocks (found, re-fused or
+    fused now) and its per-call sites, the weights' and, when the biases are
+    fused too, the biases'. ``w_idx`` / ``b_idx``: the members' positions
+    among a Dynamo graph's inputs (none for ``symbolic_trace`` graphs)."""
+    sites, path, fuse_biases = m.sites, m.path, m.fuse_biases
+    weights = [s.weight.tensor for s in sites]
+    biases = [s.bias.tensor for s in sites if s.has_bias]
+    b_offsets = [o for o, hb in zip(layout.b_slots, layout.has_bias) if hb]
     fs = reuse_layout(weights, layout.weight_key)
     bfs = reuse_layout(biases, layout.bias_key) if fuse_biases else None
-    bias_note = "" if fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
-    counter = {"fused": "fused_calls", "split": "split_calls"}[path]
-    if fs is not None and fs.record is not None and fs.record.pattern == "linear":
-        # The same parameters in another graph (a recompile, a graph break):
-        # one record, whose counters add up over every graph, and whose text
-        # names every path those graphs took.
-        record = fs.record
-        ctx.report.records.append(record)
-        _note_path(record, why, counter)
-    else:
-        how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
-        head = f"{len(sites)} linears ({'+'.join(map(str, sizes))} rows): {how}"
-        record = ctx.report.add("linear", "rewritten", f"{head}; {why}{bias_note}{region}", params, **detail)
-        record.detail["_text"] = (head, bias_note + region)
-        _note_path(record, why, counter)
+    record = _group_record(ctx, m, layout, fs, biases)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
     if fs is None:
-        fs = fuse("linear.weight", wnames, weights, w_offsets, layout.total * layout.in_features,
+        fs = fuse("linear.weight", wnames, weights, layout.w_offsets, layout.total * layout.in_features,
                   key=layout.weight_key, record=record)
     if fuse_biases and bfs is None:
         bfs = fuse("linear.bias", bnames, biases, b_offsets, layout.total, key=layout.bias_key, record=record)
@@ -100,52 +142,50 @@ def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
         counters += ("bias_cat_calls",)
     for c in counters + ("fallback_calls", "re_fused"):
         record.stats.setdefault(c, 0)
-    wsite = GroupSite("linear.weight", layout.weight_key, [ctx.placeholder_index(n) for n in w_nodes] if dynamo else (),
-                      wnames, w_offsets, layout.total * layout.in_features, record, counters, reads_block=path == "fused")
+    wsite = GroupSite("linear.weight", layout.weight_key, w_idx, wnames, layout.w_offsets,
+                      layout.total * layout.in_features, record, counters, reads_block=path == "fused")
     extra = []
     if biases and not fuse_biases:
-        extra = [(s.bias.name, ctx.placeholder_index(s.bias.node) if dynamo else -1, s.bias.tensor) for s in sites if s.has_bias]
+        extra = [(n, i, t) for n, i, t in zip(bnames, b_idx or [-1] * len(biases), biases)]
     wsite.adopt(fs, weights, extra)
-    bsite = None
-    if fuse_biases:
-        bsite = GroupSite("linear.bias", layout.bias_key, [ctx.placeholder_index(n) for n in b_nodes] if dynamo else (),
-                          bnames, b_offsets, layout.total, record, (), reads_block=path == "fused", partner=wsite)
-        bsite.adopt(bfs, biases)
-    if dynamo:
-        for n in w_nodes + (b_nodes if fuse_biases else []):
-            ctx.refakify(n)
-        ctx.add_site(wsite)
-        if bsite is not None:
-            ctx.add_site(bsite)
+    if not fuse_biases:
+        return wsite, None
+    bsite = GroupSite("linear.bias", layout.bias_key, b_idx, bnames, b_offsets, layout.total, record, (),
+                      reads_block=path == "fused", partner=wsite)
+    bsite.adopt(bfs, biases)
+    return wsite, bsite
 
-    g = m.run.gm.graph
-    first = sites[0].node  # the guard sorted them
-    if not dynamo:
-        w_nodes = [s.weight.node if s.weight.node is not None else ctx.get_attr_node(s.weight.name, first) for s in sites]
-        b_nodes = [s.bias.node if s.bias.node is not None else ctx.get_attr_node(s.bias.name, first) for s in sites if s.has_bias]
-    if path == "split":
-        # The graph keeps one linear per member; they read views of the block.
-        if not dynamo:
-            with g.inserting_before(first):
-                g.call_function(EagerLayoutCheck(wsite, "linear_layout_check"), tuple(w_nodes))
-                if bsite is not None:
-                    g.call_function(EagerLayoutCheck(bsite, "linear_bias_layout_check"), tuple(b_nodes))
-        return
 
-    with g.inserting_before(first):
-        if dynamo:
-            w_block = g.call_function(torch.as_strided, (w_nodes[0], (layout.total, layout.in_features), (layout.in_features, 1), 0))
-        else:
-            w_block = g.call_function(EagerBlock(wsite, layout.total, layout.in_features, "linear_weight_block"), tuple(w_nodes))
-        b_block = None
-        if fuse_biases:
-            if dynamo:
-                b_block = g.call_function(torch.as_strided, (b_nodes[0], (layout.total,), (1,), 0))
-            else:
-                b_block = g.call_function(EagerBlock(bsite, layout.total, None, "linear_bias_block"), tuple(b_nodes))
-        elif biases:
+def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Optional[FusedStorage], biases) -> Record:
+    """The group's record, its text naming the path this graph took. The
+    same parameters in another graph (a recompile, a graph break) keep one
+    record, whose counters add up over every graph, and whose text names
+    every path those graphs took."""
+    bias_note = "" if m.fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
+    counter = {"fused": "fused_calls", "split": "split_calls"}[m.path]
+    if fs is not None and fs.record is not None and fs.record.pattern == "linear":
+        record = fs.record
+        ctx.report.records.append(record)
+    else:
+        how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+        head = f"{len(m.sites)} linears ({'+'.join(map(str, layout.sizes))} rows): {how}"
+        record = ctx.report.add("linear", "rewritten", f"{head}; {m.why}{bias_note}{m.region}", m.params, **m.detail)
+        record.detail["_text"] = (head, bias_note + m.region)
+    _note_path(record, m.why, counter)
+    return record
+
+
+def _fused_call(m: LinearGroup, layout: LinearLayout, w_block: fx.Node, b_block: Optional[fx.Node],
+                w_nodes: List[fx.Node], b_nodes: List[fx.Node]) -> None:
+    """The fused path, both flavours: one ``fused_linear`` over the blocks
+    (or over a bias vector built per call, when only some members have a
+    bias), split into the members' outputs, which replace their calls."""
+    sites, g = m.sites, m.run.gm.graph
+    sizes, has_bias = layout.sizes, layout.has_bias
+    with g.inserting_before(sites[0].node):
+        if b_block is None and b_nodes:
             b_block = g.call_function(bias_vector, (list(sizes), list(has_bias), *b_nodes))
-        y = g.call_function(fused_linear, (x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
+        y = g.call_function(fused_linear, (m.x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
         # Whether the graph computes a gradient through the block: the
         # members' recorded values say (grad mode and inputs included); a
         # later format (pack) must not take a call that trains for one that
