@@ -1,72 +1,23 @@
 """The sibling-linear format's matcher: linears that read the same input.
 
-``linear_sites`` finds every linear call, in Dynamo graphs
-(``torch._C._nn.linear``, ``F.linear``) and in ``symbolic_trace`` graphs
-(``call_module`` of an ``nn.Linear``); ``groups`` groups them by their
-input: one ``LinearGroup`` per input read by two or more.
+``linear_sites`` finds every linear call (``site.py``, the matcher the
+packed-weight format shares); ``groups`` groups them by their input: one
+``LinearGroup`` per input read by two or more.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections import defaultdict
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg, static_int
+from ..graph import PassContext, mutated_state
 from ..pipeline import Match
+from .site import LinearSite, linear_sites, rows_of
 
 __all__ = ["LinearSite", "linear_sites", "rows_of", "LinearGroup", "RunState", "groups", "dependency_graph",
            "site_params"]
-
-
-def rows_of(x: fx.Node) -> Optional[int]:
-    """M, the number of rows a linear over ``x`` multiplies; None if unknown or symbolic."""
-    v = meta_value(x)
-    shape = getattr(v, "shape", None)
-    if shape is None:
-        return None
-    dims = [static_int(s) for s in shape[:-1]]
-    return None if any(d is None for d in dims) else int(math.prod(dims))  # None: a symbolic size
-
-
-@dataclasses.dataclass
-class LinearSite:
-    """A linear call ``y = x @ W.T + b`` in any flavour."""
-
-    node: fx.Node
-    x: fx.Node
-    weight: Optional[TensorRef]
-    bias: Optional[TensorRef]
-    has_bias: bool
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.tensor.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.tensor.shape[1]
-
-
-def linear_sites(ctx: PassContext) -> Iterable[LinearSite]:
-    """Every linear in the graph whose input is a node. Weights that cannot be
-    resolved to a tensor come back with ``weight=None`` so the pass can report why."""
-    for node in ctx.gm.graph.nodes:
-        if node.op == "call_function" and node.target in LINEAR_TARGETS:
-            x, w, b = (node_arg(node, i, n) for i, n in enumerate(("input", "weight", "bias")))
-            if not isinstance(x, fx.Node):
-                continue
-            yield LinearSite(node, x, ctx.resolve(w), ctx.resolve(b), b is not None)
-        elif node.op == "call_module":
-            mod = ctx.module_of(node)
-            if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
-                w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
-                b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
-                yield LinearSite(node, node.args[0], w, b, mod.bias is not None)
 
 
 def dependency_graph(gm: fx.GraphModule) -> nx.DiGraph:

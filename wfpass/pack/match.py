@@ -19,9 +19,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, mutated_state, node_arg
+from ..graph import PassContext, TensorRef, meta_value, mutated_state
 from ..linear.kernel import fused_linear
-from ..linear.match import rows_of
+from ..linear.site import LinearSite, linear_sites, rows_of, weight_block_of
 from ..pipeline import Match
 from ..storage import layout_of
 
@@ -80,35 +80,45 @@ def _split_group(x: fx.Node, sites: List[Tuple[fx.Node, TensorRef, Optional[fx.N
                      members=[n for n, _, _ in sites], bias_nodes=[b for b in biases if b is not None])
 
 
+def _single(ctx: PassContext, site: LinearSite) -> PackMatch:
+    """One linear call, its weight packed on its own."""
+    node, w = site.node, site.weight
+    if node.op == "call_module":
+        return PackMatch(node, site.x, [w], None, site.bias, ctx.module_of(node).out_features, block=False)
+    rows = w.tensor.shape[0] if w is not None and w.tensor.dim() == 2 else 0
+    return PackMatch(node, site.x, [w], site.bias_arg, site.bias, rows, block=False)
+
+
+def _block_call(ctx: PassContext, node: fx.Node) -> PackMatch:
+    """The one-GEMM call of a sibling block, its members' weights packed as the block."""
+    x, _w_block, b_block, spec = node.args[:4]
+    sizes = spec[0]
+    weights = [ctx.resolve(a) for a in node.args[4:4 + len(sizes)]]
+    return PackMatch(node, x, weights, b_block, None, sum(sizes), block=True)
+
+
 def pack_candidates(gm: fx.GraphModule, ctx: PassContext) -> Iterator[PackMatch]:
+    """Every linear call (``linear_sites``) and block call, in graph order;
+    first, as one match each, the split groups whose members make up a
+    whole intact block (their calls then not matched one by one)."""
+    sites = {s.node: s for s in linear_sites(ctx)}
     singles: List[PackMatch] = []
     groups: Dict[tuple, List[Tuple[fx.Node, TensorRef, Optional[fx.Node]]]] = {}
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in LINEAR_TARGETS:
-            x, w, b = (node_arg(node, i, n) for i, n in enumerate(("input", "weight", "bias")))
-            if not isinstance(x, fx.Node):
-                continue
-            wr = ctx.resolve(w)
-            rows = wr.tensor.shape[0] if wr is not None and wr.tensor.dim() == 2 else 0
-            singles.append(PackMatch(node, x, [wr], b, ctx.resolve(b), rows, block=False))
-            fs = layout_of(wr.tensor) if wr is not None and wr.node is not None else None
-            if fs is not None and isinstance(fs.key, tuple) and fs.key[0] == "linear.weight" and fs.intact():
-                groups.setdefault((id(fs), x), []).append((node, wr, b if isinstance(b, fx.Node) else None))
-        elif node.op == "call_module":
-            mod = ctx.module_of(node)
-            if type(mod) is torch.nn.Linear and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node):
-                w = TensorRef(f"{node.target}.weight", mod.weight, "parameter", None)
-                b = TensorRef(f"{node.target}.bias", mod.bias, "parameter", None) if mod.bias is not None else None
-                singles.append(PackMatch(node, node.args[0], [w], None, b, mod.out_features, block=False))
+        site = sites.get(node)
+        if site is not None:
+            singles.append(_single(ctx, site))
+            wr, b = site.weight, site.bias_arg
+            # A module call's weight has no node: never a member of a split group.
+            fs = weight_block_of(wr.tensor) if wr is not None and wr.node is not None else None
+            if fs is not None:
+                groups.setdefault((id(fs), site.x), []).append((node, wr, b if isinstance(b, fx.Node) else None))
         elif node.op == "call_function" and node.target is fused_linear:
-            x, _w_block, b_block, spec = node.args[:4]
-            sizes = spec[0]
-            weights = [ctx.resolve(a) for a in node.args[4:4 + len(sizes)]]
-            singles.append(PackMatch(node, x, weights, b_block, None, sum(sizes), block=True))
+            singles.append(_block_call(ctx, node))
     written = mutated_state(gm)
     taken = set()
-    for (_, x), sites in groups.items():
-        g = _split_group(x, sites)
+    for (_, x), members in groups.items():
+        g = _split_group(x, members)
         if g is not None:
             taken.update(g.members)
             g.written = written
