@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..graph import PassContext
 from ..storage import first_sharing_problem, fused_storage_of
 from .match import LinearGroup, LinearSite, rows_of, site_params
+from .site import weight_not_2d, weight_ref_problem, written_in_place
 
 __all__ = ["narrow_group", "group_problem", "choose_path", "fusion_keeps_dag"]
 
@@ -31,12 +32,11 @@ def fusion_keeps_dag(dep: nx.DiGraph, members: Sequence[fx.Node]) -> bool:
 
 def member_problem(ctx: PassContext, site: LinearSite) -> Optional[str]:
     w = site.weight
-    if w is None:
-        return "weight is not a tensor the pass can resolve (computed in the graph?)"
-    if not w.is_state:
-        return f"weight {w.name} is not a Parameter or buffer of the model (a graph input or computed tensor)"
+    why = weight_ref_problem(w)
+    if why is not None:
+        return why
     if w.tensor.dim() != 2:
-        return f"weight {w.name} is not 2-D"
+        return weight_not_2d(w)
     if site.has_bias:
         b = site.bias
         if b is None or not b.is_state:
@@ -47,11 +47,8 @@ def member_problem(ctx: PassContext, site: LinearSite) -> Optional[str]:
 
 
 def written_problem(site: LinearSite, written) -> Optional[str]:
-    for r in (site.weight, site.bias):
-        if r is not None and r.node is not None and r.node in written:
-            return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
-                    f"in forward): the fused GEMM would read the block while the write goes to the parameter; left unfused")
-    return None
+    return written_in_place((site.weight, site.bias), written,
+                            "the fused GEMM would read the block while the write goes to the parameter; left unfused")
 
 
 def storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int, str]:

@@ -6,13 +6,15 @@
 (``torch._C._nn.linear``, ``F.linear``) and in ``symbolic_trace`` graphs
 (``call_module`` of an ``nn.Linear``); ``weight_block_of`` says whether a
 weight is a member of an intact block ``fuse_linears`` laid out, without
-the other format spelling that layout's key.
+the other format spelling that layout's key. The refusals both formats
+give about one call's own tensors are written here once
+(``weight_ref_problem``, ``weight_not_2d``, ``written_in_place``).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -21,7 +23,8 @@ from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg
 from ..storage import FusedStorage, layout_of
 from .kernel import LinearLayout
 
-__all__ = ["LinearSite", "linear_sites", "rows_of", "weight_block_of"]
+__all__ = ["LinearSite", "linear_sites", "rows_of", "weight_block_of", "weight_ref_problem", "weight_not_2d",
+           "written_in_place"]
 
 
 def rows_of(x: fx.Node) -> Optional[int]:
@@ -83,3 +86,32 @@ def weight_block_of(t: torch.Tensor) -> Optional[FusedStorage]:
         return None
     layout = LinearLayout([s[0] for s in fs.shapes], [False] * len(fs.shapes), fs.shapes[0][1])
     return fs if fs.key == layout.weight_key else None
+
+
+# -- the refusals both formats give about one call's tensors ----------------------
+
+
+def weight_ref_problem(w: Optional[TensorRef]) -> Optional[str]:
+    """A weight the pass cannot resolve to a tensor, or one that is not a
+    Parameter or buffer of the model; None if neither."""
+    if w is None:
+        return "weight is not a tensor the pass can resolve (computed in the graph?)"
+    if not w.is_state:
+        return f"weight {w.name} is not a Parameter or buffer of the model (a graph input or computed tensor)"
+    return None
+
+
+def weight_not_2d(w: TensorRef) -> str:
+    """The refusal of a weight that is not a matrix."""
+    return f"weight {w.name} is not 2-D"
+
+
+def written_in_place(refs: Sequence[Optional[TensorRef]], written: Mapping[fx.Node, str], then: str) -> Optional[str]:
+    """The first of ``refs`` (None ones skipped) that the graph writes in
+    place (``written``: node -> the writer), and ``then``, what the format's
+    rewrite would do with that write; None if none is written."""
+    for r in refs:
+        if r is not None and r.node is not None and r.node in written:
+            return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
+                    f"in forward): {then}")
+    return None

@@ -12,6 +12,7 @@ import torch
 from .._torch import kernels as _k, tensors as _tensors
 from ..config import PackOptions
 from ..graph import PassContext, meta_value
+from ..linear.site import weight_not_2d, weight_ref_problem, written_in_place
 from ..storage import unmovable
 from . import choose
 from .match import PackMatch
@@ -68,10 +69,9 @@ def _weights_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     """Each weight is a Parameter or buffer the pass can see, not a constant
     of a Dynamo graph, and one a packed copy could be kept for."""
     for w in m.weights:
-        if w is None:
-            return "weight is not a tensor the pass can resolve (computed in the graph?)"
-        if not w.is_state:
-            return f"weight {w.name} is not a Parameter or buffer of the model (a graph input or computed tensor)"
+        why = weight_ref_problem(w)
+        if why is not None:
+            return why
         if w.node is not None and w.node.op == "get_attr" and ctx.is_dynamo:
             return (f"{w.name} is a constant of the Dynamo graph (Inductor's freezing=True), which Inductor packs "
                     f"itself")
@@ -87,7 +87,7 @@ def _kernel_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     w = m.weights[0]
     t = w.tensor
     if t.dim() != 2 or m.rows <= 0:
-        return f"weight {w.name} is not 2-D"
+        return weight_not_2d(w)
     if t.device.type != "cpu":
         return f"on {t.device}: the packed kernels are the CPU's (oneDNN, MKL); left to the device's GEMM"
     if t.dtype not in _DTYPES:
@@ -116,12 +116,7 @@ def _dtype_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
 
 def _written_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     """No weight is written in place inside the graph."""
-    written = m.written
-    for r in m.weights:
-        if r.node is not None and r.node in written:
-            return (f"{r.name} is written in place inside the graph by {written[r.node]} (a hook or an in-place op "
-                    f"in forward): a copy would be packed on every call; left to the plain GEMM")
-    return None
+    return written_in_place(m.weights, m.written, "a copy would be packed on every call; left to the plain GEMM")
 
 
 def _grad_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
