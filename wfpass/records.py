@@ -203,37 +203,30 @@ class Report:
         pattern, the action, then the parameters (their common prefix written
         once), the reason and the counters, one under the other. A name is
         never cut: a name longer than the line is the only thing that may
-        overflow it."""
+        overflow it. The cells are wrapped here (names whole, a common prefix
+        once); ``tabulate`` lays out the grid."""
         if width is None:
             width = terminal_width()
         width = max(int(width), 40)
-        head = f"{self.title}: " + ", ".join(f"{n} {a}" for a, n in _count_actions(self.records))
         if not self.records:
-            return f"{self.title}: no pattern of any registered format found"
+            return f"{self.title}: {_NOTHING_FOUND}"
         pw = max(len("pattern"), *(len(r.pattern) for r in self.records))
         aw = max(len("action"), *(len(r.action) for r in self.records))
-        indent = pw + aw + 4
-        if width - indent < 30:  # a narrow terminal: details below each row, indented
-            indent = 4
-        avail = width - indent
-        lines = _wrap_words(head.split(" "), width, "", "  ")
+        narrow = width - (pw + aw + 4) < 30  # a narrow terminal: details below each row, indented by 4
+        avail = width - (4 if narrow else pw + aw + 4)
+        lines = _wrap_words(f"{self.title}: {_action_counts(self.records)}".split(" "), width, "", "  ")
         calls = _calls_line(self.records)
         if calls:
             lines += _wrap_words(calls.split(" "), width, "", "  ")
-        lines += [f"{'pattern':<{pw}}  {'action':<{aw}}  parameters / why / counters", f"{'-' * pw}  {'-' * aw}  {'-' * max(avail, 10)}"]
-        for r in self.records:
-            details = _param_lines(r.params, avail)
-            details += _wrap_words(_short_reason(r.reason).split(" "), avail, "why: ", " " * 5)
-            if r.stats:
-                details += _wrap_words([f"{k}={v}" for k, v in r.stats.items()], avail, "counts: ", " " * 8)
-            first = f"{r.pattern:<{pw}}  {r.action:<{aw}}  "
-            if indent == 4:
-                lines.append(first.rstrip())
-                lines += [" " * indent + d for d in details]
-            else:
-                lines.append(first + details[0])
-                lines += [" " * indent + d for d in details[1:]]
-        return "\n".join(line.rstrip() for line in lines)
+        details = [_details(r, avail) for r in self.records]
+        # The header and its rule are the grid's first rows of a "plain" table: tabulate's own header would pad
+        # every column by two, and its rule would run past the line under a name that overflows it.
+        grid = [["pattern", "action", "parameters / why / counters"], ["-" * pw, "-" * aw, "-" * max(avail, 10)]]
+        grid += [[r.pattern, r.action, "" if narrow else "\n".join(d)] for r, d in zip(self.records, details)]
+        table = _tabulate(grid, (), "plain").splitlines()
+        if narrow:  # every row is one line: its details go below it
+            table = table[:2] + [x for line, d in zip(table[2:], details) for x in [line] + ["    " + t for t in d]]
+        return "\n".join(line.rstrip() for line in lines + table)
 
     __repr__ = __str__
 
@@ -242,18 +235,16 @@ class Report:
         reviews): the heading line, then one row per record with its
         parameters, reason and counters. Cells are written whole; markdown
         wraps them."""
-        from tabulate import tabulate
-
         if not self.records:
-            return f"**{self.title}**: no pattern of any registered format found"
-        head = f"**{self.title}**: " + ", ".join(f"{n} {a}" for a, n in _count_actions(self.records))
+            return f"**{self.title}**: {_NOTHING_FOUND}"
+        head = f"**{self.title}**: {_action_counts(self.records)}"
 
         def cell(text: str) -> str:
             return text.replace("|", "\\|").replace("\n", " ")
 
         rows = [[r.pattern, r.action, cell(", ".join(f"`{p}`" for p in r.params) or "-"), cell(_short_reason(r.reason)),
                  cell(" ".join(f"{k}={v}" for k, v in r.stats.items()))] for r in self.records]
-        table = tabulate(rows, headers=["pattern", "action", "parameters", "why", "counters"], tablefmt="github")
+        table = _tabulate(rows, ["pattern", "action", "parameters", "why", "counters"], "github")
         return f"{head}\n\n{table}\n"
 
     def _repr_markdown_(self) -> str:  # Jupyter shows this instead of the terminal form
@@ -287,6 +278,34 @@ def _calls_line(records: Sequence[Record]) -> str:
     if not sums:
         return ""
     return "calls so far: " + "; ".join(f"{p}: " + " ".join(f"{k}={v}" for k, v in d.items()) for p, d in sums.items())
+
+
+#: What an empty report says after its title.
+_NOTHING_FOUND = "no pattern of any registered format found"
+
+
+def _tabulate(rows: Sequence[Sequence[str]], headers: Sequence[str], fmt: str) -> str:
+    """``rows`` laid out by ``tabulate`` in format ``fmt`` (``"plain"`` for
+    the terminal, ``"github"`` for markdown), every cell kept as the text it
+    is (no number parsing)."""
+    from tabulate import tabulate
+
+    return tabulate([list(r) for r in rows], headers=list(headers), tablefmt=fmt, disable_numparse=True)
+
+
+def _action_counts(records: Sequence[Record]) -> str:
+    """``2 rewritten, 1 skipped``: the heading's counts, known actions first."""
+    return ", ".join(f"{n} {a}" for a, n in _count_actions(records))
+
+
+def _details(r: Record, width: int) -> List[str]:
+    """A row's last cell, as lines of ``width``: its parameters, ``why:``
+    its reason and, once it has any, ``counts:`` its counters."""
+    lines = _param_lines(r.params, width)
+    lines += _wrap_words(_short_reason(r.reason).split(" "), width, "why: ", " " * 5)
+    if r.stats:
+        lines += _wrap_words([f"{k}={v}" for k, v in r.stats.items()], width, "counts: ", " " * 8)
+    return lines
 
 
 def _count_actions(records: Sequence[Record]) -> List[Tuple[str, int]]:
