@@ -41,6 +41,7 @@ import torch
 
 import wfpass
 from wfpass.batchnorm.kernels import folded_params
+from wfpass.tools.tables import markdown_table
 
 DT = torch.bfloat16
 
@@ -163,6 +164,14 @@ def run_config(args, width, stages, batch, size, log):
                 med=med, ratios=ratios, errs=errs, eager_fold=eager_fold)
 
 
+def _table(rows: List[dict], names: List[str]) -> str:
+    """One line per config: ms per call and x faster than Inductor for every variant in ``names``."""
+    return markdown_table(
+        ["width, stages, input", "conv weights (bytes)", *names],
+        [[f"{r['width']}, {r['stages']}, {r['batch']}x3x{r['size']}x{r['size']}", f"{r['weight_bytes']:,}",
+          *(f"{r['med'][n]:.2f} ms ({r['ratios'][n]:.3f}x)" for n in names)] for r in rows])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="32x4x8x32,32x4x8x64,32x4x1x32,64x4x8x32",
@@ -190,12 +199,7 @@ def main(argv=None):
              "ms per call is the median. **x faster** (in brackets) = Inductor's time / the variant's time, the median "
              "over rounds of that ratio in the same round: above 1, the variant is faster than Inductor's unfolded model; "
              "for `fold_only` (the fold computed alone), how many times that computation fits in Inductor's whole forward.\n",
-             "| width, stages, input | conv weights (bytes) | " + " | ".join(names) + " |",
-             "|---|---|" + "---|" * len(names)]
-    for r in rows:
-        cells = [f"{r['med'][n]:.2f} ms ({r['ratios'][n]:.3f}x)" for n in names]
-        lines.append(f"| {r['width']}, {r['stages']}, {r['batch']}x3x{r['size']}x{r['size']} | {r['weight_bytes']:,} | " + " | ".join(cells) + " |")
-    lines.append("")
+             _table(rows, names), ""]
     lines.append("Without Inductor, x faster folded than unfolded (`wformat[eager]` time / `wformat[eager]+fold` time, "
                  "median of per-round ratios): " + "; ".join(f"{r['width']}/{r['batch']}x{r['size']}: {r['eager_fold']:.3f}x" for r in rows) + "\n")
     lines.append("Output relative difference to the unfolded eager model (bf16): " + "; ".join(
