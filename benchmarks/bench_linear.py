@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import wfpass
+from wfpass.tools.tables import markdown_table
 
 D = 768
 
@@ -117,6 +118,16 @@ def llama_rows(rounds, calls):
     return bench(fns, ids, rounds, calls, train=False)
 
 
+def _variants_table(rows, names) -> str:
+    """``rows[M][variant]`` (ms): per variant, the ms at every M, then the speed-up over Inductor and over the
+    hand-fused Inductor model at every M."""
+    head = (["variant"] + [f"M={m} ms" for m in rows] + [f"M={m} vs inductor" for m in rows]
+            + [f"M={m} vs hand-fused" for m in rows])
+    body = [[n] + [f"{rows[m][n]:.3f}" for m in rows] + [f"{rows[m]['inductor'] / rows[m][n]:.2f}x" for m in rows]
+            + [f"{rows[m]['hand-fused inductor'] / rows[m][n]:.2f}x" for m in rows] for n in names]
+    return markdown_table(head, body)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
@@ -148,13 +159,7 @@ def main(argv=None):
             print(title, m, {k: round(v, 3) for k, v in rows[m].items()}, flush=True)
         names = list(next(iter(rows.values())))
         lines.append(f"\n## {title}\n")
-        lines.append("| variant | " + " | ".join(f"M={m} ms" for m in rows) + " | " + " | ".join(f"M={m} vs inductor" for m in rows) + " | " + " | ".join(f"M={m} vs hand-fused" for m in rows) + " |")
-        lines.append("|---" * (1 + 3 * len(rows)) + "|")
-        for n in names:
-            ms = [rows[m][n] for m in rows]
-            vs_i = [rows[m]["inductor"] / rows[m][n] for m in rows]
-            vs_h = [rows[m]["hand-fused inductor"] / rows[m][n] for m in rows]
-            lines.append(f"| {n} | " + " | ".join(f"{v:.3f}" for v in ms) + " | " + " | ".join(f"{v:.2f}x" for v in vs_i) + " | " + " | ".join(f"{v:.2f}x" for v in vs_h) + " |")
+        lines.append(_variants_table(rows, names))
         lines.append("\n(`vs` columns: speed-up, >1 means faster than the reference column.)")
 
     m = copy.deepcopy(base)
@@ -167,9 +172,8 @@ def main(argv=None):
         ll = llama_rows(args.rounds, args.calls)
         lines.append("\n## HF LLaMA forward, batch 1 x 1 token\n")
         lines.append("hidden 512, intermediate 1376, 4 layers, 8 heads / 2 KV heads, built from a config.\n")
-        lines.append("| variant | ms | vs inductor |\n|---|---|---|")
-        for k, v in ll.items():
-            lines.append(f"| {k} | {v:.3f} | {ll['inductor'] / v:.2f}x |")
+        lines.append(markdown_table(["variant", "ms", "vs inductor"],
+                                    [[k, f"{v:.3f}", f"{ll['inductor'] / v:.2f}x"] for k, v in ll.items()]))
         print("llama", ll, flush=True)
     except ImportError:
         lines.append("\n(transformers not installed: LLaMA row skipped)")
