@@ -277,35 +277,38 @@ def _md(results, train_results, command: str) -> str:
 
 
 def _generate_md(results) -> list:
+    from wfpass.tools.tables import markdown_table  # here, not at the top: the workers run this file too
+
     lines = ["Each variant ran in its own process; rounds interleave them. HF `LlamaForCausalLM` built from a config "
              f"(vocab 8000), `generate()` of {NEW} new tokens after {PROMPT}, greedy, batch 1, "
              "`model.forward = torch.compile(model.forward, backend=...)`.", "",
-             "**x faster** = the baseline's time / wformat's time (above 1: wformat is faster).", "",
-             "| model | threads | eager ms/token | Inductor | Inductor freezing | wformat | x faster than freezing | "
-             "x faster than Inductor | x faster than eager | spread of wformat (min-max) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "**x faster** = the baseline's time / wformat's time (above 1: wformat is faster).", ""]
+
     def ms(med, v):  # a variant left out with --variants: "-"
         return f"{med[v]:.2f}" if v in med else "-"
 
     def ratio(med, v):
         return f"{med[v] / med['wformat']:.2f}" if v in med and "wformat" in med else "-"
 
+    body = []
     for r in results:
         med = {v: statistics.median(ts) for v, ts in r["ms"].items()}
         wf = r["ms"].get("wformat") or [float("nan")]
-        lines.append(f"| {r['config']} | {r['threads']} | {ms(med, 'eager')} | {ms(med, 'inductor')} | "
-                     f"{ms(med, 'freezing')} | {ms(med, 'wformat')} | {ratio(med, 'freezing')} | "
-                     f"{ratio(med, 'inductor')} | {ratio(med, 'eager')} | {min(wf):.2f}-{max(wf):.2f} |")
+        body.append([r["config"], r["threads"], ms(med, "eager"), ms(med, "inductor"), ms(med, "freezing"),
+                     ms(med, "wformat"), ratio(med, "freezing"), ratio(med, "inductor"), ratio(med, "eager"),
+                     f"{min(wf):.2f}-{max(wf):.2f}"])
+    lines.append(markdown_table(["model", "threads", "eager ms/token", "Inductor", "Inductor freezing", "wformat",
+                                 "x faster than freezing", "x faster than Inductor", "x faster than eager",
+                                 "spread of wformat (min-max)"], body))
     lines += ["", "First `generate()`, compile included (Inductor's caches off), seconds:", "",
-              "| model | threads | Inductor | Inductor freezing | wformat |", "|---|---|---|---|---|"]
-    for r in results:
-        f = r["first_s"]
-        lines.append(f"| {r['config']} | {r['threads']} | "
-                     + " | ".join(f"{f[v]:.1f}" if v in f else "-" for v in ("inductor", "freezing", "wformat")) + " |")
+              markdown_table(["model", "threads", "Inductor", "Inductor freezing", "wformat"],
+                             [[r["config"], r["threads"],
+                               *(f"{r['first_s'][v]:.1f}" if v in r["first_s"] else "-"
+                                 for v in ("inductor", "freezing", "wformat"))] for r in results])]
     lines += ["", "Weights changed between `generate()` calls: largest difference of the logits (8 greedy steps) from "
               "eager's with the same new weights, and whether the tokens match. `changed by`: how far eager's own "
-              "logits moved, for scale.", "",
-              "| model | threads | variant | before | after an SGD step | after `load_state_dict` |", "|---|---|---|---|---|---|"]
+              "logits moved, for scale.", ""]
+    body = []
     for r in results:
         for v, s in r["stale"].items():
             cells = []
@@ -313,21 +316,26 @@ def _generate_md(results) -> list:
                 c = s[key]
                 moved = f", changed by {c['logits_changed_by']:.3g}" if "logits_changed_by" in c else ""
                 cells.append(f"{c['max_logit_diff']:.3g} (tokens {'equal' if c['tokens_equal'] else 'differ'}{moved})")
-            lines.append(f"| {r['config']} | {r['threads']} | {v} | " + " | ".join(cells) + " |")
+            body.append([r["config"], r["threads"], v, *cells])
+    lines.append(markdown_table(["model", "threads", "variant", "before", "after an SGD step", "after `load_state_dict`"],
+                                body))
     return lines
 
 
 def _train_md(train_results) -> list:
+    from wfpass.tools.tables import markdown_table
+
     lines = ["", "Training step (forward, backward of a fixed projection of the last hidden state, SGD step), "
-             "bf16 decoder, ms, median over rounds of the median of 5 steps; x faster = Inductor's time / the variant's:", "",
-             "| model | threads | rows | Inductor | wformat (packing off in training) | x faster | "
-             "wformat, pack.training=True | x faster |", "|---|---|---|---|---|---|---|---|"]
+             "bf16 decoder, ms, median over rounds of the median of 5 steps; x faster = Inductor's time / the variant's:", ""]
+    body = []
     for r in train_results:
         for rows in (8, 64, 512):
             med = {v: statistics.median(r["ms"][v][rows]) for v in r["ms"]}
-            lines.append(f"| {r['config']} | {r['threads']} | {rows} | {med['inductor']:.1f} | {med['wformat']:.1f} | "
-                         f"{med['inductor'] / med['wformat']:.2f} | {med['wformat-pack-training']:.1f} | "
-                         f"{med['inductor'] / med['wformat-pack-training']:.2f} |")
+            body.append([r["config"], r["threads"], rows, f"{med['inductor']:.1f}", f"{med['wformat']:.1f}",
+                         f"{med['inductor'] / med['wformat']:.2f}", f"{med['wformat-pack-training']:.1f}",
+                         f"{med['inductor'] / med['wformat-pack-training']:.2f}"])
+    lines.append(markdown_table(["model", "threads", "rows", "Inductor", "wformat (packing off in training)", "x faster",
+                                 "wformat, pack.training=True", "x faster"], body))
     return lines
 
 
