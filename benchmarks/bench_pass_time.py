@@ -136,27 +136,12 @@ def main(argv=None) -> int:
             samples[(t, m)].append(res["per_compile"])
             rewrites[(t, m)] = res["rewritten"]
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-    names = [t or "installed" for t in a.trees]
     lines = [f"Command: `python benchmarks/bench_pass_time.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
              f"{a.rounds} interleaved rounds, each sample the median of {a.reps} compiles in one process; "
              f"1 torch thread; {time.perf_counter() - t0:.0f} s in all.", "",
              "Milliseconds of the wformat backend per compile (inner compiler `eager`), median over rounds "
              "± half the interquartile range; *rows rewritten*: the report's rewritten rows.", "",
-             "| model | " + " | ".join(names) + (" | ratio to the first" if len(names) > 1 else "") + " | rows rewritten |",
-             "|---|" + "---|" * (len(names) + (len(names) > 1) + 1)]
-    for m in a.models:
-        meds = []
-        cells = []
-        for t in a.trees:
-            xs = sorted(samples[(t, m)])
-            med = statistics.median(xs)
-            q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [med, med, med]
-            meds.append(med)
-            cells.append(f"{med * 1e3:.0f} ± {(q[2] - q[0]) / 2 * 1e3:.0f}")
-        ratio = " / ".join(f"{x / meds[0]:.2f}" for x in meds[1:])
-        rw = " / ".join(str(rewrites[(t, m)]) for t in a.trees)
-        lines.append(f"| {m} | " + " | ".join(cells) + (f" | {ratio}" if len(names) > 1 else "") + f" | {rw} |")
-    lines.append("")
+             _table(a.trees, a.models, samples, rewrites), ""]
     lines.append("Models: " + "; ".join(f"{m}: {_note(m)}" for m in a.models) + ".")
     text = "\n".join(lines) + "\n"
     print(text)
@@ -164,6 +149,29 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             f.write(text)
     return 0
+
+
+def _table(trees, models, samples, rewrites) -> str:
+    """Per model: the median ms ± half the IQR under every tree, the ratios to the first tree (with more than
+    one), and the rows rewritten under each tree."""
+    # imported here, not at the top: workers run this file with another tree's wfpass first on the path
+    from wfpass.tools.tables import markdown_table
+
+    names = [t or "installed" for t in trees]
+    body = []
+    for m in models:
+        meds = []
+        cells = []
+        for t in trees:
+            xs = sorted(samples[(t, m)])
+            med = statistics.median(xs)
+            q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [med, med, med]
+            meds.append(med)
+            cells.append(f"{med * 1e3:.0f} ± {(q[2] - q[0]) / 2 * 1e3:.0f}")
+        ratio = [" / ".join(f"{x / meds[0]:.2f}" for x in meds[1:])] if len(names) > 1 else []
+        rw = " / ".join(str(rewrites[(t, m)]) for t in trees)
+        body.append([m, *cells, *ratio, rw])
+    return markdown_table(["model", *names, *(["ratio to the first"] if len(names) > 1 else []), "rows rewritten"], body)
 
 
 def _note(name: str) -> str:
