@@ -45,6 +45,7 @@ from wfpass.config import Config, default_seq_threshold
 from wfpass.rnn.auto import auto_threshold_cache
 from wfpass.rnn.paths import fused_path, unfused_path
 from wfpass.rnn.spec import RnnSpec
+from wfpass.tools.tables import markdown_table
 
 LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 VARIANTS = ("eager", "inductor", "unfused", "fused", "default", "auto")
@@ -231,13 +232,13 @@ def markdown(results, compile_res, args, elapsed: float) -> str:
     for (batch, hidden, train), res in results.items():
         mode = "training step (fwd + bwd + SGD)" if train else "forward (no grad)"
         lines += [f"## batch={batch}, hidden={hidden}: {mode}", ""]
-        lines.append("| T | " + " | ".join(VARIANTS) + " | auto/best forced | default/eager | auto/eager |")
-        lines.append("|---" * (len(VARIANTS) + 4) + "|")
+        body = []
         for T in args.lengths:
             row = [str(T)] + [_fmt(res[v].get(T)) for v in VARIANTS]
             best = min(res["unfused"][T], res["fused"][T])
             row += [f"{res['auto'][T] / best:.2f}", f"{res['default'][T] / res['eager'][T]:.2f}", f"{res['auto'][T] / res['eager'][T]:.2f}"]
-            lines.append("| " + " | ".join(row) + " |")
+            body.append(row)
+        lines.append(markdown_table(["T", *VARIANTS, "auto/best forced", "default/eager", "auto/eager"], body))
         notes = res.get("_notes") or {}
         for k, v in notes.items():
             lines.append(f"\ninductor at {k}: {v}")
@@ -248,10 +249,9 @@ def markdown(results, compile_res, args, elapsed: float) -> str:
         mode = "training step" if train else "forward"
         lines.append(f"batch={batch}, hidden={hidden}, {mode}:")
         lines.append("")
-        lines.append("| T | " + " | ".join(str(T) for T in args.lengths) + " |")
-        lines.append("|---" * (len(args.lengths) + 1) + "|")
-        for name, by_t in cres.items():
-            lines.append(f"| {name} | " + " | ".join(f"{by_t[T]:.1f}" if by_t.get(T) else "-" for T in args.lengths) + " |")
+        lines.append(markdown_table(["T", *(str(T) for T in args.lengths)],
+                                    [[name, *(f"{by_t[T]:.1f}" if by_t.get(T) else "-" for T in args.lengths)]
+                                     for name, by_t in cres.items()]))
         lines.append("")
     lines += ["## Targets", ""] + targets(results, compile_res, args) + [""]
     lines += ["## seq_threshold=\"auto\": measured N per shape", ""]
@@ -322,13 +322,13 @@ def plot(results, path: str, lengths) -> None:
     fig.savefig(path, dpi=110)
 
 
-def kernel_crossover(shapes, lengths, log) -> List[str]:
+def kernel_crossover(shapes, lengths, log) -> str:
     """How many times faster the unfused path's kernels are than the fused
     one (the fused time / the unfused time; above 1: unfused faster),
     forward and forward+backward, called directly (no compile, no per-call
-    overhead): the crossover the default seq_threshold comes from."""
-    lines = ["| batch x hidden | mode | " + " | ".join(f"T={T}" for T in lengths) + " | crossover N |",
-             "|---" * (len(lengths) + 3) + "|"]
+    overhead): the crossover the default seq_threshold comes from. Returns
+    the markdown table, one row per shape and mode."""
+    body = []
     for batch, hidden in shapes:
         torch.manual_seed(0)
         lstm = nn.LSTM(hidden, hidden)
@@ -362,10 +362,10 @@ def kernel_crossover(shapes, lengths, log) -> List[str]:
                 if r < 1.0:
                     break
                 n = T
-            row = f"| {batch} x {hidden} | {'fwd+bwd' if train else 'fwd'} | " + " | ".join(f"{r:.2f}" for r in ratios) + f" | {n} |"
-            lines.append(row)
-            log(row)
-    return lines
+            row = [f"{batch} x {hidden}", "fwd+bwd" if train else "fwd", *(f"{r:.2f}" for r in ratios), str(n)]
+            body.append(row)
+            log(f"{row[0]} {row[1]}: " + " ".join(row[2:-1]) + f", crossover N {n}")
+    return markdown_table(["batch x hidden", "mode", *(f"T={T}" for T in lengths), "crossover N"], body)
 
 
 def main(argv=None) -> None:
@@ -392,7 +392,7 @@ def main(argv=None) -> None:
     if args.crossover:
         shapes = [tuple(map(int, s.split("x"))) for s in args.crossover_shapes.split(",")]
         lengths = [T for T in args.lengths if T <= 32]
-        rows = kernel_crossover(shapes, lengths, log)
+        table = kernel_crossover(shapes, lengths, log)
         text = "\n".join([
             "# RNN kernels on the CPU: where the per-step path stops being faster", "",
             f"`benchmarks/bench_rnn.py --crossover` on {datetime.date.today()}, torch {torch.__version__}, "
@@ -401,7 +401,7 @@ def main(argv=None) -> None:
             "(the unfused path) against oneDNN's fused kernel. **x faster** = the fused kernel's time / the unfused "
             "path's time: above 1, the unfused path is faster. Medians of interleaved runs. Crossover N = the largest "
             "T before the first value below 1.", "",
-            *rows, ""])
+            table, ""])
         with open(args.crossover, "w") as f:
             f.write(text)
         print(text)
