@@ -29,6 +29,7 @@ import torch.nn as nn
 import wfpass
 from wfpass.rnn.paths import fused_path, unfused_path
 from wfpass.rnn.spec import RnnSpec
+from wfpass.tools.tables import markdown_table
 
 VARIANTS = {"wf-unfused": 10**6, "wf-fused": 0, "wf-N=2": 2, "wf-auto": "auto"}
 
@@ -106,6 +107,20 @@ def crossover(batch, hidden, lengths, train, rounds):
     return ratios
 
 
+def _per_call_table(rows) -> str:
+    """``rows[T][variant]`` (ms, eager first): every variant's ms, then eager's time / each other variant's."""
+    names = list(next(iter(rows.values())))
+    return markdown_table(["T", *(f"{n} ms" for n in names), *(f"{n} x faster" for n in names[1:])],
+                          [[T, *(f"{r[n]:.3f}" for n in names), *(f"{r['eager'] / r[n]:.2f}" for n in names[1:])]
+                           for T, r in rows.items()])
+
+
+def _crossover_table(lengths, body) -> str:
+    """``body``: per shape and mode, ``[batch x hidden, mode, x faster at every T..., largest T]``."""
+    return markdown_table(["batch x hidden", "mode", *(f"T={T}" for T in lengths), "largest T with unfused not slower"],
+                          body)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x64,16x256,64x512")
@@ -129,17 +144,9 @@ def main(argv=None):
         mode = "training step (forward + backward)" if train else "forward (no_grad)"
         for batch, hidden in shapes:
             rows = per_call(batch, hidden, lengths, train, args.rounds, print)
-            names = list(next(iter(rows.values())))
-            lines += [f"## {mode}, batch {batch}, hidden {hidden}", "",
-                      "| T | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} x faster" for n in names[1:]) + " |",
-                      "|---" * (1 + 2 * len(names) - 1) + "|"]
-            for T, r in rows.items():
-                lines.append(f"| {T} | " + " | ".join(f"{r[n]:.3f}" for n in names) + " | "
-                             + " | ".join(f"{r['eager'] / r[n]:.2f}" for n in names[1:]) + " |")
-            lines.append("")
-    lines += ["## cuDNN crossover: x faster = the fused kernel's time / the unfused path's time (above 1: unfused faster)", "",
-              "| batch x hidden | mode | " + " | ".join(f"T={T}" for T in lengths) + " | largest T with unfused not slower |",
-              "|---" * (len(lengths) + 3) + "|"]
+            lines += [f"## {mode}, batch {batch}, hidden {hidden}", "", _per_call_table(rows), ""]
+    lines += ["## cuDNN crossover: x faster = the fused kernel's time / the unfused path's time (above 1: unfused faster)", ""]
+    body = []
     for batch, hidden in shapes:
         for train in (False, True):
             r = crossover(batch, hidden, lengths, train, args.rounds)
@@ -148,10 +155,10 @@ def main(argv=None):
                 if v < 1.0:
                     break
                 n = T
-            row = f"| {batch} x {hidden} | {'fwd+bwd' if train else 'fwd'} | " + " | ".join(f"{v:.2f}" for v in r) + f" | {n} |"
-            print(row)
-            lines.append(row)
-    lines += ["", f"Total time {time.perf_counter() - start:.0f} s."]
+            row = [f"{batch} x {hidden}", "fwd+bwd" if train else "fwd", *(f"{v:.2f}" for v in r), str(n)]
+            print(f"crossover {row[0]} {row[1]}: " + " ".join(row[2:-1]) + f", largest T with unfused not slower {n}")
+            body.append(row)
+    lines += [_crossover_table(lengths, body), "", f"Total time {time.perf_counter() - start:.0f} s."]
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
