@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import wfpass
+from wfpass.tools.tables import markdown_table
 
 
 class Block(nn.Module):
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         ("check cost per call (us, median of rounds)", f"{per_call * 1e6:.2f}"),
         ("check cost per member (us)", f"{per_call * 1e6 / members:.3f}"),
     ]
-    table = "| quantity | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    table = markdown_table(["quantity", "value"], rows)
     text = (f"Per-call layout check, {a.layers} blocks, torch {torch.__version__}, 1 thread.\n\n"
             f"Command: `python benchmarks/bench_runtime.py {' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
     print(text)
