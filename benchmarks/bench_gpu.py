@@ -33,6 +33,7 @@ import torch.nn as nn
 
 import wfpass
 from wfpass.tools.bench_models import CellLoop, Decoder, RnnLM, SpeechEncoder, built_in_dtype
+from wfpass.tools.tables import markdown_table
 
 CUDNN = {"cuda": "cudnn"}
 
@@ -303,15 +304,26 @@ def bn_stats_error(dev, steps: int = 30) -> List[str]:
         for k, fn in fns.items():
             fn(x.to(torch.bfloat16)).float().sum().backward()
     ref_bns = [m for m in ref.modules() if isinstance(m, nn.BatchNorm2d)]
-    lines = [f"### CRNN bf16: BatchNorm running statistics after {steps} training steps", "",
-             "| variant | running_var max rel. error vs fp32 | running_mean max abs. error vs fp32 |", "|---|---|---|"]
+    body = []
     for k, m in variants.items():
         bns = [b for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
         var_err = max(((b.running_var.float() - r.running_var).abs() / r.running_var.abs()).max().item()
                       for b, r in zip(bns, ref_bns))
         mean_err = max((b.running_mean.float() - r.running_mean).abs().max().item() for b, r in zip(bns, ref_bns))
-        lines.append(f"| {k} | {var_err:.2e} | {mean_err:.2e} |")
-    return lines + [""]
+        body.append([k, f"{var_err:.2e}", f"{mean_err:.2e}"])
+    return [f"### CRNN bf16: BatchNorm running statistics after {steps} training steps", "",
+            markdown_table(["variant", "running_var max rel. error vs fp32", "running_mean max abs. error vs fp32"], body),
+            ""]
+
+
+def _points_table(rs: list) -> str:
+    """``rs``: ``(T, batch, {variant: ms})`` per point of one model and mode; one line per point, in (T, batch)
+    order: every variant's ms, then eager's and Inductor's time / wformat's."""
+    cols = list(rs[0][2])
+    return markdown_table(["T", "batch", *cols, "x faster than eager", "x faster than Inductor"],
+                          [[T, B, *(f"{med[c]:.3f}" for c in cols), f"{med['eager'] / med['wformat']:.2f}",
+                            f"{med['Inductor'] / med['wformat']:.2f}"]
+                           for T, B, med in sorted(rs, key=lambda r: (r[0], r[1]))])
 
 
 def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only: str = "") -> int:
@@ -340,15 +352,7 @@ def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only
     def write():
         lines = list(head)
         for (name, train), rs in rows.items():
-            cols = list(rs[0][2])
-            lines += [f"### {name}, {'training step' if train else 'inference'}", "",
-                      "| T | batch | " + " | ".join(cols) + " | x faster than eager | x faster than Inductor |",
-                      "|" + "---|" * (len(cols) + 4)]
-            for T, B, med in sorted(rs, key=lambda r: (r[0], r[1])):
-                w = med["wformat"]
-                lines.append(f"| {T} | {B} | " + " | ".join(f"{med[c]:.3f}" for c in cols)
-                             + f" | {med['eager'] / w:.2f} | {med['Inductor'] / w:.2f} |")
-            lines.append("")
+            lines += [f"### {name}, {'training step' if train else 'inference'}", "", _points_table(rs), ""]
         with open(out_path, "w") as f:
             f.write("\n".join(lines + tail))
 
