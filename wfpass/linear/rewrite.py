@@ -18,26 +18,12 @@ import torch.fx as fx
 from ..graph import PassContext, meta_value
 from ..records import Record
 from ..runtime import GroupSite
-from ..storage import FusedStorage, fuse, layout_of_set, re_fuse
+from ..storage import FusedStorage
+from .group_site import find_layout, group_record, open_site
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from .match import LinearGroup
 
 __all__ = ["rewrite_group"]
-
-
-def reuse_layout(tensors: Sequence[torch.Tensor], key) -> Optional[FusedStorage]:
-    """The layout of these very tensors, if they have one: intact (a
-    recompile, an idempotent re-run), or lost (``param.data = ...``, a cast and
-    back) and fused again now, counted on its record, which stays the group's
-    record. The sharing checks have run."""
-    fs = layout_of_set(tensors, key)
-    if fs is None or fs.intact():
-        return fs
-    if fs.holds(tensors) or not re_fuse(fs, tensors):
-        return None
-    if fs.record is not None:
-        fs.record.bump("re_fused")
-    return fs
 
 
 def _note_path(record, why: str, counter: str) -> None:
@@ -125,35 +111,24 @@ def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: S
     weights = [s.weight.tensor for s in sites]
     biases = [s.bias.tensor for s in sites if s.has_bias]
     b_offsets = [o for o, hb in zip(layout.b_slots, layout.has_bias) if hb]
-    fs = reuse_layout(weights, layout.weight_key)
-    bfs = reuse_layout(biases, layout.bias_key) if fuse_biases else None
+    fs = find_layout(weights, layout.weight_key)
+    bfs = find_layout(biases, layout.bias_key) if fuse_biases else None
     record = _group_record(ctx, m, layout, fs, biases)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
-    if fs is None:
-        fs = fuse("linear.weight", wnames, weights, layout.w_offsets, layout.total * layout.in_features,
-                  key=layout.weight_key, record=record)
-    if fuse_biases and bfs is None:
-        bfs = fuse("linear.bias", bnames, biases, b_offsets, layout.total, key=layout.bias_key, record=record)
-    fs.record = record
-    if bfs is not None:
-        bfs.record = record
     counters = {"fused": ("fused_calls",), "split": ("split_calls",)}[path]
     if biases and not fuse_biases and path == "fused":
         counters += ("bias_cat_calls",)
-    for c in counters + ("fallback_calls", "re_fused"):
-        record.stats.setdefault(c, 0)
     wsite = GroupSite("linear.weight", layout.weight_key, w_idx, wnames, layout.w_offsets,
                       layout.total * layout.in_features, record, counters, reads_block=path == "fused")
     extra = []
     if biases and not fuse_biases:
         extra = [(n, i, t) for n, i, t in zip(bnames, b_idx or [-1] * len(biases), biases)]
-    wsite.adopt(fs, weights, extra)
+    open_site(ctx, wsite, fs, weights, extra)
     if not fuse_biases:
         return wsite, None
     bsite = GroupSite("linear.bias", layout.bias_key, b_idx, bnames, b_offsets, layout.total, record, (),
                       reads_block=path == "fused", partner=wsite)
-    bsite.adopt(bfs, biases)
-    return wsite, bsite
+    return wsite, open_site(ctx, bsite, bfs, biases)
 
 
 def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Optional[FusedStorage], biases) -> Record:
@@ -163,14 +138,15 @@ def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Op
     every path those graphs took."""
     bias_note = "" if m.fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
     counter = {"fused": "fused_calls", "split": "split_calls"}[m.path]
-    if fs is not None and fs.record is not None and fs.record.pattern == "linear":
-        record = fs.record
-        ctx.report.records.append(record)
-    else:
+
+    def new() -> Record:
         how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
         head = f"{len(m.sites)} linears ({'+'.join(map(str, layout.sizes))} rows): {how}"
         record = ctx.report.add("linear", "rewritten", f"{head}; {m.why}{bias_note}{m.region}", m.params, **m.detail)
         record.detail["_text"] = (head, bias_note + m.region)
+        return record
+
+    record = group_record(ctx, fs, "linear", new)
     _note_path(record, m.why, counter)
     return record
 

@@ -18,9 +18,10 @@ import torch.fx as fx
 from .._torch import dynamo as _dynamo
 from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value, same_size, static_int
+from ..linear.group_site import find_layout, group_record, open_site
+from ..records import Record
 from ..runtime import GroupSite
-from ..runtime import note as file_note
-from ..storage import first_sharing_problem, fuse, layout_of_set, re_fuse
+from ..storage import first_sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
@@ -115,55 +116,33 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
     tied to other tensors (or to another RNN of this graph: ``overlap``)
     stay where they are, and the record says why."""
     key = ("rnn", spec.offsets, tuple(tuple(w.shape) for w in ws))
-    # Intact (a recompile, an idempotent re-run) or lost (a cast and back:
-    # re-fused below, on its record).
-    existing = layout_of_set(ws, key)
-    why = None
     if overlap:
         why = "a weight also belongs to another RNN of this graph"
     else:
         # The RNN's own weights may already share one buffer (CUDA:
         # PyTorch's flatten_parameters): that is not a tie.
         why = first_sharing_problem(zip(names, ws), ctx.named_state(), allowed=ws)
-    if existing is not None and existing.record is not None and why is None:
-        record = existing.record  # the same parameters in another graph: one record
-        ctx.report.records.append(record)
-        if not existing.holds(ws):
-            # Lost (a cast and back): re-fused after the inner compile, which
-            # sees the storage offsets Dynamo traced.
-            def re_fuse_later(fs=existing) -> None:
-                if re_fuse(fs, ws):
-                    fs.record.bump("re_fused")
+    # Intact (a recompile, an idempotent re-run) or lost (a cast and back:
+    # re-fused after the inner compile, which sees the storage offsets
+    # Dynamo traced).
+    existing = find_layout(ws, key, defer=ctx.defer) if why is None else None
 
-            ctx.defer(re_fuse_later)
-    else:
+    def new() -> Record:
         if why:
             note = f"weights left where they are ({why}); the kernels read them as they are"
         elif existing is not None:
             note = "weights already in one flat block (idempotent re-run)"
         else:
             note = f"weights moved into one flat block of {spec.numel} elements"
-        record = ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
-    for k in ("fallback_calls", "re_fused"):
-        record.stats.setdefault(k, 0)
+        return ctx.report.add("rnn", "rewritten", f"{how}; {note}", names, **detail)
+
+    record = group_record(ctx, existing, "rnn", new)  # the same parameters in another graph: one record
     kind = "rnn.cudnn" if ws[0].device.type == "cuda" else "rnn"
     site = GroupSite(kind, key, (), names, spec.offsets, spec.numel, record, (), reads_block=False)
-    if why is None:
-        if existing is not None:
-            existing.record = record
-            site.adopt(existing, ws)
-        else:
-            # The graph reads each weight by itself, never the block: the
-            # move waits until the inner compiler has run on the examples
-            # Dynamo fakified (their storage offsets are those of before).
-            def move() -> None:
-                fs = fuse(kind, names, ws, spec.offsets, spec.numel, key=key, record=record)
-                site.adopt(fs, ws)
-
-            ctx.defer(move)
-    else:
-        file_note(record, names, ws)
-    return site
+    # The graph reads each weight by itself, never the block: a move waits
+    # until the inner compiler has run on the examples Dynamo fakified
+    # (their storage offsets are those of before).
+    return open_site(ctx, site, existing, ws, move="later" if why is None else "never")
 
 
 def _must_specialize(s: RnnCall, spec: RnnSpec, v: Any) -> bool:
