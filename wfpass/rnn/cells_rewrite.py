@@ -31,25 +31,48 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
     """Replace the steps of ``layers`` with one RNN call (``site``: the
     group of a ``symbolic_trace`` graph's ``CellLoopCall``)."""
     g = ctx.gm.graph
-    T = len(layers[0].cells)
-    mode = layers[0].first.mode
-    lstm = mode == "LSTM"
+    lstm = layers[0].first.mode == "LSTM"
     cells = [c for ch in layers for c in ch.cells]
     states = [_initial_state(g, ch, lstm) for ch in layers]
+    anchor, moved = _anchor(g, layers, states, cells)
+    X, last = _stacked_input(ctx, g, [c.x for c in layers[0].cells], anchor)
+    if ctx.is_dynamo:
+        call = _rnn_call(g, layers, X, states, last, label)
+    else:
+        call = _loop_call(g, layers, X, states, last, site)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in layers[0].first.node.meta:
+            call.meta[key] = layers[0].first.node.meta[key]
+    out, hn, cn = _results(g, call, lstm, moved)
+    _replace_outputs(g, layers, cells, out, hn, cn)
+    _erase_steps(g, cells, lstm, label)
+
+
+def _anchor(g: fx.Graph, layers: List[Chain], states: List[List[Optional[fx.Node]]],
+            cells: list) -> Tuple[fx.Node, List[fx.Node]]:
+    """Where the call goes: after the last of its inputs (the step inputs,
+    the initial states, the weights). And the nodes between the first step
+    and there that read the loop's results, which move after the call (none
+    of them feeds a step input: cells_guards.loop_problem proved that), in
+    their order."""
     order = {n: i for i, n in enumerate(g.nodes)}
     xs = [c.x for c in layers[0].cells]
     inputs = xs + [s for st in states for s in st if s is not None]
     inputs += [w for ch in layers for w in ch.first.weight_nodes if isinstance(w, fx.Node)]
     anchor = max(inputs, key=order.__getitem__)
     start = min(order[c.node] for c in cells)
-    # Nodes between the first step and the anchor that read the loop's
-    # results move after the fused call (none of them feeds a step input:
-    # cells_guards.loop_problem proved that), in their order.
     dep = depends_on(g, {c.node for c in cells})
     own = {c.node for c in cells} | {o for c in cells for o in c.h_outs + c.c_outs}
     moved = [n for n in g.nodes if start < order[n] <= order[anchor] and n in dep and n not in own]
+    return anchor, moved
 
-    src, dim = _step_inputs(g, xs, T) if ctx.is_dynamo else (None, None)
+
+def _stacked_input(ctx: PassContext, g: fx.Graph, xs: List[fx.Node], anchor: fx.Node) -> Tuple[fx.Node, fx.Node]:
+    """The call's input X, steps first, placed after ``anchor``: in a Dynamo
+    graph, the tensor the steps indexed where they did (transposed when its
+    steps are dim 1); else the step inputs stacked. Also the node the call
+    goes after so far (``anchor`` when X is that tensor)."""
+    src, dim = _step_inputs(g, xs, len(xs)) if ctx.is_dynamo else (None, None)
     with g.inserting_after(anchor):
         if src is not None:
             v = meta_value(src)
@@ -58,38 +81,56 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
             vals = [meta_value(x) for x in xs]
             val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
             X = _call(g, torch.stack, (xs, 0), val)
-    last = anchor if X is src else X
+    return X, (anchor if X is src else X)
 
-    if ctx.is_dynamo:
-        def state_stack(i: int) -> fx.Node:
-            parts = [st[i] for st in states]
-            vals = [meta_value(p) for p in parts]
-            val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
-            return _call(g, torch.stack, (parts, 0), val)
 
+def _state_stack(g: fx.Graph, states: List[List[Optional[fx.Node]]], i: int) -> fx.Node:
+    """The layers' initial h (``i=0``) or c (``i=1``) stacked, one per layer."""
+    parts = [st[i] for st in states]
+    vals = [meta_value(p) for p in parts]
+    val = torch.stack(vals, 0) if all(isinstance(v, torch.Tensor) for v in vals) else None
+    return _call(g, torch.stack, (parts, 0), val)
+
+
+def _rnn_call(g: fx.Graph, layers: List[Chain], X: fx.Node, states: List[List[Optional[fx.Node]]],
+              last: fx.Node, label: str) -> fx.Node:
+    """Dynamo flavour: the initial states stacked per layer, then
+    ``torch.lstm`` / ``gru`` / ... over the cells' weights (which
+    ``fuse_rnn`` lowers next), after ``last``."""
+    mode = layers[0].first.mode
+    lstm = mode == "LSTM"
+    with g.inserting_after(last):
+        h0 = _state_stack(g, states, 0)
+    with g.inserting_after(h0):
+        hx = [h0, _state_stack(g, states, 1)] if lstm else h0
+    last = hx[1] if lstm else hx
+    weights = [w for ch in layers for w in ch.first.weight_nodes]
+    has_b = len(layers[0].first.weight_nodes) == 4
+    with g.inserting_after(last):
+        call = _call(g, RNN_CALL[mode], (X, hx, weights, has_b, len(layers), 0.0, True, False, False))
+        call.meta["wfpass_cells"] = label
+    return call
+
+
+def _loop_call(g: fx.Graph, layers: List[Chain], X: fx.Node, states: List[List[Optional[fx.Node]]],
+               last: fx.Node, site) -> fx.Node:
+    """``symbolic_trace`` flavour: a ``CellLoopCall`` of ``site`` over the
+    cells' weights, read by ``get_attr`` nodes placed after ``last``."""
+    lstm = layers[0].first.mode == "LSTM"
+    names = [n for ch in layers for n in ch.first.weight_nodes]
+    ws = []
+    for n in reversed(names):
         with g.inserting_after(last):
-            h0 = state_stack(0)
-        with g.inserting_after(h0):
-            hx = [h0, state_stack(1)] if lstm else h0
-        last = hx[1] if lstm else hx
-        weights = [w for ch in layers for w in ch.first.weight_nodes]
-        has_b = len(layers[0].first.weight_nodes) == 4
-        with g.inserting_after(last):
-            call = _call(g, RNN_CALL[mode], (X, hx, weights, has_b, len(layers), 0.0, True, False, False))
-            call.meta["wfpass_cells"] = label
-    else:
-        names = [n for ch in layers for n in ch.first.weight_nodes]
-        ws = []
-        for n in reversed(names):
-            with g.inserting_after(last):
-                ws.insert(0, g.get_attr(n))
-        last = ws[-1]
-        with g.inserting_after(last):
-            call = g.call_function(CellLoopCall(site),
-                                   (X, [st[0] for st in states], [st[-1] for st in states] if lstm else [], *ws))
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in layers[0].first.node.meta:
-            call.meta[key] = layers[0].first.node.meta[key]
+            ws.insert(0, g.get_attr(n))
+    last = ws[-1]
+    with g.inserting_after(last):
+        return g.call_function(CellLoopCall(site),
+                               (X, [st[0] for st in states], [st[-1] for st in states] if lstm else [], *ws))
+
+
+def _results(g: fx.Graph, call: fx.Node, lstm: bool, moved: List[fx.Node]) -> Tuple[fx.Node, fx.Node, Optional[fx.Node]]:
+    """The call's (out, h_n, c_n) as nodes (c_n: LSTMs only, else None),
+    and the moved nodes placed after them, in their order."""
     with g.inserting_after(call):
         out = _call(g, operator.getitem, (call, 0))
     with g.inserting_after(out):
@@ -102,6 +143,16 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
     for n in moved:  # after the call, in order
         tail.append(n)
         tail = n
+    return out, hn, cn
+
+
+def _replace_outputs(g: fx.Graph, layers: List[Chain], cells: list, out: fx.Node, hn: fx.Node,
+                     cn: Optional[fx.Node]) -> None:
+    """The steps' results read outside the loop, read from the call
+    instead: each step's h is ``out[t]``, the last step's h and c
+    ``h_n[layer]`` / ``c_n[layer]``, and ``stack`` of the top layer's every
+    h the output itself."""
+    T = len(layers[0].cells)
     inside = {c.node for c in cells}
 
     def replace(old: fx.Node, make) -> None:
@@ -113,18 +164,7 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
         for u in users:
             u.replace_input_with(old, new)
 
-    top = len(layers) - 1
-    # ``torch.stack`` of every top-layer h in step order is the output itself.
-    top_h = [c.h_outs[0] if c.h_outs else None for c in layers[top].cells]
-    for u in list({u: None for h in top_h if h is not None for u in h.users}):
-        if (u.op == "call_function" and u.target is torch.stack and u.args and isinstance(u.args[0], (list, tuple))
-                and list(u.args[0]) == top_h and len(u.args) + len(u.kwargs) <= 2):
-            d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
-            if d in (0, 1):
-                with g.inserting_before(u):
-                    new = out if d == 0 else _call(g, torch.transpose, (out, 0, 1))
-                u.replace_all_uses_with(new)
-                g.erase_node(u)
+    _replace_stacked_h(g, layers[-1], out)
     for li, ch in enumerate(layers):
         for k, c in enumerate(ch.cells):
             for h in c.h_outs:
@@ -135,8 +175,27 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
             for co in c.c_outs:
                 if k == T - 1:
                     replace(co, lambda li=li: _call(g, operator.getitem, (cn, li)))
-    # Last step first: each step's outputs are read only by the next step
-    # (or the layer above), which is gone by then.
+
+
+def _replace_stacked_h(g: fx.Graph, top: Chain, out: fx.Node) -> None:
+    """``torch.stack`` of every top-layer h in step order is the output
+    itself (dim 0), or its transpose (dim 1)."""
+    top_h = [c.h_outs[0] if c.h_outs else None for c in top.cells]
+    for u in list({u: None for h in top_h if h is not None for u in h.users}):
+        if (u.op == "call_function" and u.target is torch.stack and u.args and isinstance(u.args[0], (list, tuple))
+                and list(u.args[0]) == top_h and len(u.args) + len(u.kwargs) <= 2):
+            d = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+            if d in (0, 1):
+                with g.inserting_before(u):
+                    new = out if d == 0 else _call(g, torch.transpose, (out, 0, 1))
+                u.replace_all_uses_with(new)
+                g.erase_node(u)
+
+
+def _erase_steps(g: fx.Graph, cells: list, lstm: bool, label: str) -> None:
+    """Erase the steps and their outputs, last step first: each step's
+    outputs are read only by the next step (or the layer above), which is
+    gone by then. A step left in the graph is a bug, raised."""
     for c in reversed(cells):
         for o in c.c_outs + (c.h_outs if lstm else []):
             if not o.users:

@@ -34,69 +34,12 @@ __all__ = ["rewrite_call", "new_group"]
 def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
     """Replace the call ``s`` (its guards passed: ``s.spec`` is set) with the
     format's call, in the group of its weight set."""
-    spec, claimed = s.spec, s.run.claimed
-    ws = [r.tensor for r in s.weights]
-    names = [r.name for r in s.weights]
-    ids = tuple(id(w) for w in ws)
-
-    # The same RNN called twice in this graph: one group, one block.
-    prior = claimed.get(ids[0])
-    if prior is not None and prior[0] == ids:
-        site = prior[1]
-        if spec.name not in site.record.reason:  # e.g. a cell loop over an nn.LSTM's own weights
-            site.record.reason += f"; also called as {spec.name}"
-    else:
-        site = new_group(ctx, spec, ws, names, s.plan, s.detail, overlap=any(i in claimed for i in ids))
-        for i in ids:
-            claimed[i] = (ids, site)
-    record = site.record
-
-    g = ctx.gm.graph
-    node = s.node
+    site = _group_of(ctx, s)
     if s.module is None:  # Dynamo flavour: weights are graph inputs
-        w_nodes = [r.node for r in s.weights]
-        steps = _static_steps(s)
-        v = meta_value(s.x)
-        if _must_specialize(s, spec, v):
-            # Training through oneDNN's / cuDNN's kernel needs its workspace
-            # saved for the backward, whose size only the kernel knows: at
-            # a symbolic T or batch, a size the shape environment must let
-            # the op make at run time. Dynamo's does not (unless
-            # capture_dynamic_output_shape_ops is on), so the sizes are
-            # specialized here, knowingly: Dynamo recompiles per size, as it
-            # would for a static model, and the row says so.
-            for d in v.shape:
-                int(d)  # a guard on purpose (see static_int)
-            steps = _static_steps(s)
-            record.detail["specialized"] = ("training graph with a symbolic length or batch: sizes specialized "
-                                            "(the kernel's workspace has no size formula; "
-                                            "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
-                                            "them symbolic)")
-        n = _compile_threshold(ctx, s, spec, record)
-        path = choose_path(spec, v if isinstance(v, torch.Tensor) else ws[0], steps, n)
-        why_not = no_onednn_reason(spec, v if isinstance(v, torch.Tensor) else ws[0])
-        if why_not:
-            record.detail["kernel"] = why_not
-        # Counted by length, as the report's threshold reads: GRUs and plain
-        # RNNs run the same kernels on both sides of N on the CPU.
-        counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
-        record.stats.setdefault("fused_calls", 0)
-        record.stats.setdefault("unfused_calls", 0)
-        record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
-        if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
-            site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
-            site.counter = (counter,)
-            ctx.add_site(site)
-        hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
-        if hx != list(s.hx):
-            record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
-        with g.inserting_before(node):
-            new = g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
+        new = _dynamo_call(ctx, s, site)
     else:
-        with g.inserting_before(node):
-            w_nodes = [g.get_attr(n) for n in names]
-            hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
-            new = g.call_function(RnnModuleCall(spec, site, s.module), (s.x, hx, *w_nodes))
+        new = _module_call(ctx, s, site)
+    g, node = ctx.gm.graph, s.node
     new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
     node.replace_all_uses_with(new)
     g.erase_node(node)
@@ -106,7 +49,91 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
     written = s.run.written
     w = next((r for r in s.weights if r.node is not None and r.node in written), None)
     if w is not None:
-        record.detail["written_in_graph"] = f"{w.name} by {written[w.node]}: the kernels read it after the write"
+        site.record.detail["written_in_graph"] = f"{w.name} by {written[w.node]}: the kernels read it after the write"
+
+
+def _group_of(ctx: PassContext, s: RnnCall) -> GroupSite:
+    """The group of the call's weight set: the one this graph made for it
+    already (the same RNN called twice: one group, one block), or a new
+    one."""
+    spec, claimed = s.spec, s.run.claimed
+    ws = [r.tensor for r in s.weights]
+    names = [r.name for r in s.weights]
+    ids = tuple(id(w) for w in ws)
+    prior = claimed.get(ids[0])
+    if prior is not None and prior[0] == ids:
+        site = prior[1]
+        if spec.name not in site.record.reason:  # e.g. a cell loop over an nn.LSTM's own weights
+            site.record.reason += f"; also called as {spec.name}"
+        return site
+    site = new_group(ctx, spec, ws, names, s.plan, s.detail, overlap=any(i in claimed for i in ids))
+    for i in ids:
+        claimed[i] = (ids, site)
+    return site
+
+
+def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
+    """Dynamo flavour: ``RnnForward(spec, path)`` over the weights as graph
+    inputs, before the call; its path chosen here (``_take_path``), a zero
+    initial state left to the op."""
+    spec, record, g = s.spec, site.record, ctx.gm.graph
+    w_nodes = [r.node for r in s.weights]
+    v = meta_value(s.x)
+    if _must_specialize(s, spec, v):
+        # Training through oneDNN's / cuDNN's kernel needs its workspace
+        # saved for the backward, whose size only the kernel knows: at
+        # a symbolic T or batch, a size the shape environment must let
+        # the op make at run time. Dynamo's does not (unless
+        # capture_dynamic_output_shape_ops is on), so the sizes are
+        # specialized here, knowingly: Dynamo recompiles per size, as it
+        # would for a static model, and the row says so.
+        for d in v.shape:
+            int(d)  # a guard on purpose (see static_int)
+        record.detail["specialized"] = ("training graph with a symbolic length or batch: sizes specialized "
+                                        "(the kernel's workspace has no size formula; "
+                                        "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
+                                        "them symbolic)")
+    path = _take_path(ctx, s, site, v, w_nodes)
+    hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
+    if hx != list(s.hx):
+        record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
+    with g.inserting_before(s.node):
+        return g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
+
+
+def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -> str:
+    """The Dynamo call's path, from its static length against N; the record
+    notes it per length (and why oneDNN's kernel is not used), and the site,
+    checked per call by the backend, counts the call."""
+    spec, record = s.spec, site.record
+    ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
+    steps = _static_steps(s)
+    n = _compile_threshold(ctx, s, spec, record)
+    path = choose_path(spec, ref, steps, n)
+    why_not = no_onednn_reason(spec, ref)
+    if why_not:
+        record.detail["kernel"] = why_not
+    # Counted by length, as the report's threshold reads: GRUs and plain
+    # RNNs run the same kernels on both sides of N on the CPU.
+    counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
+    record.stats.setdefault("fused_calls", 0)
+    record.stats.setdefault("unfused_calls", 0)
+    record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
+    if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
+        site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
+        site.counter = (counter,)
+        ctx.add_site(site)
+    return path
+
+
+def _module_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
+    """``symbolic_trace`` flavour: ``RnnModuleCall`` over the weights as
+    ``get_attr`` nodes, before the call; it picks the path per call."""
+    g, node = ctx.gm.graph, s.node
+    with g.inserting_before(node):
+        w_nodes = [g.get_attr(r.name) for r in s.weights]
+        hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+        return g.call_function(RnnModuleCall(s.spec, site, s.module), (s.x, hx, *w_nodes))
 
 
 def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: bool) -> GroupSite:
