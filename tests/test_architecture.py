@@ -201,7 +201,7 @@ LAYERS = [
     ("private torch", ("wfpass._torch",)),
     ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.records", "wfpass.history", "wfpass.storage")),
     ("graph", ("wfpass.graph", "wfpass.bodies")),
-    ("runtime", ("wfpass.runtime",)),
+    ("runtime", ("wfpass.runtime", "wfpass.groups")),
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.pack", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),

@@ -6,8 +6,11 @@ Where each piece is (the pipeline entry is ``wfpass/passes/fuse_linears.py``,
 which runs these steps):
 
 =====================  ========================================================
-``match.py``           matcher: the linear calls of a graph (``linear_sites``),
-                       grouped by their input
+``site.py``            one linear call as both linear formats see it
+                       (``linear_sites``, ``weight_block_of``) and the
+                       refusals about its own tensors they share
+``match.py``           matcher: the linear calls of a graph, grouped by their
+                       input
 ``guards.py``          which members are left out, whether the rest is fused,
                        and on which path (one GEMM, or one per member)
 ``rewrite.py``         the rewrite: the block, its per-call layout check, the

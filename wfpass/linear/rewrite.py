@@ -19,7 +19,7 @@ from ..graph import PassContext, meta_value
 from ..records import Record
 from ..runtime import GroupSite
 from ..storage import FusedStorage
-from .group_site import find_layout, group_record, open_site
+from ..groups import find_layout, group_record, open_site
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from .match import LinearGroup
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from .._torch import dynamo as _dynamo
 from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value, same_size, static_int
-from ..linear.group_site import find_layout, group_record, open_site
+from ..groups import find_layout, group_record, open_site
 from ..records import Record
 from ..runtime import GroupSite
 from ..storage import first_sharing_problem

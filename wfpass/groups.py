@@ -1,5 +1,5 @@
-"""A fused group's layout, record and per-call site, as the sibling-linear
-and RNN rewrites both set them up (``linear/rewrite.py``, ``rnn/rewrite.py``).
+"""A fused group's layout, record and per-call site, as every grouped
+format sets them up (``linear/rewrite.py``, ``rnn/rewrite.py``).
 
 ``find_layout``: the layout these very tensors already have (a recompile,
 an idempotent re-run, a lost layout fused again); ``group_record``: that
@@ -13,10 +13,10 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ..graph import PassContext
-from ..records import Record
-from ..runtime import GroupSite, note
-from ..storage import FusedStorage, fuse, layout_of_set, re_fuse
+from .graph import PassContext
+from .records import Record
+from .runtime import GroupSite, note
+from .storage import FusedStorage, fuse, layout_of_set, re_fuse
 
 __all__ = ["find_layout", "group_record", "open_site"]
 
