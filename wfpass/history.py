@@ -1,14 +1,19 @@
 """What ``wfpass.last_report()`` shows: the report of the most recent
 compile (every graph of it, where Dynamo split one call into several), or
-the graph breaks noted since that left nothing compiled."""
+the graph breaks noted since that left nothing compiled; and, with
+``WFPASS_REPORT=1``, every report printed when the process exits."""
 from __future__ import annotations
 
+import atexit
+import os
+import sys
+import threading
 import weakref
 from typing import Any, List, Sequence
 
-from .records import Report, print_at_exit_if_asked
+from .records import Report
 
-__all__ = ["last_report", "set_last", "note_uncompiled"]
+__all__ = ["last_report", "set_last", "note_uncompiled", "print_at_exit_if_asked"]
 
 _LAST: List[Report] = []
 _LAST_ORIGIN: List[Any] = [None]
@@ -64,3 +69,29 @@ def set_last(report: Report, origin: Any = None, continues: bool = False, call: 
     _LAST_ORIGIN[0] = origin
     _LAST_CALL[0] = [weakref.ref(t) for t in call]
     print_at_exit_if_asked(report)  # WFPASS_REPORT=1
+
+
+# -- WFPASS_REPORT=1 ---------------------------------------------------------------------
+
+_AT_EXIT: List[Report] = []
+
+
+def print_at_exit_if_asked(report: Report) -> None:
+    """With ``WFPASS_REPORT=1`` in the environment, print ``report`` to
+    stderr when the process exits. At compile time every counter is still 0;
+    at exit they say which path each call took."""
+    if os.environ.get("WFPASS_REPORT", "") in ("", "0"):
+        return
+    with _AT_EXIT_LOCK:
+        if not _AT_EXIT:
+            atexit.register(_print_reports)
+        if not any(r is report for r in _AT_EXIT):
+            _AT_EXIT.append(report)
+
+
+_AT_EXIT_LOCK = threading.Lock()
+
+
+def _print_reports() -> None:
+    for r in _AT_EXIT:
+        print(r, end="\n\n", file=sys.stderr)

@@ -5,17 +5,14 @@ call, so printing the report after a few steps shows which path really ran.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Record", "Report", "Stats", "terminal_width", "print_at_exit_if_asked"]
+__all__ = ["Record", "Report", "Stats", "terminal_width"]
 
 log = logging.getLogger("wfpass")
 
@@ -386,29 +383,3 @@ def _short_reason(reason: str) -> str:
         if clause not in seen:
             seen.append(clause)
     return "; ".join(seen)
-
-
-# -- WFPASS_REPORT=1 ---------------------------------------------------------------------
-
-_AT_EXIT: List[Report] = []
-
-
-def print_at_exit_if_asked(report: Report) -> None:
-    """With ``WFPASS_REPORT=1`` in the environment, print ``report`` to
-    stderr when the process exits. At compile time every counter is still 0;
-    at exit they say which path each call took."""
-    if os.environ.get("WFPASS_REPORT", "") in ("", "0"):
-        return
-    with _AT_EXIT_LOCK:
-        if not _AT_EXIT:
-            atexit.register(_print_reports)
-        if not any(r is report for r in _AT_EXIT):
-            _AT_EXIT.append(report)
-
-
-_AT_EXIT_LOCK = threading.Lock()
-
-
-def _print_reports() -> None:
-    for r in _AT_EXIT:
-        print(r, end="\n\n", file=sys.stderr)
