@@ -43,10 +43,10 @@ import torch
 
 from .._torch import aot as _aot, kernels as _kernels
 from ..graph import static_int
+from .ops import define_rnn_op
 
 __all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "cudnn_call"]
 
-_LIB = torch.library.Library("wfpass", "FRAGMENT")
 _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
             "int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
 # With dropout between layers the op draws random numbers (cuDNN's own
@@ -54,10 +54,8 @@ _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, i
 # recomputes one for the backward (which must see the masks the forward
 # drew: they are in the reserve).
 _RANDOM = (torch.Tag.nondeterministic_seeded,)
-_LIB.define(f"cudnn_rnn({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)", tags=_RANDOM)
-_LIB.define(f"cudnn_rnn_fw({_FW_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)", tags=_RANDOM)  # no autograd kernel (aot twin)
-_LIB.define(
-    "cudnn_rnn_backward(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
+_BACKWARD = (
+    "(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
     "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
     "bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)")
 
@@ -272,13 +270,6 @@ def _cudnn_rnn_backward_fake(input, weights, hx, cx, output, grad_output, grad_h
     return torch.empty_like(input), torch.empty_like(hx0), dcx, input.new_empty((total,))
 
 
-for _name in ("cudnn_rnn", "cudnn_rnn_fw"):
-    _LIB.impl(_name, _cudnn_rnn, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"wfpass::{_name}", _cudnn_rnn_fake, lib=_LIB)
-_LIB.impl("cudnn_rnn_backward", _cudnn_rnn_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("wfpass::cudnn_rnn_backward", _cudnn_rnn_backward_fake, lib=_LIB)
-
-
 def _setup(ctx, inputs, output):
     # ``dropout`` has no default in the schema: torch 2.11's dispatcher
     # drops a trailing argument equal to its default, and the autograd
@@ -304,8 +295,9 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
-torch.library.register_autograd("wfpass::cudnn_rnn", _grad, setup_context=_setup, lib=_LIB)
-_aot.register_twin(torch.ops.wfpass.cudnn_rnn.default, torch.ops.wfpass.cudnn_rnn_fw.default)
+_LIB = define_rnn_op("cudnn_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_cudnn_rnn,
+                     forward_fake=_cudnn_rnn_fake, backward=_cudnn_rnn_backward,
+                     backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=_RANDOM)
 
 
 def _eligible(t: Optional[torch.Tensor]) -> bool:

@@ -26,23 +26,16 @@ import torch
 
 from ..graph import static_int
 from .._torch import aot as _aot
+from .ops import define_rnn_op
 
 __all__ = ["workspace_numel", "zero_states"]
 
-_LIB = torch.library.Library("wfpass", "FRAGMENT")
-_LIB.define(
-    "lstm_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
-    "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
-)
-_LIB.define(  # the same, without an autograd kernel: what compiled forward graphs call (aot.register_twin)
-    "lstm_layer_fw(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
-    "bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)"
-)
-_LIB.define(
-    "lstm_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
+_ARGS = ("Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
+         "bool reverse, int hidden_size, bool has_biases, bool train")
+_BACKWARD = (
+    "(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
     "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
-    "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
+    "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 _MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
@@ -145,16 +138,6 @@ def _lstm_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, cx, output, hy,
     return tuple(torch.empty_like(t) for t in (input, w_ih, w_hh, b_ih, b_hh, hx, cx))
 
 
-_LIB.impl("lstm_layer", _lstm_layer, "CompositeExplicitAutograd")
-_LIB.impl("lstm_layer_backward", _lstm_layer_backward, "CompositeExplicitAutograd")
-# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
-# before this CompositeExplicitAutograd registration once they are loaded.
-_LIB.impl("lstm_layer_fw", _lstm_layer, "CompositeExplicitAutograd")
-torch.library.register_fake("wfpass::lstm_layer_fw", _lstm_layer_fake, lib=_LIB)
-torch.library.register_fake("wfpass::lstm_layer", _lstm_layer_fake, lib=_LIB)
-torch.library.register_fake("wfpass::lstm_layer_backward", _lstm_layer_backward_fake, lib=_LIB)
-
-
 def _lstm_layer_setup(ctx, inputs, output):
     input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train = inputs
     y, hy, cy, ws = output
@@ -174,5 +157,8 @@ def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
     return (*grads, None, None, None, None)
 
 
-torch.library.register_autograd("wfpass::lstm_layer", _lstm_layer_grad, setup_context=_lstm_layer_setup, lib=_LIB)
-_aot.register_twin(torch.ops.wfpass.lstm_layer.default, torch.ops.wfpass.lstm_layer_fw.default)
+# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# before these registrations once they are loaded.
+_LIB = define_rnn_op("lstm_layer", _ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD,
+                     forward=_lstm_layer, forward_fake=_lstm_layer_fake, backward=_lstm_layer_backward,
+                     backward_fake=_lstm_layer_backward_fake, setup=_lstm_layer_setup, grad=_lstm_layer_grad)

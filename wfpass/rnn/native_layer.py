@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch import aot as _aot
+from .ops import define_rnn_op
 from .._torch import native as _native
 from .lstm_layer import zero_states
 
@@ -52,20 +52,10 @@ __all__ = ["MODES"]
 #: The modes this op runs, with their ATen kernels (``torch.gru`` etc.).
 MODES = ("GRU", "RNN_TANH", "RNN_RELU")
 
-_LIB = torch.library.Library("wfpass", "FRAGMENT")
-_LIB.define(
-    "rnn_layer(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, "
-    "bool reverse) -> (Tensor, Tensor)"
-)
-_LIB.define(  # the same, without an autograd kernel: what compiled forward graphs call (aot.register_twin)
-    "rnn_layer_fw(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, "
-    "bool reverse) -> (Tensor, Tensor)"
-)
-_LIB.define(
-    "rnn_layer_backward(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, "
-    "Tensor output, Tensor? grad_output, Tensor? grad_hy, str mode, bool reverse) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
+_ARGS = "Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, bool reverse"
+_BACKWARD = ("(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, "
+             "Tensor output, Tensor? grad_output, Tensor? grad_hy, str mode, bool reverse) "
+             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _check_mode(mode: str) -> None:
@@ -178,16 +168,6 @@ def _rnn_layer_backward_fake(input, w_ih, w_hh, b_ih, b_hh, hx, output, grad_out
             input.new_empty((1, B, H)))
 
 
-_LIB.impl("rnn_layer", _rnn_layer, "CompositeExplicitAutograd")
-_LIB.impl("rnn_layer_backward", _rnn_layer_backward, "CompositeExplicitAutograd")
-# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
-# before these CompositeExplicitAutograd registrations once they are loaded.
-_LIB.impl("rnn_layer_fw", _rnn_layer, "CompositeExplicitAutograd")
-torch.library.register_fake("wfpass::rnn_layer_fw", _rnn_layer_fake, lib=_LIB)
-torch.library.register_fake("wfpass::rnn_layer", _rnn_layer_fake, lib=_LIB)
-torch.library.register_fake("wfpass::rnn_layer_backward", _rnn_layer_backward_fake, lib=_LIB)
-
-
 def _setup(ctx, inputs, output):
     input, w_ih, w_hh, b_ih, b_hh, hx, mode, reverse = inputs
     ctx.save_for_backward(input, w_ih, w_hh, b_ih, b_hh, hx, output[0])
@@ -204,5 +184,8 @@ def _grad(ctx, g_out, g_hy):
             None, None)
 
 
-torch.library.register_autograd("wfpass::rnn_layer", _grad, setup_context=_setup, lib=_LIB)
-_aot.register_twin(torch.ops.wfpass.rnn_layer.default, torch.ops.wfpass.rnn_layer_fw.default)
+# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# before these registrations once they are loaded.
+_LIB = define_rnn_op("rnn_layer", _ARGS, "(Tensor, Tensor)", _BACKWARD, forward=_rnn_layer,
+                     forward_fake=_rnn_layer_fake, backward=_rnn_layer_backward,
+                     backward_fake=_rnn_layer_backward_fake, setup=_setup, grad=_grad)

@@ -1,0 +1,38 @@
+"""The shape every RNN op of wfpass's has, written once: ``NAME`` (with an
+autograd formula), ``NAME_fw`` (the same op without one: what compiled
+forward graphs call, ``aot.register_twin``) and ``NAME_backward``, each with
+its kernel and its fake. ``lstm_layer.py`` (oneDNN's LSTM layer),
+``native_layer.py`` (GRU / RNN layers) and ``cudnn.py`` (cuDNN's whole RNN)
+each define theirs through ``define_rnn_op``."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .._torch import aot as _aot
+
+__all__ = ["define_rnn_op"]
+
+
+def define_rnn_op(name: str, args: str, returns: str, backward_schema: str, *, forward: Callable,
+                  forward_fake: Callable, backward: Callable, backward_fake: Callable, setup: Callable,
+                  grad: Callable, tags: Sequence[torch.Tag] = ()) -> torch.library.Library:
+    """Define ``wfpass::NAME(args) -> returns``, its ``_fw`` twin and
+    ``wfpass::NAME_backward`` + ``backward_schema`` (``"(args) -> (...)"``);
+    register the kernels (CompositeExplicitAutograd: a C++ kernel registered
+    for the CPU key later comes first), the fakes, the autograd formula
+    (``setup``, ``grad``) and the twin. Returns the library, which the caller
+    keeps alive (its registrations go with it)."""
+    lib = torch.library.Library("wfpass", "FRAGMENT")
+    lib.define(f"{name}({args}) -> {returns}", tags=tuple(tags))
+    lib.define(f"{name}_fw({args}) -> {returns}", tags=tuple(tags))
+    lib.define(f"{name}_backward{backward_schema}")
+    for op, kernel, fake in ((name, forward, forward_fake), (f"{name}_fw", forward, forward_fake),
+                             (f"{name}_backward", backward, backward_fake)):
+        lib.impl(op, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"wfpass::{op}", fake, lib=lib)
+    torch.library.register_autograd(f"wfpass::{name}", grad, setup_context=setup, lib=lib)
+    ns = torch.ops.wfpass
+    _aot.register_twin(getattr(ns, name).default, getattr(ns, f"{name}_fw").default)
+    return lib
