@@ -14,10 +14,13 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ``rewrite.py``            the rewrite: the group and its block, the graph's new call
 ``paths.py``              the kernels: ``fused`` / ``loop`` / ``mkldnn`` / ``native`` /
                           ``aten`` paths, which one a call takes, ``RnnForward``
+``ops.py``                ``define_rnn_op``: an op, its autograd-free twin and its
+                          backward, with kernels and fakes (the three ops below)
 ``lstm_layer.py``         the ``wfpass::lstm_layer`` op (oneDNN's LSTM layer, trainable
                           under AOTAutograd)
 ``native_layer.py``       the ``wfpass::rnn_layer`` op (ATen's GRU / plain RNN kernel as
                           one op, with a backward that handles all steps at once)
+``cudnn.py``              the ``wfpass::cudnn_rnn`` op (cuDNN's whole RNN, on CUDA)
 ``auto.py``               ``seq_threshold="auto"``: the paths timed once per shape
 ``eager.py``              the calls of ``wfpass.apply`` graphs, which run eagerly:
                           ``RnnModuleCall``, ``CellLoopCall``
@@ -27,7 +30,8 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ========================  =====================================================
 
 The flat block: every Parameter of the RNN is a view into one buffer (same
-objects), in PyTorch's ``_flat_weights`` order. The CPU kernels read each
+objects), in PyTorch's ``_flat_weights`` order on the CPU and in cuDNN's
+layout on CUDA (every layer's matrices, then the biases). The CPU kernels read each
 weight by itself, so the graph passes the parameters, not the block, and a
 lost layout never changes a result (the backend re-fuses it, counted).
 """
