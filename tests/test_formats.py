@@ -67,6 +67,34 @@ def test_builtins_stay_and_ordering_constraints_are_checked():
         wfpass.Config(passes=("fuse_rnn", "early_for_test"))
 
 
+def test_a_format_installs_once_and_restore_asks_it_for_every_module():
+    """A format's whole life is on the format: ``install`` when it joins the
+    pipeline, ``restore(module)`` from ``wfpass.restore`` for every module,
+    with no edit to wfpass's entry points."""
+    calls = {"install": 0, "restore": []}
+
+    class Hooks(wfpass.Format):
+        name = "hooks_for_test"
+
+        def run(self, gm, ctx):
+            return 0
+
+        def install(self):
+            calls["install"] += 1
+
+        def restore(self, module):
+            calls["restore"].append(module)
+
+    wfpass.register_format(Hooks())
+    try:
+        assert calls["install"] == 1
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        wfpass.restore(model)
+        assert calls["restore"] == list(model.modules())
+    finally:
+        wfpass.unregister_format("hooks_for_test")
+
+
 def test_passes_option_selects_formats():
     model = QKV()
     torch.compile(model, backend=wfpass.backend(inner="aot_eager", passes=("fp32_batchnorm",)))(torch.randn(1, 32))
