@@ -340,7 +340,7 @@ def test_restore_gives_independent_storage_same_values():
 def test_report_table_json_and_env(capsys, monkeypatch):
     monkeypatch.setenv("WFPASS_REPORT", "1")
     queued = []
-    monkeypatch.setattr(sys.modules["wfpass.records"], "_AT_EXIT", queued)
+    monkeypatch.setattr(sys.modules["wfpass.history"], "_AT_EXIT", queued)
     model = QKV()
     torch.compile(model, backend=wfpass.backend(inner="aot_eager"))(torch.randn(1, 32))
     printed = capsys.readouterr()
