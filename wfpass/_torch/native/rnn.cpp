@@ -121,12 +121,7 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
                                      const Opt& b_hh, const Opt& hx, c10::string_view mode, bool reverse) {
   const int64_t H = w_hh.size(1);
   const Tensor h0 = hx.has_value() ? *hx : zero_state(input, H);
-  std::vector<Tensor> params{w_ih, w_hh};
   const bool bias = b_ih.has_value();
-  if (bias) {
-    params.push_back(*b_ih);
-    params.push_back(*b_hh);
-  }
   const Tensor x = reverse ? input.flip(0) : input;
   std::tuple<Tensor, Tensor> r;
   const auto dtype = input.scalar_type();
@@ -141,6 +136,11 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
     r = {out, out.select(0, out.size(0) - 1).unsqueeze(0).clone()};  // its own storage, at offset 0
   } else {
     at::NoGradGuard no_grad;
+    std::vector<Tensor> params{w_ih, w_hh};  // ATen's layer kernels take the weights as one list
+    if (bias) {
+      params.push_back(*b_ih);
+      params.push_back(*b_hh);
+    }
     if (mode == "GRU")
       r = at::gru(x, h0, params, bias, 1, 0.0, false, false, false);
     else if (mode == "RNN_TANH")
