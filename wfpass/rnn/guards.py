@@ -11,6 +11,8 @@ the kernels read them where they are), so ties stay tied.
 """
 from __future__ import annotations
 
+import itertools
+
 from typing import Optional, Tuple
 
 import torch
@@ -96,7 +98,8 @@ def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional
         if layout is None:
             layout = cudnn_layout_without_gpu([tuple(w.shape) for w in ws], num_layers * D, gates * hidden)
     else:  # the CPU kernels read each layer's weights one after another
-        layout = ([sum(w.numel() for w in ws[:i]) for i in range(len(ws))], sum(w.numel() for w in ws))
+        ends = list(itertools.accumulate(w.numel() for w in ws))
+        layout = ([0] + ends[:-1], ends[-1])
     offsets, numel = layout
     return RnnSpec(offsets=tuple(offsets), numel=numel, **spec), None
 
