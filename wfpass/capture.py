@@ -108,14 +108,12 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
         if why:
             # Left to a graph break: it runs eagerly, as without wfpass.
             return False
-        if _dynamo.packed_sequence_capture_crashes() and _dynamo.frame_holds(torch.nn.utils.rnn.PackedSequence):
-            # This torch crashes later in such a frame once the RNN is in the
-            # graph: leave it to a graph break, as without wfpass. The record
-            # ``note_seen`` filed (never replaced by a graph's) says so.
-            return False
         return wanted
 
     _hooks.install_rnn_capture(policy)
+    # pack_padded_sequence / pad_packed_sequence go into the graph for the
+    # same backends (wfpass.rnn.packed).
+    _hooks.install_packed_capture(rnn_capture_wanted)
 
 
 def install_item_break_probe(note_item_break: Callable) -> None:

@@ -222,32 +222,6 @@ def current_tx():
         return None
 
 
-def packed_sequence_capture_crashes() -> bool:
-    """Does this torch crash when an RNN fed a ``PackedSequence`` is let
-    into the graph? On 2.11.0, with ``allow_rnn``, Dynamo inlines the LSTM's
-    forward, breaks inside it (``int(batch_sizes[0])``) and then traces the
-    caller's ``pad_packed_sequence`` on fake tensors, which fails ("its data
-    is not allocated yet"), with any backend; without ``allow_rnn`` the RNN
-    graph-breaks and the whole frame runs eagerly. 2.13.0-2.15.0 break and
-    resume cleanly. 2.12 is untested and treated like 2.11."""
-    from .versions import torch_version
-
-    return torch_version()[:2] < (2, 13)
-
-
-def frame_holds(cls) -> bool:
-    """Does the frame Dynamo is tracing now hold a local of type ``cls``?
-    ``current_tx().f_locals`` are the frame's real values (private; torch
-    2.11.0-2.15.0). A frame that resumes after a graph break receives the
-    values computed before it this way (a ``PackedSequence`` made by
-    ``pack_padded_sequence``, which Dynamo never traces)."""
-    tx = current_tx()
-    try:
-        return any(isinstance(v, cls) for v in getattr(tx, "f_locals", {}).values())
-    except Exception:  # never break a trace over this
-        return False
-
-
 def compiler_fn_of(tx):
     """The backend the trace ``tx`` compiles for, as Dynamo holds it
     (``tx.output.compiler_fn``, private; torch 2.13.0)."""

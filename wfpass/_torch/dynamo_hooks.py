@@ -178,3 +178,72 @@ def install_item_break_probe(hook: Callable) -> None:
     _ITEM_BREAK_HOOK[0] = hook
     if dynamo_config.capture_scalar_outputs is False:
         dynamo_config.capture_scalar_outputs = _ItemBreakProbe()
+
+
+# -- Variable-length batches: pack_padded_sequence / pad_packed_sequence ------------------------
+
+#: ``policy(compiler_fn) -> bool``: may this trace put packed RNNs into the graph?
+_PACKED_POLICY: list = [None]
+
+
+def packed_capture_wanted() -> bool:
+    """True while Dynamo traces a frame for a backend whose policy (installed
+    by ``install_packed_capture``) lets packed sequences into the graph;
+    False in eager code. Dynamo does not trace this function: it is
+    registered with ``substitute_in_graph(can_constant_fold_through=True)``
+    and takes no argument, so Dynamo calls it while tracing and puts its
+    answer into the trace as a constant (the frame's guards include the
+    backend, torch 2.13.0)."""
+    policy = _PACKED_POLICY[0]
+    tx = current_tx()
+    if policy is None or tx is None:
+        return False
+    try:
+        return bool(policy(compiler_fn_of(tx)))
+    except Exception:  # never break a trace over this
+        return False
+
+
+def _packed_capture_wanted_traced() -> bool:  # pragma: no cover - Dynamo constant-folds the original instead
+    return False
+
+
+def install_packed_capture(policy: Callable) -> None:
+    """Decide, per trace, whether packed sequences go into the graph."""
+    _PACKED_POLICY[0] = policy
+
+
+_PACKED_INSTALLED: list = [False]
+
+
+def install_packed_functions(pack_padded_sequence: Callable, pad_packed_sequence: Callable) -> None:
+    """Have Dynamo trace ``pack_padded_sequence`` / ``pad_packed_sequence``
+    as the given functions (same signatures) instead of graph-breaking on
+    them. Dynamo lists both as skipped functions
+    (``trace_rules.manual_torch_name_rule_map``: pytorch#93501, #162374,
+    torch 2.11.0-2.15.0), so their rules are dropped first; the
+    replacements graph-break themselves for backends that did not ask
+    (``packed_capture_wanted``), which is the behaviour the skip gave."""
+    if _PACKED_INSTALLED[0]:
+        return
+    import torch._dynamo.trace_rules as trace_rules
+    import torch.nn.utils.rnn as rnn_utils
+
+    originals = (rnn_utils.pack_padded_sequence, rnn_utils.pad_packed_sequence)
+    for name in ("torch.nn.utils.rnn.pack_padded_sequence", "torch.nn.utils.rnn.pad_packed_sequence"):
+        trace_rules.manual_torch_name_rule_map.pop(name, None)
+    rules = trace_rules.get_torch_obj_rule_map()
+    for fn in originals:
+        rules.pop(fn, None)
+    substitute = torch._dynamo.substitute_in_graph
+    substitute(packed_capture_wanted, can_constant_fold_through=True)(_packed_capture_wanted_traced)
+    substitute(originals[0])(pack_padded_sequence)
+    substitute(originals[1])(pad_packed_sequence)
+    _PACKED_INSTALLED[0] = True
+
+
+def graph_break(msg: str) -> None:
+    """A graph break with ``msg`` as its reason where Dynamo traces this
+    (``torch._dynamo.graph_break``; no ``torch.compiler`` name for it up to
+    2.15.0); nothing in eager code."""
+    torch._dynamo.graph_break(msg=msg)

@@ -260,3 +260,16 @@ def mkl_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, rows: int) -> torch.Tensor:
     return torch.ops.mkl._mkl_linear(x, packed, w, bias, rows)
+
+
+# -- packed sequences (torch._VF, private; torch 2.11.0-2.15.0) ---------------------------------
+
+def pack_padded(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool):
+    """``(data, batch_sizes)``: the kernel ``pack_padded_sequence`` runs."""
+    return torch._VF._pack_padded_sequence(input, lengths, batch_first)
+
+
+def pad_packed(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: float,
+               total_length: int):
+    """``(padded, lengths)``: the kernel ``pad_packed_sequence`` runs."""
+    return torch._VF._pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length)

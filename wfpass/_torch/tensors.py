@@ -67,7 +67,7 @@ def storage_ptr(t: torch.Tensor) -> int:
 def size_hint(s) -> Optional[int]:
     """The value a symbolic size had in the example inputs the graph was
     compiled with (its hint), without a guard; None for a size with no hint
-    (one known only at run time). ``optimization_hint`` from torch 2.13,
+    (one known only at run time: an unbacked size). ``optimization_hint`` from torch 2.13,
     ``size_hint`` before (``torch.fx.experimental.symbolic_shapes``;
     checked on 2.11.0, 2.13.0, 2.15.0)."""
     if isinstance(s, int):
@@ -76,6 +76,28 @@ def size_hint(s) -> Optional[int]:
 
     fn = getattr(ss, "optimization_hint", None) or getattr(ss, "size_hint", None)
     try:
+        # optimization_hint gives an unbacked size (a packed batch's rows)
+        # a made-up fallback (8192 on 2.13.0): no size anything was seen at.
+        if isinstance(s, torch.SymInt) and ss.free_unbacked_symbols(s):
+            return None
         return int(fn(s)) if fn is not None else None
     except Exception:  # noqa: BLE001 - an unbacked size has no hint
         return None
+
+
+def run_time_size(min: int = 0):
+    """A size known only when the op runs (an unbacked symbol), inside a
+    fake implementation: ``torch.library.get_ctx().new_dynamic_size()``
+    without its gate. That gate (``ShapeEnv.allow_dynamic_output_shape_ops``,
+    off unless ``capture_dynamic_output_shape_ops``; torch 2.13.0) keeps
+    ATen's data-dependent ops (``nonzero``...) out of graphs; wfpass's
+    packed-sequence ops are made for such sizes, so they make theirs
+    whatever the gate says. ``torch._library.fake_impl.allocate_size`` and
+    the context's ``_shape_env`` are private (checked on 2.11.0-2.15.0)."""
+    from torch._library.fake_impl import allocate_size
+
+    ctx = torch.library.get_ctx()
+    env = getattr(ctx, "_shape_env", None)
+    if env is None:
+        return ctx.new_dynamic_size(min=min)  # raises as torch.library does: no shape environment
+    return allocate_size(env, min)

@@ -35,6 +35,7 @@ import torch.fx as fx
 from .. import capture as _capture
 from ..graph import PassContext, mutated_state
 from ..pipeline import Format
+from ..rnn import packed as _packed
 from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
@@ -51,6 +52,8 @@ class FuseRnn(Format):
     def install(self) -> None:
         # Let Dynamo put RNN modules into the graph for wformat backends only.
         _capture.install_rnn_capture(name_errors, note_seen)
+        # ... and pack_padded_sequence / pad_packed_sequence around them.
+        _packed.install()
 
     def restore(self, module) -> None:
         unname_errors(module)  # the errors Dynamo's wrapping gave the RNN name it no more
@@ -71,6 +74,8 @@ class FuseRnn(Format):
             return f"{s.name or s.node.name}: {why}"
         spec = s.spec
         s.plan = f"{spec.name}: {spec.summary()}"
+        if s.batch_sizes is not None:
+            s.plan += "; variable lengths (a packed batch): one C++ loop per layer over each sequence's valid steps"
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
                         bidirectional=spec.bidirectional, block_elements=spec.numel)
         return None

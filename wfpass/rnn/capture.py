@@ -9,6 +9,7 @@ import functools
 import torch.nn as nn
 
 from ..runtime import note_provisional
+from .packed import install_forward, uninstall_forward
 from .spec import display_name, flat_weight_names, rnn_mode
 
 __all__ = ["name_errors", "unname_errors", "note_seen"]
@@ -38,18 +39,23 @@ def name_errors(module: nn.Module, path: str) -> None:
     ``wfpass.capture`` calls this when Dynamo first wraps the RNN for a wformat
     backend, i.e. before the first call's checks run."""
     mode = rnn_mode(module)
-    if mode is None or "check_forward_args" in module.__dict__:
+    if mode is None:
+        return
+    # Its PackedSequence calls go into the graph too (``packed.py``).
+    install_forward(module)
+    if "check_forward_args" in module.__dict__:
         return
     module.__dict__["check_forward_args"] = functools.partial(_named_check_forward_args, module, display_name(path, mode))
 
 
 def unname_errors(module: nn.Module) -> bool:
     """Undo ``name_errors``; True if there was something to undo."""
+    undone = uninstall_forward(module)
     f = module.__dict__.get("check_forward_args")
     if isinstance(f, functools.partial) and f.func is _named_check_forward_args:
         del module.__dict__["check_forward_args"]
         return True
-    return False
+    return undone
 
 
 def note_seen(module: nn.RNNBase, path: str, why: str = "") -> None:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..graph import PassContext, TensorRef
 from ..pipeline import Match
 from ..runtime import GroupSite
+from .packed import PACKED_RNN as _PACKED_RNN
 from .spec import RnnSpec, display_name, flat_weight_names, module_path, rnn_mode
 
 __all__ = ["RNN_FUNCTIONS", "RnnCall", "RunState", "match_call"]
@@ -62,10 +63,13 @@ class RnnCall(Match):
         self.module: Optional[nn.Module] = None  # call_module flavour
         self.consts: Tuple = ()
         self.name = ""  # for messages: display_name, or the label of a folded cell loop
+        self.batch_sizes: Optional[fx.Node] = None  # a packed batch's sizes (``wfpass::packed_rnn``)
 
 
 def match_call(ctx: PassContext, node: fx.Node) -> Optional[RnnCall]:
     """The RNN call ``node`` is, or None if it is none."""
+    if node.op == "call_function" and node.target in _PACKED_RNN:
+        return _packed_call(ctx, node)
     if node.op == "call_function":
         if node.target in _PACKED:
             s = RnnCall(node, "LSTM")
@@ -122,6 +126,24 @@ def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
     if "wfpass_cells" in node.meta:  # a loop of cells that fold_cells folded into this call
         s.name = node.meta["wfpass_cells"]
     for r, p in zip(refs, args[2]):
+        if r is None or not r.is_state:
+            s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
+            return s
+    s.weights = refs
+    return s
+
+
+def _packed_call(ctx: PassContext, node: fx.Node) -> RnnCall:
+    """``wfpass.packed_rnn(data, batch_sizes, hx, weights, mode, has_biases,
+    num_layers, dropout, train, bidirectional, proj_size)``: an RNN over a
+    packed batch, as ``rnn/packed.py`` puts it into Dynamo's graph."""
+    data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional, _proj = node.args
+    s = RnnCall(node, mode)
+    s.x, s.batch_sizes, s.hx = data, batch_sizes, list(hx)
+    s.consts = (has_biases, num_layers, dropout, train, bidirectional, False)  # packed data: time-major rows
+    refs = [ctx.resolve(p) for p in weights]
+    s.name = display_name(module_path(refs[0].name) if refs[0] is not None else "", mode)
+    for r, p in zip(refs, weights):
         if r is None or not r.is_state:
             s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
             return s

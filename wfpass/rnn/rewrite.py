@@ -25,6 +25,7 @@ from ..storage import first_sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
+from .packed import PackedRnnForward
 from .paths import RnnForward, choose_path, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
@@ -35,7 +36,9 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
     """Replace the call ``s`` (its guards passed: ``s.spec`` is set) with the
     format's call, in the group of its weight set."""
     site = _group_of(ctx, s)
-    if s.module is None:  # Dynamo flavour: weights are graph inputs
+    if s.batch_sizes is not None:  # a packed batch (rnn/packed.py)
+        new = _packed_call(ctx, s, site)
+    elif s.module is None:  # Dynamo flavour: weights are graph inputs
         new = _dynamo_call(ctx, s, site)
     else:
         new = _module_call(ctx, s, site)
@@ -99,6 +102,27 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
         record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
     with g.inserting_before(s.node):
         return g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
+
+
+def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
+    """A packed batch: ``PackedRnnForward`` over the weights as graph
+    inputs. One kernel at every length (the lengths are data, so there is
+    no threshold to take): the C++ loop that steps each layer's shrinking
+    batch on the CPU."""
+    spec, record, g = s.spec, site.record, ctx.gm.graph
+    w_nodes = [r.node for r in s.weights]
+    path = "packed"
+    record.stats.setdefault("fused_calls", 0)
+    record.stats.setdefault("unfused_calls", 0)
+    record.detail.setdefault("paths", {})["T=variable"] = path
+    record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
+                                         "no threshold (the lengths are data)")
+    if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
+        site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
+        site.counter = ("fused_calls",)
+        ctx.add_site(site)
+    with g.inserting_before(s.node):
+        return g.call_function(PackedRnnForward(spec, path, bool(s.consts[3])), (s.x, s.batch_sizes, s.hx, *w_nodes))
 
 
 def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -> str:

@@ -40,7 +40,7 @@ import torch
 __all__ = ["load", "status", "loaded", "is_loaded", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp", "rnn.cpp")
+_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]

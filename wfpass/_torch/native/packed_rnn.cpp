@@ -1,0 +1,394 @@
+// CPU kernels of wfpass::packed_layer and wfpass::packed_layer_backward:
+// one layer and one direction of an LSTM / GRU / plain RNN over a packed
+// batch (PackedSequence layout). The op, its fakes, its autograd formula and
+// its Python kernels are in wfpass/rnn/packed_layer.py, which says what it
+// computes and lays out the workspace; these are the same steps, the same
+// ATen calls in the same order (the same numbers, bit for bit, checked in
+// tests/test_packed_layer.py), without Python's few microseconds per call:
+// at hidden 128 and batch 16 a step's GEMM takes ~10 us, and Python's loop
+// spends more than that around it.
+//
+// What keeps the loop short: every buffer allocated before it, the input
+// projection of all steps done as one GEMM straight into the workspace, and
+// per step an in-place addmm_ into the live rows plus the gate math in
+// place. The only per-step objects are the narrow() views of the live rows.
+//
+// Checked on torch 2.13.0.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using Opt = std::optional<Tensor>;
+
+enum class Mode { LSTM, GRU, RNN_TANH, RNN_RELU };
+
+Mode parse_mode(c10::string_view mode) {
+  if (mode == "LSTM") return Mode::LSTM;
+  if (mode == "GRU") return Mode::GRU;
+  if (mode == "RNN_TANH") return Mode::RNN_TANH;
+  if (mode == "RNN_RELU") return Mode::RNN_RELU;
+  TORCH_CHECK_VALUE(false, "wfpass::packed_layer: mode must be one of ('LSTM', 'GRU', 'RNN_TANH', 'RNN_RELU'), got '",
+                    mode, "'");
+  return Mode::LSTM;  // not reached: the check throws
+}
+
+int64_t gate_count(Mode mode) {
+  return mode == Mode::LSTM ? 4 : mode == Mode::GRU ? 3 : 1;
+}
+
+int64_t workspace_width(Mode mode, int64_t H) {
+  return mode == Mode::LSTM ? 5 * H : mode == Mode::GRU ? 4 * H : 0;
+}
+
+// batch_sizes read once, checked, with its row offsets.
+struct Steps {
+  std::vector<int64_t> bs, off;
+  int64_t T = 0, N = 0, B = 0;
+};
+
+Steps read_steps(const Tensor& batch_sizes, int64_t N) {
+  TORCH_CHECK_VALUE(batch_sizes.dim() == 1 && batch_sizes.scalar_type() == at::kLong && batch_sizes.is_cpu(),
+                    "wfpass::packed_layer: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)");
+  const Tensor b = batch_sizes.contiguous();
+  const int64_t* p = b.data_ptr<int64_t>();
+  Steps s;
+  s.T = b.numel();
+  s.bs.assign(p, p + s.T);
+  s.off.resize(s.T);
+  bool ok = s.T > 0;
+  int64_t acc = 0;
+  for (int64_t t = 0; t < s.T; ++t) {
+    ok = ok && s.bs[t] >= 1 && (t == 0 || s.bs[t] <= s.bs[t - 1]);
+    s.off[t] = acc;
+    acc += s.bs[t];
+  }
+  TORCH_CHECK_VALUE(ok && acc == N, "wfpass::packed_layer: batch_sizes must be positive, non-increasing and sum to "
+                    "data.shape[0] = ", N);
+  s.N = N;
+  s.B = s.bs[0];
+  return s;
+}
+
+void check_args(Mode mode, const Opt& w_hr, const Opt& c0) {
+  TORCH_CHECK_VALUE(mode == Mode::LSTM || (!w_hr.has_value() && !c0.has_value()),
+                    "wfpass::packed_layer: w_hr and c0 are LSTM arguments, got one for another mode");
+}
+
+// h0 as [B, W] (zeros where None: made here, not in the graph).
+Tensor initial_state(const Opt& s, const Tensor& data, int64_t B, int64_t W, const char* name) {
+  if (!s.has_value()) return at::zeros({B, W}, data.options());
+  TORCH_CHECK_VALUE(s->dim() == 3 && s->size(0) == 1 && s->size(1) == B && s->size(2) == W, "wfpass::packed_layer: ",
+                    name, " must have shape (1, ", B, ", ", W, "), got ", s->sizes());
+  return s->select(0, 0);
+}
+
+// One step in processing order: its rows r0 : r0 + n; the first m rows of
+// the state it reads are rows p0 : p0 + m of the step before it, the rest
+// rows m : n of the initial state (packed_layer.py, _schedule).
+struct Step {
+  int64_t r0, n, p0, m;
+};
+
+std::vector<Step> schedule(const Steps& s, bool reverse) {
+  std::vector<Step> out;
+  out.reserve(s.T);
+  for (int64_t k = 0; k < s.T; ++k) {
+    const int64_t t = reverse ? s.T - 1 - k : k;
+    if (!reverse)
+      out.push_back({s.off[t], s.bs[t], t ? s.off[t - 1] : 0, t ? s.bs[t] : 0});
+    else {
+      const bool last = t == s.T - 1;
+      out.push_back({s.off[t], s.bs[t], last ? 0 : s.off[t + 1], last ? 0 : s.bs[t + 1]});
+    }
+  }
+  return out;
+}
+
+// The [n, W] state a step reads: a view where it is one block, else its
+// two pieces copied into buf (a reversed step where sequences join).
+Tensor prev_state(const Tensor& states, const Tensor& init, const Tensor& buf, const Step& st) {
+  if (st.m == st.n) return states.narrow(0, st.p0, st.n);
+  if (st.m == 0) return init.narrow(0, 0, st.n);
+  buf.narrow(0, 0, st.m).copy_(states.narrow(0, st.p0, st.m));
+  buf.narrow(0, st.m, st.n - st.m).copy_(init.narrow(0, st.m, st.n - st.m));
+  return buf.narrow(0, 0, st.n);
+}
+
+// [1, B, W]: each sequence's state after its last step (packed_layer.py, _final).
+Tensor final_state(const Tensor& states, const Steps& s, bool reverse) {
+  Tensor fin = at::empty({1, s.B, states.size(1)}, states.options());
+  Tensor f = fin.select(0, 0);
+  if (reverse) {
+    f.copy_(states.narrow(0, 0, s.B));
+    return fin;
+  }
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t m = t + 1 < s.T ? s.bs[t + 1] : 0;
+    if (m < s.bs[t]) f.narrow(0, m, s.bs[t] - m).copy_(states.narrow(0, s.off[t] + m, s.bs[t] - m));
+  }
+  return fin;
+}
+
+// For each packed row, its row of cat([states, init]) holding the state
+// that row's step read (packed_layer.py, prev_index).
+Tensor prev_index(const Steps& s, bool reverse) {
+  Tensor idx = at::empty({s.N}, at::TensorOptions().dtype(at::kLong));
+  int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t nxt = t + 1 < s.T ? s.bs[t + 1] : 0;
+    for (int64_t j = 0; j < s.bs[t]; ++j) {
+      const int64_t row = s.off[t] + j;
+      if (!reverse)
+        p[row] = t ? s.off[t - 1] + j : s.N + j;
+      else
+        p[row] = j < nxt ? s.off[t + 1] + j : s.N + j;
+    }
+  }
+  return idx;
+}
+
+// a[lo : lo + len] + b[lo : lo + len] for the biases given (undefined if none).
+Tensor bias_sum(const Opt& a, const Opt& b, int64_t lo, int64_t len) {
+  if (a.has_value() && b.has_value()) return at::add(a->narrow(0, lo, len), b->narrow(0, lo, len));
+  if (a.has_value()) return a->narrow(0, lo, len);
+  if (b.has_value()) return b->narrow(0, lo, len);
+  return Tensor();
+}
+
+// out = data @ w.T (+ bias), over all N rows, into a column block of the workspace.
+void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w) {
+  if (bias.defined())
+    at::addmm_out(out, bias, data, w.t());
+  else
+    at::mm_out(out, data, w.t());
+}
+
+using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+                const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                c10::string_view mode_name, bool reverse, bool train) {
+  const Mode mode = parse_mode(mode_name);
+  check_args(mode, w_hr, c0);
+  const Steps s = read_steps(batch_sizes, data.size(0));
+  const int64_t N = s.N, B = s.B, H = w_ih.size(0) / gate_count(mode);
+  const int64_t Hout = w_hr.has_value() ? w_hr->size(0) : H;
+  const auto opts = data.options();
+  // Called below autograd; the guard also keeps any nested call from
+  // recording a graph when the op runs through an autograd fallback.
+  at::NoGradGuard no_grad;
+  const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
+  const Tensor hbuf = reverse ? at::empty({B, Hout}, opts) : Tensor();
+  const Tensor w_hh_t = w_hh.t();
+  const std::vector<Step> steps = schedule(s, reverse);
+  Tensor out, ws, c_n;
+  if (mode == Mode::LSTM) {
+    const Tensor c_init = initial_state(c0, data, B, H, "c0");
+    ws = at::empty({N, 5 * H}, opts);
+    // Column blocks of the workspace, made once: i | f | g | o | c.
+    const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H);
+    const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
+    const Tensor g_all = ws.narrow(1, 2 * H, H), o_all = ws.narrow(1, 3 * H, H);
+    project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih);
+    out = at::empty({N, Hout}, opts);
+    const Tensor tc = at::empty({B, H}, opts);
+    const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
+    const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
+    for (const Step& st : steps) {
+      const Tensor hp = prev_state(out, h_init, hbuf, st), cp = prev_state(c_all, c_init, cbuf, st);
+      const Tensor o = o_all.narrow(0, st.r0, st.n), g = g_all.narrow(0, st.r0, st.n);
+      gates.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
+      if_all.narrow(0, st.r0, st.n).sigmoid_();
+      g.tanh_();
+      o.sigmoid_();
+      Tensor c = c_all.narrow(0, st.r0, st.n);
+      at::mul_out(c, f_all.narrow(0, st.r0, st.n), cp);
+      c.addcmul_(i_all.narrow(0, st.r0, st.n), g);  // c = f * c_prev + i * g
+      Tensor t_c = tc.narrow(0, 0, st.n);
+      at::tanh_out(t_c, c);
+      Tensor h = out.narrow(0, st.r0, st.n);
+      if (w_hr_t.defined())
+        at::mm_out(h, t_c.mul_(o), w_hr_t);
+      else
+        at::mul_out(h, o, t_c);
+    }
+    c_n = final_state(c_all, s, reverse);
+  } else if (mode == Mode::GRU) {
+    ws = at::empty({N, 4 * H}, opts);
+    // r | z | hn | n: one recurrent GEMM a step accumulates into r | z | hn.
+    const Tensor rz_all = ws.narrow(1, 0, 2 * H), rzh_all = ws.narrow(1, 0, 3 * H);
+    const Tensor r_all = ws.narrow(1, 0, H), z_all = ws.narrow(1, H, H);
+    const Tensor hn_all = ws.narrow(1, 2 * H, H), n_all = ws.narrow(1, 3 * H, H);
+    project(rz_all, bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih.narrow(0, 0, 2 * H));
+    project(n_all, b_ih.has_value() ? b_ih->narrow(0, 2 * H, H) : Tensor(), data, w_ih.narrow(0, 2 * H, H));
+    // hn starts as b_hn, so the step's GEMM leaves W_hn h + b_hn there.
+    if (b_hh.has_value())
+      hn_all.copy_(b_hh->narrow(0, 2 * H, H));
+    else
+      hn_all.zero_();
+    out = at::empty({N, H}, opts);
+    for (const Step& st : steps) {
+      const Tensor hp = prev_state(out, h_init, hbuf, st);
+      rzh_all.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
+      rz_all.narrow(0, st.r0, st.n).sigmoid_();
+      Tensor nt = n_all.narrow(0, st.r0, st.n);
+      nt.addcmul_(r_all.narrow(0, st.r0, st.n), hn_all.narrow(0, st.r0, st.n)).tanh_();
+      Tensor h = out.narrow(0, st.r0, st.n);
+      at::lerp_out(h, nt, hp, z_all.narrow(0, st.r0, st.n));  // (1 - z) * n + z * h
+    }
+    c_n = at::empty({0}, opts);
+  } else {
+    ws = at::empty({N, 0}, opts);
+    out = at::empty({N, H}, opts);
+    project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih);
+    const bool relu = mode == Mode::RNN_RELU;
+    for (const Step& st : steps) {
+      const Tensor hp = prev_state(out, h_init, hbuf, st);
+      Tensor h = out.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
+      if (relu)
+        h.relu_();
+      else
+        h.tanh_();
+    }
+    c_n = at::empty({0}, opts);
+  }
+  Tensor h_n = final_state(out, s, reverse);
+  return {out, h_n, c_n, train ? ws : at::empty({0}, opts)};
+}
+
+using Bw = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// dh = grad_out[rows] + carry[:n] (or the carry alone), written into dst.
+void incoming(Tensor& dst, const Opt& grad_out, const Tensor& carry, int64_t r0, int64_t n) {
+  if (grad_out.has_value())
+    at::add_out(dst, grad_out->narrow(0, r0, n), carry.narrow(0, 0, n));
+  else
+    dst.copy_(carry.narrow(0, 0, n));
+}
+
+// A carry: the gradient of each sequence's final state, contiguous, to be
+// overwritten row by row (zeros where it has none).
+Tensor carry_from(const Opt& grad, const Tensor& data, int64_t B, int64_t W) {
+  if (!grad.has_value()) return at::zeros({B, W}, data.options());
+  return grad->select(0, 0).clone(at::MemoryFormat::Contiguous);
+}
+
+Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+                         const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                         const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& workspace,
+                         const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name,
+                         bool reverse) {
+  const Mode mode = parse_mode(mode_name);
+  check_args(mode, w_hr, c0);
+  const Steps s = read_steps(batch_sizes, data.size(0));
+  const int64_t N = s.N, B = s.B, H = w_ih.size(0) / gate_count(mode);
+  const int64_t Hout = w_hr.has_value() ? w_hr->size(0) : H;
+  const int64_t K = workspace_width(mode, H);
+  TORCH_CHECK(workspace.dim() == 2 && workspace.size(0) == N && workspace.size(1) == K,
+              "wfpass::packed_layer_backward: the workspace has shape ", workspace.sizes(), ", not (", N, ", ", K,
+              "): was the forward run with train=False?");
+  const auto opts = data.options();
+  at::NoGradGuard no_grad;
+  const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
+  const Tensor idx = prev_index(s, reverse);
+  const Tensor h_prev = at::cat({out, h_init}).index_select(0, idx);  // [N, H_out]: the state each row read
+  Tensor hcar = carry_from(grad_hn, data, B, Hout);
+  // The backward runs the steps in the opposite order of the forward.
+  std::vector<int64_t> order(s.T);
+  for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
+  Tensor dgi, dgh, d_w_hr = at::empty({0}, opts), d_c0 = at::empty({0}, opts);
+  if (mode == Mode::LSTM) {
+    const Tensor c_init = initial_state(c0, data, B, H, "c0");
+    const Tensor i = workspace.narrow(1, 0, H), f = workspace.narrow(1, H, H), g = workspace.narrow(1, 2 * H, H);
+    const Tensor o = workspace.narrow(1, 3 * H, H), c = workspace.narrow(1, 4 * H, H);
+    const Tensor c_prev = at::cat({c, c_init}).index_select(0, idx);
+    const Tensor tc = at::tanh(c);
+    // dL/d(pre-activation) = dh * k (o) or dc * k (i, f, g), where
+    // dc = carried dc + dh * k_c; the factors, for all rows at once.
+    const Tensor k_c = o * at::rsub(tc * tc, 1);
+    const Tensor k_o = tc * o * at::rsub(o, 1);
+    const Tensor k_ifg = at::stack({g * i * at::rsub(i, 1), c_prev * f * at::rsub(f, 1), i * at::rsub(g * g, 1)}, 1);
+    Tensor ccar = carry_from(grad_cn, data, B, H);
+    const Tensor dg = at::empty({N, 4, H}, opts);
+    const Tensor dg_ifg = dg.narrow(1, 0, 3), dg_o = dg.select(1, 3);
+    dgi = dg.view({N, 4 * H});
+    const Tensor dh_all = at::empty({N, Hout}, opts);
+    const Tensor dhp = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
+    for (const int64_t t : order) {
+      const int64_t r0 = s.off[t], n = s.bs[t];
+      Tensor dh = dh_all.narrow(0, r0, n);
+      incoming(dh, grad_out, hcar, r0, n);
+      if (w_hr.has_value()) {  // through the projection: dL/d(o * tanh(c))
+        Tensor d = dhp.narrow(0, 0, n);
+        at::mm_out(d, dh, *w_hr);
+        dh = d;
+      }
+      Tensor dc = ccar.narrow(0, 0, n);
+      dc.addcmul_(dh, k_c.narrow(0, r0, n));
+      Tensor dst_ifg = dg_ifg.narrow(0, r0, n), dst_o = dg_o.narrow(0, r0, n);
+      at::mul_out(dst_ifg, dc.unsqueeze(1), k_ifg.narrow(0, r0, n));
+      at::mul_out(dst_o, dh, k_o.narrow(0, r0, n));
+      dc.mul_(f.narrow(0, r0, n));  // dL/dc_prev
+      Tensor hc = hcar.narrow(0, 0, n);
+      at::mm_out(hc, dgi.narrow(0, r0, n), w_hh);  // dL/dh_prev
+    }
+    dgh = dgi;
+    if (w_hr.has_value()) d_w_hr = at::mm(dh_all.t(), o * tc);
+    if (c0.has_value()) d_c0 = ccar.unsqueeze(0);
+  } else if (mode == Mode::GRU) {
+    const Tensor r = workspace.narrow(1, 0, H), z = workspace.narrow(1, H, H);
+    const Tensor hn = workspace.narrow(1, 2 * H, H), nn = workspace.narrow(1, 3 * H, H);
+    // As native_layer._gates_backward: dL/d(recurrent gates) = dh * k_h.
+    const Tensor a_n = at::rsub(z, 1) * at::rsub(nn * nn, 1);
+    const Tensor k_h = at::stack({a_n * hn * r * at::rsub(r, 1), (h_prev - nn) * z * at::rsub(z, 1), a_n * r}, 1);
+    const Tensor dg = at::empty({N, 3, H}, opts);
+    const Tensor dh_all = at::empty({N, H}, opts);
+    for (const int64_t t : order) {
+      const int64_t r0 = s.off[t], n = s.bs[t];
+      Tensor dh = dh_all.narrow(0, r0, n);
+      incoming(dh, grad_out, hcar, r0, n);
+      Tensor dgt = dg.narrow(0, r0, n);
+      at::mul_out(dgt, dh.unsqueeze(1), k_h.narrow(0, r0, n));
+      Tensor hc = hcar.narrow(0, 0, n);
+      at::mul_out(hc, dh, z.narrow(0, r0, n));
+      hc.addmm_(dgt.view({n, 3 * H}), w_hh);  // dL/dh_prev = dh * z + dgh @ W_hh
+    }
+    dgh = dg.view({N, 3 * H});
+    Tensor dgi3 = dg.clone();
+    Tensor dgi_n = dgi3.select(1, 2);
+    at::mul_out(dgi_n, dh_all, a_n);  // the input side of n is not scaled by r
+    dgi = dgi3.view({N, 3 * H});
+  } else {
+    const Tensor d_act = mode == Mode::RNN_RELU ? at::gt(out, 0).to(out.scalar_type()) : at::rsub(out * out, 1);
+    dgi = dgh = at::empty({N, H}, opts);
+    for (const int64_t t : order) {
+      const int64_t r0 = s.off[t], n = s.bs[t];
+      Tensor d = dgi.narrow(0, r0, n);
+      incoming(d, grad_out, hcar, r0, n);
+      d.mul_(d_act.narrow(0, r0, n));
+      Tensor hc = hcar.narrow(0, 0, n);
+      at::mm_out(hc, d, w_hh);
+    }
+  }
+  Tensor d_data = at::mm(dgi, w_ih);
+  Tensor d_w_ih = at::mm(dgi.t(), data);
+  Tensor d_w_hh = at::mm(dgh.t(), h_prev);
+  Tensor d_b_ih = b_ih.has_value() ? dgi.sum(0) : at::empty({0}, opts);
+  Tensor d_b_hh = b_hh.has_value() ? dgh.sum(0) : at::empty({0}, opts);
+  Tensor d_h0 = h0.has_value() ? hcar.unsqueeze(0) : at::empty({0}, opts);
+  return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
+  m.impl("packed_layer", packed_layer);
+  m.impl("packed_layer_fw", packed_layer);
+  m.impl("packed_layer_backward", packed_layer_backward);
+}

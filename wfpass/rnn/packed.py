@@ -1,0 +1,344 @@
+"""Variable-length batches in the compiled graph: ``pack_padded_sequence``
+-> ``nn.LSTM/GRU/RNN`` -> ``pad_packed_sequence``, forward and backward.
+
+Without wfpass, Dynamo graph-breaks on both functions (they are on its
+skip list) and the RNN runs eagerly on ATen's per-step packed path. For
+wformat backends that run ``fuse_rnn``, three calls go into the graph
+instead, each a real op with eager's semantics (the values a user can read
+are eager's values: ``packed.data``, ``batch_sizes``, the indices):
+
+User code::
+
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    out, (h_n, c_n) = self.lstm(packed)
+    y, lens = pad_packed_sequence(out, batch_first=True)
+
+Dynamo's graph (before ``fuse_rnn``)::
+
+    lengths, sorted_idx = sort(lengths, descending=True)
+    data, batch_sizes = wfpass.pack_padded(x.index_select(1, sorted_idx), lengths, False)
+    out, h_n, c_n = wfpass.packed_rnn(data, batch_sizes, [], [w_ih_l0, ...], "LSTM", ...)
+    y, lens = wfpass.pad_packed(out, batch_sizes, True, 0.0, -1)
+    y = y.index_select(0, unsorted_idx); h_n = h_n.index_select(1, unsorted_idx)
+
+After ``fuse_rnn``, ``packed_rnn`` is ``rnn_packed(data, batch_sizes, hx,
+*weights)`` in the group of its weights (one flat block), and AOTAutograd
+traces it into one ``wfpass.packed_layer`` per layer and direction (the
+C++ kernel that steps a shrinking batch, ``packed_layer.py``), or into one
+cuDNN call in packed mode on CUDA.
+
+**The data-dependent sizes.** ``sum(lengths)`` (the rows of ``data``) and
+``max(lengths)`` (the rows of ``batch_sizes``, and the padded output's
+length when ``total_length`` is not given) are sizes the compiler learns
+when ``pack_padded`` runs: unbacked symbols made by its fake, which every
+later op's fake reuses (``data.shape[0]``, ``batch_sizes.shape[0]``), so
+one compiled graph serves every set of lengths. The number of sequences B
+is the padded input's own (backed) size; the fakes of ops that only see
+``batch_sizes`` find it again through ``packed_meta``. ``lengths`` stays on
+the CPU, as eager requires, so no size is read from a GPU.
+
+Where Dynamo runs these functions for any other backend, they graph-break
+as before (``torch._dynamo.graph_break``, at the same call).
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import PackedSequence, invert_permutation
+
+from .._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
+from .packed_meta import batch_of, note_batch
+from .spec import GATES, flat_weight_names, rnn_mode
+
+__all__ = ["PACKED_RNN", "PackedRnnForward", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
+           "packed_rnn_kernel"]
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+
+# -- pack_padded / pad_packed: eager's ATen kernels as ops with fakes ----------------------------
+
+_LIB.define("pack_padded(Tensor input, Tensor lengths, bool batch_first) -> (Tensor, Tensor)")
+_LIB.define("pack_padded_backward(Tensor grad, Tensor batch_sizes, SymInt[] input_size, bool batch_first) -> Tensor")
+_LIB.define("pad_packed(Tensor data, Tensor batch_sizes, bool batch_first, float padding_value, SymInt total_length)"
+            " -> (Tensor, Tensor)")
+_LIB.define("pad_packed_backward(Tensor grad, Tensor batch_sizes, SymInt rows, bool batch_first) -> Tensor")
+
+
+def _pack_padded(input, lengths, batch_first):
+    data, batch_sizes = _kernels.pack_padded(input, lengths, batch_first)
+    # Fresh outputs (torch.library's rule: no output aliases an input).
+    return data.clone() if data._base is not None or data.data_ptr() == input.data_ptr() else data, batch_sizes
+
+
+def _pack_padded_fake(input, lengths, batch_first):
+    if lengths.dim() != 1 or lengths.dtype != torch.int64 or lengths.device.type != "cpu":
+        raise RuntimeError("'lengths' argument should be a 1D CPU int64 tensor, "
+                           f"but got {lengths.dim()}D {lengths.device.type} {lengths.dtype} tensor")
+    rows = _tensors.run_time_size()  # sum(lengths)
+    steps = _tensors.run_time_size()  # max(lengths)
+    batch_sizes = torch.empty((steps,), dtype=torch.int64, device="cpu")
+    note_batch(batch_sizes, input.shape[0 if batch_first else 1])
+    return input.new_empty((rows, *input.shape[2:])), batch_sizes
+
+
+def _pack_padded_backward(grad, batch_sizes, input_size, batch_first):
+    return torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first)
+
+
+def _pack_padded_backward_fake(grad, batch_sizes, input_size, batch_first):
+    return grad.new_empty(input_size)
+
+
+def _lengths_of(batch_sizes: torch.Tensor) -> torch.Tensor:
+    """Each sequence's length, longest first, from a packed batch's sizes."""
+    steps = torch.arange(1, batch_sizes.numel() + 1, dtype=torch.int64)
+    return torch.repeat_interleave(steps.flip(0), (batch_sizes - torch.cat([batch_sizes[1:], batch_sizes.new_zeros(1)])).flip(0))
+
+
+def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length):
+    steps = batch_sizes.numel()
+    if total_length >= 0 and total_length < steps:
+        raise ValueError("Expected total_length to be at least the length of the longest sequence in input, but got "
+                         f"total_length={total_length} and max sequence length being {steps}")
+    out, lengths = _kernels.pad_packed(data, batch_sizes, batch_first, padding_value,
+                                       total_length if total_length >= 0 else steps)
+    return out.contiguous(), lengths
+
+
+def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length):
+    B = batch_of(batch_sizes)
+    T = batch_sizes.shape[0] if (isinstance(total_length, int) and total_length < 0) else total_length
+    shape = (B, T) if batch_first else (T, B)  # contiguous, as the kernel returns it
+    return data.new_empty((*shape, *data.shape[1:])), torch.empty((B,), dtype=torch.int64, device="cpu")
+
+
+def _pad_packed_backward(grad, batch_sizes, rows, batch_first):
+    steps = batch_sizes.numel()
+    g = grad.narrow(1 if batch_first else 0, 0, steps)
+    data, _ = _kernels.pack_padded(g, _lengths_of(batch_sizes), batch_first)
+    return data.contiguous()
+
+
+def _pad_packed_backward_fake(grad, batch_sizes, rows, batch_first):
+    return grad.new_empty((rows, *grad.shape[2:]))
+
+
+for _name, _kernel, _fake in (("pack_padded", _pack_padded, _pack_padded_fake),
+                              ("pack_padded_backward", _pack_padded_backward, _pack_padded_backward_fake),
+                              ("pad_packed", _pad_packed, _pad_packed_fake),
+                              ("pad_packed_backward", _pad_packed_backward, _pad_packed_backward_fake)):
+    _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"wfpass::{_name}", _fake, lib=_LIB)
+
+
+def _pack_setup(ctx, inputs, output):
+    input, _lengths, batch_first = inputs
+    ctx.input_size = tuple(input.shape)
+    ctx.batch_first = batch_first
+    ctx.save_for_backward(output[1])
+
+
+def _pack_grad(ctx, g_data, _g_sizes):
+    (batch_sizes,) = ctx.saved_tensors
+    if g_data is None:
+        return None, None, None
+    return torch.ops.wfpass.pack_padded_backward(g_data, batch_sizes, ctx.input_size, ctx.batch_first), None, None
+
+
+def _pad_setup(ctx, inputs, output):
+    data, batch_sizes, batch_first, _value, _total = inputs
+    ctx.rows = data.shape[0]
+    ctx.batch_first = batch_first
+    ctx.save_for_backward(batch_sizes)
+
+
+def _pad_grad(ctx, g_out, _g_lengths):
+    (batch_sizes,) = ctx.saved_tensors
+    if g_out is None:
+        return None, None, None, None, None
+    # The padded positions' gradient goes nowhere, as in eager.
+    return torch.ops.wfpass.pad_packed_backward(g_out, batch_sizes, ctx.rows, ctx.batch_first), None, None, None, None
+
+
+torch.library.register_autograd("wfpass::pack_padded", _pack_grad, setup_context=_pack_setup, lib=_LIB)
+torch.library.register_autograd("wfpass::pad_packed", _pad_grad, setup_context=_pad_setup, lib=_LIB)
+
+
+# -- the whole RNN over a packed batch -----------------------------------------------------------
+
+_LIB.define("packed_rnn(Tensor data, Tensor batch_sizes, Tensor[] hx, Tensor[] weights, str mode, bool has_biases, "
+            "int num_layers, float dropout, bool train, bool bidirectional, int proj_size) -> (Tensor, Tensor, Tensor)")
+
+
+def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional,
+                      proj_size):
+    """``_VF.lstm(data, batch_sizes, hx, weights, ...)`` and the like, as one
+    ``wfpass::packed_layer`` per layer and direction (eager's layer and
+    direction structure, dropout between layers in training). Returns
+    ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
+    from . import packed_layer  # noqa: F401  (registers wfpass::packed_layer)
+
+    dirs = 2 if bidirectional else 1
+    per = (4 if has_biases else 2) + (1 if proj_size > 0 else 0)
+    lstm = mode == "LSTM"
+    h0 = hx[0] if len(hx) > 0 else None
+    c0 = hx[1] if lstm and len(hx) > 1 else None
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights))
+    op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
+    layer_in = data
+    hs: List[torch.Tensor] = []
+    cs: List[torch.Tensor] = []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            k = layer * dirs + d
+            w = weights[k * per:(k + 1) * per]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            w_hr = w[-1] if proj_size > 0 else None
+            out, h, c, _ws = op(layer_in, batch_sizes, w[0], w[1], b_ih, b_hh, w_hr,
+                                None if h0 is None else h0[k:k + 1], None if c0 is None else c0[k:k + 1],
+                                mode, d == 1, need_grad)
+            outs.append(out)
+            hs.append(h)
+            cs.append(c)
+        layer_out = outs[0] if dirs == 1 else torch.cat(outs, 1)
+        if dropout > 0 and train and layer < num_layers - 1:
+            layer_out = F.dropout(layer_out, dropout, True)
+        layer_in = layer_out
+    h_n = torch.cat(hs, 0)
+    c_n = torch.cat(cs, 0) if lstm else data.new_empty(0)
+    return layer_in, h_n, c_n
+
+
+#: The graph targets ``fuse_rnn`` matches (Dynamo records the op as called).
+PACKED_RNN = (torch.ops.wfpass.packed_rnn, torch.ops.wfpass.packed_rnn.default)
+
+
+class PackedRnnForward:
+    """The graph's call of one RNN over a packed batch after ``fuse_rnn``:
+    ``(data, batch_sizes, hx, *weights) -> (out, h_n, c_n)``, the weights
+    passed one by one (views of the flat block; the CPU kernel reads each
+    where it is, so a lost layout changes no result)."""
+
+    def __init__(self, spec, path: str, train: bool):
+        self.spec, self.path, self.train = spec, path, train
+        self.__name__ = self.__qualname__ = f"rnn_packed_{path}"
+
+    __module__ = __name__
+
+    def __call__(self, data, batch_sizes, hx, *weights):
+        spec = self.spec
+        return torch.ops.wfpass.packed_rnn(data, batch_sizes, list(hx), list(weights), spec.mode, spec.has_biases,
+                                           spec.num_layers, spec.dropout, self.train, spec.bidirectional,
+                                           spec.proj_size)
+
+    def __repr__(self) -> str:
+        return f"PackedRnnForward({self.spec.name}, path={self.path!r})"
+
+
+# CompositeImplicitAutograd: Dynamo records one node (what fuse_rnn matches
+# and rewrites); AOTAutograd traces through it into the layer ops, whose
+# own formulas give the gradients.
+_LIB.impl("packed_rnn", packed_rnn_kernel, "CompositeImplicitAutograd")
+
+
+# -- what Dynamo traces instead of the eager functions -------------------------------------------
+
+_NOT_CAPTURED = ("pack_padded_sequence / pad_packed_sequence run eagerly for this backend, as without wfpass "
+                 "(backend='wformat' puts them into the graph)")
+
+
+def _lengths_tensor(lengths) -> torch.Tensor:
+    if isinstance(lengths, torch.Tensor):
+        return lengths.to(dtype=torch.int64)
+    return torch.as_tensor(lengths, dtype=torch.int64, device="cpu")
+
+
+def pack_padded_sequence(input, lengths, batch_first=False, enforce_sorted=True):
+    """``torch.nn.utils.rnn.pack_padded_sequence`` as Dynamo traces it
+    for a wformat backend (same signature and values; registered with
+    ``torch.compiler.substitute_in_graph``). Other backends: a graph break
+    at this call, as without wfpass."""
+    if not _hooks.packed_capture_wanted():  # decided while Dynamo traces
+        _hooks.graph_break(_NOT_CAPTURED)
+    lengths = _lengths_tensor(lengths)
+    if enforce_sorted:
+        sorted_indices = None
+    else:
+        lengths, sorted_indices = torch.sort(lengths, descending=True)
+        sorted_indices = sorted_indices.to(input.device)
+        input = input.index_select(0 if batch_first else 1, sorted_indices)
+    data, batch_sizes = torch.ops.wfpass.pack_padded(input, lengths, batch_first)
+    return PackedSequence(data, batch_sizes, sorted_indices, invert_permutation(sorted_indices))
+
+
+def pad_packed_sequence(sequence, batch_first=False, padding_value=0.0, total_length=None):
+    """``torch.nn.utils.rnn.pad_packed_sequence`` as Dynamo traces it for
+    a wformat backend (see ``pack_padded_sequence``). Eager's check that
+    ``total_length`` covers the longest sequence reads the lengths' values:
+    the op makes it when it runs, with eager's ``ValueError``."""
+    if not _hooks.packed_capture_wanted():
+        _hooks.graph_break(_NOT_CAPTURED)
+    padded, lengths = torch.ops.wfpass.pad_packed(sequence.data, sequence.batch_sizes, batch_first,
+                                                  float(padding_value), -1 if total_length is None else total_length)
+    unsorted_indices = sequence.unsorted_indices
+    if unsorted_indices is not None:
+        return padded.index_select(0 if batch_first else 1, unsorted_indices), lengths[unsorted_indices.cpu()]
+    return padded, lengths
+
+
+def rnn_forward(module, input, hx=None):
+    """An ``nn.LSTM/GRU/RNN``'s ``forward`` for wfpass-captured modules:
+    a PackedSequence in a wformat trace goes to ``wfpass::packed_rnn``;
+    everything else is the class's own ``forward``, unchanged.
+
+    Why: eager's ``forward`` reads ``batch_sizes[0]`` as a Python int (the
+    zero state's size) and calls ``_VF.lstm(data, batch_sizes, ...)``,
+    which has no fake kernel (pytorch#162375): both stop Dynamo."""
+    if isinstance(input, PackedSequence) and _hooks.packed_capture_wanted():
+        return _packed_call(module, input, hx)
+    return type(module).forward(module, input, hx)
+
+
+def _packed_call(module, input, hx):
+    data, batch_sizes, sorted_indices, unsorted_indices = input
+    mode = rnn_mode(module)
+    lstm = mode == "LSTM"
+    if hx is None:
+        states = []
+    else:
+        hx = module.permute_hidden(hx, sorted_indices)
+        states = [hx[0], hx[1]] if lstm else [hx]
+    weights = [getattr(module, n) for n in flat_weight_names(module)]
+    out, h_n, c_n = torch.ops.wfpass.packed_rnn(data, batch_sizes, states, weights, mode, bool(module.bias),
+                                                module.num_layers, float(module.dropout), module.training,
+                                                module.bidirectional, getattr(module, "proj_size", 0))
+    output = PackedSequence(out, batch_sizes, sorted_indices, unsorted_indices)
+    hidden = (h_n, c_n) if lstm else h_n
+    return output, module.permute_hidden(hidden, unsorted_indices)
+
+
+def install_forward(module: torch.nn.Module) -> None:
+    """Give a captured RNN ``rnn_forward`` (an instance attribute, a
+    ``functools.partial`` of a module-level function: deepcopy and pickle
+    keep working; ``wfpass.restore`` removes it)."""
+    if rnn_mode(module) is None or "forward" in module.__dict__:
+        return
+    module.__dict__["forward"] = functools.partial(rnn_forward, module)
+
+
+def uninstall_forward(module: torch.nn.Module) -> bool:
+    f = module.__dict__.get("forward")
+    if isinstance(f, functools.partial) and f.func is rnn_forward:
+        del module.__dict__["forward"]
+        return True
+    return False
+
+
+def install() -> None:
+    """Have Dynamo trace the two functions above for wformat backends
+    (called by the ``fuse_rnn`` format's ``install``)."""
+    _hooks.install_packed_functions(pack_padded_sequence, pad_packed_sequence)
