@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .bench_models import BnCNN, CellLoop, Decoder, RnnLM, SpeechEncoder, bn_fp32_by_hand, hand_fused_decoder
+from .bench_models import BnCNN, CellLoop, Decoder, PackedLSTM, RnnLM, SpeechEncoder, bn_fp32_by_hand, hand_fused_decoder
 from .bench_report import VARIANTS
 
 __all__ = ["Sizes", "QUICK", "FULL", "PARTS", "Case", "cases"]
@@ -41,18 +41,21 @@ class Sizes:
     prompt_tokens: int = 8
     new_tokens: int = 16
     vocab: int = 1000
+    packed: dict = dataclasses.field(default_factory=lambda: dict(inp=40, hidden=128, layers=2))
+    packed_input: tuple = (100, 16, 20)  # T, batch, shortest length (the longest is T)
 
 
 QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode_tokens=1, prefill_tokens=32,
               rnn=dict(vocab=100, hidden=32, layers=2), rnn_batch=4, rnn_steps=16,
               cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01,
               cells=dict(inp=16, hidden=32), cell_steps=8, cell_batch=2, train_tokens=8,
-              speech=dict(mels=16, hidden=32), speech_input=(2, 16, 16), new_tokens=4, vocab=100)
+              speech=dict(mels=16, hidden=32), speech_input=(2, 16, 16), new_tokens=4, vocab=100,
+              packed=dict(inp=8, hidden=16, layers=2), packed_input=(12, 4, 3))
 FULL = Sizes(decoder=dict(d=256, layers=4, heads=8, kv_heads=2, ffn=1376), decode_tokens=1, prefill_tokens=256,
              rnn=dict(vocab=500, hidden=128, layers=2), rnn_batch=8, rnn_steps=64,
              cnn=dict(width=32, blocks=3), cnn_input=(8, 3, 32, 32), bn_steps=100, rounds=7, min_s=0.05)
 
-PARTS = ("decoder", "generate", "rnn", "speech", "cnn", "cells")
+PARTS = ("decoder", "generate", "rnn", "speech", "packed", "cnn", "cells")
 
 #: Per variant: the compiler, and whether the model is the hand-fused one.
 _BACKENDS = {"inductor": "inductor", "hand-fused": "inductor", "wformat": "wformat"}
@@ -81,7 +84,7 @@ def _step(model: nn.Module, x: torch.Tensor, train: bool, sgd: bool = False) -> 
         opt = torch.optim.SGD(model.parameters(), lr=1e-6) if sgd else None
 
         def run():
-            out = model(x)
+            out = model(*x) if isinstance(x, tuple) else model(x)
             out.float().sum().backward()
             if opt is not None:
                 opt.step()
@@ -90,7 +93,7 @@ def _step(model: nn.Module, x: torch.Tensor, train: bool, sgd: bool = False) -> 
     else:
         def run():
             with torch.no_grad():
-                return model(x)
+                return model(*x) if isinstance(x, tuple) else model(x)
     return run
 
 
@@ -247,6 +250,25 @@ def _speech_case(s: Sizes, train: bool) -> Case:
                 variants=("eager", "inductor", "wformat"))
 
 
+def _packed_case(s: Sizes, train: bool) -> Case:
+    def build(v):
+        torch.manual_seed(0)
+        base = PackedLSTM(**s.packed)
+        T, B, shortest = s.packed_input
+        lengths = torch.randint(shortest, T + 1, (B,))
+        lengths[0] = T
+        x = torch.randn(T, B, s.packed["inp"])
+        m = _variant(base, v)
+        return m, _step(m, (x, lengths), train, sgd=train), None
+
+    T, B, shortest = s.packed_input
+    p = s.packed
+    return Case("packed LSTM (variable lengths)", "training step" if train else "inference",
+                f"T={T}, batch {B}, lengths {shortest}-{T}", build, 1e-4,
+                f"Linear -> pack_padded_sequence -> {p['layers']}-layer bidirectional LSTM {p['hidden']} -> "
+                "pad_packed_sequence -> Linear", variants=("eager", "inductor", "wformat"))
+
+
 def _cnn_case(s: Sizes, train: bool) -> Case:
     def build(v):
         torch.manual_seed(0)
@@ -295,6 +317,8 @@ def cases(sizes: Sizes, parts: Sequence[str] = PARTS) -> List[Case]:
         out += [_rnn_case(sizes, True), _rnn_case(sizes, False)]
     if "speech" in parts:
         out += [_speech_case(sizes, True), _speech_case(sizes, False)]
+    if "packed" in parts:
+        out += [_packed_case(sizes, True), _packed_case(sizes, False)]
     if "cnn" in parts:
         out += [_cnn_case(sizes, True), _cnn_case(sizes, False)]
     if "cells" in parts:

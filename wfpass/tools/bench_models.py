@@ -162,6 +162,26 @@ class SpeechEncoder(nn.Module):
         return self.proj(self.norm(self.rnn(h)[0]))
 
 
+class PackedLSTM(nn.Module):
+    """A variable-length batch through a bidirectional LSTM, as RNNs are
+    trained: Linear -> pack_padded_sequence (unsorted lengths) -> LSTM ->
+    pad_packed_sequence (back to the batch's length) -> Linear; input
+    [T, batch, features] and each sequence's length."""
+
+    def __init__(self, inp: int = 40, hidden: int = 128, layers: int = 2, out: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(inp, hidden)
+        self.rnn = nn.LSTM(hidden, hidden, num_layers=layers, bidirectional=True)
+        self.out = nn.Linear(2 * hidden, out)
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(self.inp(x), lengths, enforce_sorted=False)
+        y, _ = self.rnn(packed)
+        return self.out(pad_packed_sequence(y, total_length=x.shape[0])[0])
+
+
 class BnCNN(nn.Module):
     """Conv-BatchNorm-ReLU blocks with a residual, then pooling and a linear
     head: the BatchNorm pattern of a ResNet."""
