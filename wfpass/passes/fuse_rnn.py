@@ -75,7 +75,10 @@ class FuseRnn(Format):
         spec = s.spec
         s.plan = f"{spec.name}: {spec.summary()}"
         if s.batch_sizes is not None:
-            s.plan += "; variable lengths (a packed batch): one C++ loop per layer over each sequence's valid steps"
+            on_cuda = s.weights[0].tensor.device.type == "cuda"
+            s.plan += ("; variable lengths (a packed batch): " +
+                       ("one cuDNN call in packed mode" if on_cuda else
+                        "one C++ loop per layer and direction over each sequence's valid steps"))
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
                         bidirectional=spec.bidirectional, block_elements=spec.numel)
         return None

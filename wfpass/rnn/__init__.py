@@ -21,6 +21,12 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ``native_layer.py``       the ``wfpass::rnn_layer`` op (ATen's GRU / plain RNN kernel as
                           one op, with a backward that handles all steps at once)
 ``cudnn.py``              the ``wfpass::cudnn_rnn`` op (cuDNN's whole RNN, on CUDA)
+``packed.py``             variable-length batches: ``pack_padded_sequence`` -> RNN ->
+                          ``pad_packed_sequence`` as ops Dynamo puts into the graph
+``packed_meta.py``        a packed batch's number of sequences while it is traced
+``packed_layer.py``       the ``wfpass::packed_layer`` op (one layer and direction over a
+                          packed batch: a C++ loop over each sequence's valid steps)
+``cudnn_packed.py``       the ``wfpass::cudnn_packed_rnn`` op (cuDNN's packed mode)
 ``auto.py``               ``seq_threshold="auto"``: the paths timed once per shape
 ``eager.py``              the calls of ``wfpass.apply`` graphs, which run eagerly:
                           ``RnnModuleCall``, ``CellLoopCall``

@@ -45,7 +45,7 @@ from .._torch import aot as _aot, kernels as _kernels
 from ..graph import static_int
 from .ops import define_rnn_op
 
-__all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "cudnn_call"]
+__all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "cudnn_call"]
 
 _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
             "int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
@@ -222,19 +222,10 @@ def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_la
     return out, hy, cy, input.new_empty((n,), dtype=torch.uint8)
 
 
-def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
-                        proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
-    hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
-    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
-    if grad_output is None:
-        grad_output = torch.zeros_like(output)
-    # The masks the forward drew are in ``reserve``; cuDNN reads the
-    # dropout descriptor (p and a state) to find them.
-    p, state = _dropout_args(input, True, dropout)
-    dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
-        input, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
-        num_layers, False, p, True, bidirectional, [], state, reserve, list(output_mask))
+def backward_outputs(input, weights, hx0, cx0, dx, dhx, dcx, dw):
+    """The backward op's outputs from ``_cudnn_rnn_backward``'s: zeros for
+    a gradient cuDNN left undefined, and the weights' gradients as one flat
+    tensor (``cudnn_packed.py`` shares this)."""
     # One flat gradient for all weights, in the order of ``weights``: the
     # op's outputs may not alias each other, and cuDNN's per-weight
     # gradients are views of one buffer. Where they lie in that buffer one
@@ -260,6 +251,22 @@ def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, gr
     dhx = dhx if dhx is not None and dhx.numel() else torch.zeros_like(hx0)
     dcx = dcx if dcx is not None and dcx.numel() else (torch.zeros_like(cx0) if cx0 is not None else input.new_empty(0))
     return dx, dhx, dcx, flat
+
+
+def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
+                        proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
+    hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
+    per = _weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    if grad_output is None:
+        grad_output = torch.zeros_like(output)
+    # The masks the forward drew are in ``reserve``; cuDNN reads the
+    # dropout descriptor (p and a state) to find them.
+    p, state = _dropout_args(input, True, dropout)
+    dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
+        input, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
+        num_layers, False, p, True, bidirectional, [], state, reserve, list(output_mask))
+    return backward_outputs(input, weights, hx0, cx0, dx, dhx, dcx, dw)
 
 
 def _cudnn_rnn_backward_fake(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,

@@ -231,6 +231,12 @@ class PackedRnnForward:
 
     def __call__(self, data, batch_sizes, hx, *weights):
         spec = self.spec
+        if self.path == "cudnn":  # cuDNN's own packed mode, from the flat buffer
+            from .cudnn_packed import cudnn_packed_call
+
+            need_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (data, *hx, *weights))
+            return cudnn_packed_call(spec, data, batch_sizes, list(hx), weights, need_grad, self.train)
         return torch.ops.wfpass.packed_rnn(data, batch_sizes, list(hx), list(weights), spec.mode, spec.has_biases,
                                            spec.num_layers, spec.dropout, self.train, spec.bidirectional,
                                            spec.proj_size)

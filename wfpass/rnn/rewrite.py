@@ -108,10 +108,11 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     """A packed batch: ``PackedRnnForward`` over the weights as graph
     inputs. One kernel at every length (the lengths are data, so there is
     no threshold to take): the C++ loop that steps each layer's shrinking
-    batch on the CPU."""
+    batch on the CPU, cuDNN's packed mode on CUDA."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
-    path = "packed"
+    on_cuda = s.weights[0].tensor.device.type == "cuda"
+    path = "cudnn" if on_cuda and spec.options.cuda == "cudnn" else "packed"
     record.stats.setdefault("fused_calls", 0)
     record.stats.setdefault("unfused_calls", 0)
     record.detail.setdefault("paths", {})["T=variable"] = path
