@@ -573,7 +573,7 @@ def test_dropout_state_is_made_with_the_modules_p():
             mock.patch.object(torch.cuda, "current_device", lambda: 0), \
             mock.patch.object(torch, "randint", lambda *a, **k: torch.tensor([5])), \
             mock.patch.object(kernels, "cudnn_dropout_state", lambda dev, seed, p: made.append(p) or torch.empty(0)):
-        p, state = cudnn._dropout_args(torch.empty(0), True, 0.25)
+        p, state = cudnn.dropout_args(torch.empty(0), True, 0.25)
     cudnn._DROPOUT_STATES.clear()
     assert p == 0.25 and made == [0.25]
 
@@ -772,3 +772,45 @@ def test_linear_and_batchnorm_formats_on_fake_cuda(train):
     (bn,) = rep.find("batchnorm", "rewritten")
     assert model.bn.running_var.dtype == torch.float32 and model.bn.weight.dtype == torch.float32
     assert model.q.weight.device.type == "cuda"
+
+
+def test_weight_grads_are_views_of_cudnns_gradient_buffer_in_every_recorded_layout():
+    """cuDNN's backward writes the weights' gradients into one buffer laid
+    out like the weight buffer and returns views of it. For every layout
+    recorded on a GPU (``tests/data/cudnn_layouts.json``), the backward op
+    hands that buffer on without a copy and each weight's gradient is a
+    view of it at the weight's own offset, with the values cuDNN wrote."""
+    import json
+    import math
+    import pathlib
+
+    doc = json.loads((pathlib.Path(__file__).parent / "data" / "cudnn_layouts.json").read_text())
+    for e in doc["entries"]:
+        shapes = [tuple(s) for s in e["shapes"]]
+        offsets = list(e["offsets"]) + [e["numel"]]
+        weights = [torch.empty(s) for s in shapes]
+        # What _cudnn_rnn_backward returns: views of one gradient buffer at
+        # the layout's offsets, each filled with a value of its own.
+        buf = torch.full((e["numel"],), float("nan"))
+        dw = []
+        for i, (s, off) in enumerate(zip(shapes, e["offsets"])):
+            g = buf.narrow(0, off, math.prod(s)).view(s)
+            g.fill_(i + 1)
+            dw.append(g)
+        flat = cudnn.grad_buffer(dw, weights, offsets, torch.empty(0))
+        assert flat.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), "copied"
+        assert flat.numel() == e["numel"]
+        grads = cudnn.weight_grads(flat, weights, offsets)
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            assert g.shape == w.shape and g.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            assert bool((g == i + 1).all())
+
+
+def test_weight_grads_not_at_their_offsets_are_copied_into_place():
+    weights = [torch.empty(2, 3), torch.empty(4)]
+    offsets = [4, 0, 10]  # the bias first, then the matrix, size 10
+    dw = [torch.full((2, 3), 1.0), torch.full((4,), 2.0)]  # separate tensors
+    flat = cudnn.grad_buffer(dw, weights, offsets, torch.empty(0))
+    assert flat.tolist() == [2.0] * 4 + [1.0] * 6
+    g0, g1 = cudnn.weight_grads(flat, weights, offsets)
+    assert g0.tolist() == [[1.0] * 3] * 2 and g1.tolist() == [2.0] * 4

@@ -45,7 +45,8 @@ from .._torch import aot as _aot, kernels as _kernels
 from ..graph import static_int
 from .ops import define_rnn_op
 
-__all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "cudnn_call"]
+__all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "buffer_numel", "grad_buffer", "weight_grads",
+           "buffer_for", "dropout_args", "weights_per_layer", "RANDOM", "cudnn_call"]
 
 _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
             "int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
@@ -53,14 +54,14 @@ _FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, i
 # dropout state): tagged so, the compiler neither merges two calls nor
 # recomputes one for the backward (which must see the masks the forward
 # drew: they are in the reserve).
-_RANDOM = (torch.Tag.nondeterministic_seeded,)
+RANDOM = (torch.Tag.nondeterministic_seeded,)
 _BACKWARD = (
     "(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
     "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
     "bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _weights_per_layer(n_weights: int, num_layers: int, bidirectional: bool) -> int:
+def weights_per_layer(n_weights: int, num_layers: int, bidirectional: bool) -> int:
     return n_weights // (num_layers * (2 if bidirectional else 1))
 
 
@@ -103,13 +104,13 @@ def flat_buffer(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> Opti
     return w0.new_empty(0).set_(w0.untyped_storage(), base, (end,))
 
 
-def _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input_size):
+def buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input_size):
     """``flat_buffer``, or a flattened copy of the weights where they are not
     in the layout (what eager PyTorch does then, with its warning)."""
     buf = flat_buffer(weights, offsets)
     if buf is not None:
         return buf, list(weights)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
+    per = weights_per_layer(len(weights), num_layers, bidirectional)
     clones = [w.detach().clone() for w in weights]
     buf = _kernels.cudnn_flatten(clones, per, input_size, mode, hidden_size, proj_size, num_layers, bidirectional)
     return buf, clones
@@ -142,7 +143,7 @@ def dropout_state(device: torch.device, p: float) -> torch.Tensor:
     return entry[2]
 
 
-def _dropout_args(input, train, dropout):
+def dropout_args(input, train, dropout):
     if train and dropout > 0:
         return float(dropout), dropout_state(input.device, float(dropout))
     return 0.0, None
@@ -151,9 +152,9 @@ def _dropout_args(input, train, dropout):
 def _cudnn_rnn(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
                dropout=0.0):
     hx, cx = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
-    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
-    p, state = _dropout_args(input, train, dropout)
+    per = weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    p, state = dropout_args(input, train, dropout)
     out, hy, cy, reserve, _ = _kernels.cudnn_rnn(input, ws, per, buf, hx, cx, mode, hidden_size, proj_size,
                                                  num_layers, False, p, train, bidirectional, [], state)
     if cy is None or mode != _kernels.CUDNN_MODES["LSTM"]:
@@ -222,31 +223,65 @@ def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_la
     return out, hy, cy, input.new_empty((n,), dtype=torch.uint8)
 
 
-def backward_outputs(input, weights, hx0, cx0, dx, dhx, dcx, dw):
+def buffer_numel(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
+    """Elements of the flat buffer (and of its gradient buffer): the size
+    entry after the offsets, else where the last weight ends; the weights'
+    own total where no layout is given."""
+    if len(offsets) > len(weights):
+        return int(offsets[-1])
+    if offsets:
+        return max(int(o) + w.numel() for o, w in zip(offsets, weights))
+    return sum(w.numel() for w in weights)
+
+
+def grad_buffer(dw: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], offsets: Sequence[int], like):
+    """The weights' gradients as one buffer in the flat buffer's layout.
+
+    ``_cudnn_rnn_backward`` writes every weight's gradient into one buffer
+    laid out like the weight buffer (``weight_buf``), and returns views of
+    it: that buffer is the answer, no copy. cuDNN 9's layout puts every
+    layer's matrices before the biases, so the views are not one after
+    another in list order (an earlier version concatenated them, a copy of
+    the weights' size on every training step). Each weight's gradient is
+    then a view of this buffer at the weight's own offset (``weight_grads``).
+    Only where the views are not at the offsets (never seen) are they
+    copied into a new buffer."""
+    n = buffer_numel(weights, offsets)
+    if not dw or any(g is None for g in dw) or len(offsets) < len(dw):
+        out = like.new_zeros((n,))
+        for g, off in zip(dw or (), offsets):
+            if g is not None:
+                out.narrow(0, int(off), g.numel()).copy_(g.reshape(-1))
+        return out
+    storage = dw[0].untyped_storage()
+    base = dw[0].storage_offset() - int(offsets[0])
+    in_place = base >= 0 and (base + n) * dw[0].element_size() <= storage.nbytes() and all(
+        g.untyped_storage().data_ptr() == storage.data_ptr() and g.is_contiguous()
+        and g.storage_offset() - base == int(off) for g, off in zip(dw, offsets))
+    if in_place:
+        return dw[0].new_empty(0).set_(storage, base, (n,))
+    out = like.new_zeros((n,))
+    for g, off in zip(dw, offsets):
+        out.narrow(0, int(off), g.numel()).copy_(g.reshape(-1))
+    return out
+
+
+def weight_grads(flat: torch.Tensor, weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> List[torch.Tensor]:
+    """Each weight's gradient as a view of the gradient buffer at the
+    weight's offset: the same layout as the parameters' own flat block."""
+    if len(offsets) < len(weights):  # no layout given: list order
+        ends = [0]
+        for w in weights:
+            ends.append(ends[-1] + w.numel())
+        offsets = ends[:-1]
+    return [flat.narrow(0, int(off), w.numel()).view(w.shape) for off, w in zip(offsets, weights)]
+
+
+def backward_outputs(input, weights, offsets, hx0, cx0, dx, dhx, dcx, dw):
     """The backward op's outputs from ``_cudnn_rnn_backward``'s: zeros for
-    a gradient cuDNN left undefined, and the weights' gradients as one flat
-    tensor (``cudnn_packed.py`` shares this)."""
-    # One flat gradient for all weights, in the order of ``weights``: the
-    # op's outputs may not alias each other, and cuDNN's per-weight
-    # gradients are views of one buffer. Where they lie in that buffer one
-    # after another (cuDNN's layout usually is), the buffer is the answer.
-    total = sum(w.numel() for w in weights)
-    flat = None
-    if dw and all(g is not None for g in dw):
-        ptr = dw[0].untyped_storage().data_ptr()
-        pos = dw[0].storage_offset()
-        ok = True
-        for g in dw:
-            if g.untyped_storage().data_ptr() != ptr or g.storage_offset() != pos or not g.is_contiguous():
-                ok = False
-                break
-            pos += g.numel()
-        if ok:
-            flat = dw[0].new_empty(0).set_(dw[0].untyped_storage(), dw[0].storage_offset(), (total,))
-        else:
-            flat = torch.cat([g.reshape(-1) for g in dw])
-    if flat is None:
-        flat = input.new_zeros((total,))
+    a gradient cuDNN left undefined, and the weights' gradients as their
+    buffer (``grad_buffer``; ``cudnn_packed.py`` shares this)."""
+    flat = grad_buffer(dw, weights, offsets, input)
     dx = dx if dx is not None and dx.numel() else torch.zeros_like(input)
     dhx = dhx if dhx is not None and dhx.numel() else torch.zeros_like(hx0)
     dcx = dcx if dcx is not None and dcx.numel() else (torch.zeros_like(cx0) if cx0 is not None else input.new_empty(0))
@@ -256,25 +291,24 @@ def backward_outputs(input, weights, hx0, cx0, dx, dhx, dcx, dw):
 def _cudnn_rnn_backward(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
                         proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
     hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
-    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
+    per = weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, input.shape[2])
     if grad_output is None:
         grad_output = torch.zeros_like(output)
     # The masks the forward drew are in ``reserve``; cuDNN reads the
     # dropout descriptor (p and a state) to find them.
-    p, state = _dropout_args(input, True, dropout)
+    p, state = dropout_args(input, True, dropout)
     dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
         input, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
         num_layers, False, p, True, bidirectional, [], state, reserve, list(output_mask))
-    return backward_outputs(input, weights, hx0, cx0, dx, dhx, dcx, dw)
+    return backward_outputs(input, weights, offsets, hx0, cx0, dx, dhx, dcx, dw)
 
 
 def _cudnn_rnn_backward_fake(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
                              hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask, dropout=0.0):
     hx0, cx0 = _states(input, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
-    total = sum(w.numel() for w in weights)
     dcx = torch.empty_like(cx0) if cx0 is not None else input.new_empty(0)
-    return torch.empty_like(input), torch.empty_like(hx0), dcx, input.new_empty((total,))
+    return torch.empty_like(input), torch.empty_like(hx0), dcx, input.new_empty((buffer_numel(weights, offsets),))
 
 
 def _setup(ctx, inputs, output):
@@ -298,13 +332,13 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     dx, dhx, dcx, flat = torch.ops.wfpass.cudnn_rnn_backward.default(
         input, weights, hx, cx, out, g_out, g_hy, g_cy, reserve, mode, hidden_size, proj_size, num_layers,
         bidirectional, offsets, [True, True, mode == _kernels.CUDNN_MODES["LSTM"], True], dropout)
-    dws: List[torch.Tensor] = [g.view(w.shape) for g, w in zip(flat.split([w.numel() for w in weights]), weights)]
+    dws = weight_grads(flat, weights, offsets)  # views of cuDNN's gradient buffer, no copy
     return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
 _LIB = define_rnn_op("cudnn_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_cudnn_rnn,
                      forward_fake=_cudnn_rnn_fake, backward=_cudnn_rnn_backward,
-                     backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=_RANDOM)
+                     backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=RANDOM)
 
 
 def _eligible(t: Optional[torch.Tensor]) -> bool:

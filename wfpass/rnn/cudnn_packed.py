@@ -30,7 +30,8 @@ from typing import List
 import torch
 
 from .._torch import kernels as _kernels, tensors as _tensors
-from .cudnn import _buffer_for, _dropout_args, _RANDOM, _weights_per_layer, autocast_half, backward_outputs
+from .cudnn import (RANDOM, autocast_half, backward_outputs, buffer_for, buffer_numel, dropout_args,
+                    weight_grads, weights_per_layer)
 from .ops import define_rnn_op
 from .packed_meta import batch_of
 
@@ -71,9 +72,9 @@ def _forward(data, batch_sizes, weights, hx, cx, mode, hidden_size, proj_size, n
              offsets, dropout=0.0):
     sizes = _sizes(batch_sizes)
     hx, cx = _states(data, sizes[0] if sizes else 0, hx, cx, mode, hidden_size, proj_size, num_layers, bidirectional)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
-    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, data.shape[1])
-    p, state = _dropout_args(data, train, dropout)
+    per = weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, data.shape[1])
+    p, state = dropout_args(data, train, dropout)
     out, hy, cy, reserve, _ = _kernels.cudnn_rnn(data, ws, per, buf, hx, cx, mode, hidden_size, proj_size,
                                                  num_layers, False, p, train, bidirectional, sizes, state)
     if cy is None or mode != _LSTM:
@@ -108,15 +109,15 @@ def _backward(data, batch_sizes, weights, hx, cx, output, grad_output, grad_hy, 
     sizes = _sizes(batch_sizes)
     hx0, cx0 = _states(data, sizes[0] if sizes else 0, hx, cx, mode, hidden_size, proj_size, num_layers,
                        bidirectional)
-    per = _weights_per_layer(len(weights), num_layers, bidirectional)
-    buf, ws = _buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, data.shape[1])
+    per = weights_per_layer(len(weights), num_layers, bidirectional)
+    buf, ws = buffer_for(weights, offsets, mode, hidden_size, proj_size, num_layers, bidirectional, data.shape[1])
     if grad_output is None:
         grad_output = torch.zeros_like(output)
-    p, state = _dropout_args(data, True, dropout)  # the masks are in ``reserve``
+    p, state = dropout_args(data, True, dropout)  # the masks are in ``reserve``
     dx, dhx, dcx, dw = _kernels.cudnn_rnn_backward(
         data, ws, per, buf, hx0, cx0, output, grad_output, grad_hy, grad_cy, mode, hidden_size, proj_size,
         num_layers, False, p, True, bidirectional, sizes, state, reserve, list(output_mask))
-    return backward_outputs(data, weights, hx0, cx0, dx, dhx, dcx, dw)
+    return backward_outputs(data, weights, offsets, hx0, cx0, dx, dhx, dcx, dw)
 
 
 def _backward_fake(data, batch_sizes, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
@@ -129,7 +130,7 @@ def _backward_fake(data, batch_sizes, weights, hx, cx, output, grad_output, grad
         dcx = torch.empty_like(cx) if cx is not None else data.new_empty((lb, B, hidden_size))
     else:
         dcx = data.new_empty(0)
-    return torch.empty_like(data), dhx, dcx, data.new_empty((sum(w.numel() for w in weights),))
+    return torch.empty_like(data), dhx, dcx, data.new_empty((buffer_numel(weights, offsets),))
 
 
 def _setup(ctx, inputs, output):
@@ -151,13 +152,13 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     d_data, dhx, dcx, flat = torch.ops.wfpass.cudnn_packed_rnn_backward.default(
         data, batch_sizes, weights, hx, cx, out, g_out, g_hy, g_cy, reserve, mode, hidden_size, proj_size,
         num_layers, bidirectional, offsets, [True, True, mode == _LSTM, True], dropout)
-    dws = [g.view(w.shape) for g, w in zip(flat.split([w.numel() for w in weights]), weights)]
+    dws = weight_grads(flat, weights, offsets)  # views of cuDNN's gradient buffer, no copy
     return (d_data, None, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
 _LIB = define_rnn_op("cudnn_packed_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_forward,
                      forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake, setup=_setup,
-                     grad=_grad, tags=_RANDOM)
+                     grad=_grad, tags=RANDOM)
 
 
 def cudnn_packed_call(spec, data, batch_sizes, hx, ws, need_grad: bool, train: bool = False):
