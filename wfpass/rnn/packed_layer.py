@@ -4,10 +4,11 @@ and backward, steps of each sequence past its length never computed.
 
 Why: eager PyTorch runs a packed RNN on the CPU through ATen's generic
 per-step path (a cell call per step, each a dozen small ops, and autograd
-recording all of them), about 5x slower than the padded oneDNN kernel.
-This op keeps the packed layout (nothing padded, nothing wasted on steps
-past a sequence's end) and runs the recurrence in a few vectorized calls a
-step, with a hand-written backward.
+recording all of them): a training step of one LSTM layer took 3.4x the
+padded oneDNN kernel's time in ``benchmarks/bench_packed_layer.py``, on
+fewer valid steps. This op keeps the packed layout (nothing padded, no
+work on steps past a sequence's end) and runs the recurrence in a few
+vectorized calls a step, with a hand-written backward.
 
 What it computes. ``data`` is ``[N, I]``, time-major: the rows of step t
 are ``data[off[t] : off[t] + bs[t]]`` (``bs = batch_sizes``, non-increasing,
@@ -49,14 +50,21 @@ same steps in C++, registered for the CPU key, which comes first):
   step t-1 are the same sequences), so no state is copied; only a reversed
   step where sequences join copies its two pieces into a buffer;
 * the backward: every factor that does not depend on the incoming gradient
-  computed for all N rows at once from the workspace, a loop of 3 (RNN), 4
-  (GRU) or 6 (LSTM) calls a step through the recurrent GEMM, then every
-  weight gradient as ONE GEMM over the N rows (the state each row read,
-  gathered once with ``prev_index``).
+  computed for all N rows at once from the workspace, in place into the
+  buffer of the gate gradients, which a loop of 3 (RNN), 4 (GRU) or 6
+  (LSTM) calls a step then scales and pushes through the recurrent GEMM;
+  then every weight gradient as ONE GEMM over the N rows (the state each
+  row read gathered once, ``_prev_index``). Few fresh N-row buffers: the
+  CPU allocator hands large blocks back to the system, so each new one
+  costs page faults (with ten throwaway ones, a third of the LSTM
+  backward's time at N = 1600, H = 128).
 
 Workspace layout (``train=True``; what the backward reads, post-activation):
 
-* LSTM ``[N, 5H]``: ``i | f | g | o | c`` (c: the cell state after the step)
+* LSTM ``[N, 6H]``: ``i | f | g | o | c | tanh(c)`` (c: the cell state
+  after the step). tanh(c) is kept because the forward computes it anyway
+  and ATen's float32 tanh is slow (~2 ns an element here, 8x sigmoid): a
+  recompute over all N rows cost the backward ~7%.
 * GRU  ``[N, 4H]``: ``r | z | hn | n`` (hn = ``W_hn h + b_hn``, the
   recurrent part of n: placed next to r and z so the step's one recurrent
   GEMM writes r, z and hn in one contiguous block)
@@ -74,13 +82,13 @@ import torch
 from .ops import define_rnn_op
 from .packed_meta import batch_of
 
-__all__ = ["MODES", "gate_count", "workspace_width", "prev_index"]
+__all__ = ["MODES", "gate_count", "workspace_width"]
 
 #: The cells this op runs.
 MODES = ("LSTM", "GRU", "RNN_TANH", "RNN_RELU")
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
-_WIDTH = {"LSTM": 5, "GRU": 4, "RNN_TANH": 0, "RNN_RELU": 0}
+_WIDTH = {"LSTM": 6, "GRU": 4, "RNN_TANH": 0, "RNN_RELU": 0}
 
 _ARGS = ("Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? w_hr, "
          "Tensor? h0, Tensor? c0, str mode, bool reverse, bool train")
@@ -99,7 +107,7 @@ def gate_count(mode: str) -> int:
 
 def workspace_width(mode: str, H: int) -> int:
     """Columns of the training workspace for ``mode`` and hidden size H:
-    LSTM 5H (i, f, g, o, c), GRU 4H (r, z, hn, n), RNN 0."""
+    LSTM 6H (i, f, g, o, c, tanh(c)), GRU 4H (r, z, hn, n), RNN 0."""
     _check_mode(mode)
     return _WIDTH[mode] * H
 
@@ -153,24 +161,35 @@ def _schedule(bs: Sequence[int], off: Sequence[int], reverse: bool):
             yield off[t], bs[t], (0 if last else off[t + 1]), (0 if last else bs[t + 1])
 
 
-def prev_index(batch_sizes: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """For each of the N packed rows, the row of ``cat([states, init])``
-    (``states`` ``[N, W]`` one per packed row, ``init`` ``[B, W]``) holding
-    the state that row's step read: what the weight gradient of the
-    recurrent GEMM multiplies, gathered for all rows at once. int64 ``[N]``."""
+def _prev_index(batch_sizes: torch.Tensor, B: int, N: int, reverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Where the state each packed row's step read lives: ``(index, first)``.
+    ``index`` int64 ``[N]``: the row of ``states`` (one state per packed row)
+    that row read; ``first`` int64 ``[B]``: the packed row where sequence b
+    read the initial state instead (its step 0 going forward, its own last
+    step reversed), whose ``index`` entry is a placeholder 0. ``_gather``
+    combines them: the recurrent weight's gradient multiplies these states
+    for all N rows at once. Vectorized: a Python loop over N rows cost more
+    than the ops it feeds at small sizes."""
     bs = batch_sizes
     T = bs.shape[0]
-    N = int(bs.sum())
-    step = torch.repeat_interleave(torch.arange(T), bs)
+    step = torch.repeat_interleave(torch.arange(T), bs, output_size=N)
     off = torch.cumsum(bs, 0) - bs
     p = torch.arange(N)
     j = p - off[step]  # the row's sequence
     if not reverse:
         # Step t > 0 read step t - 1's row of the same sequence: off[t-1] + j = p - bs[t-1].
-        return torch.where(step > 0, p - bs[(step - 1).clamp(min=0)], N + j)
-    nxt = torch.cat([bs[1:], bs.new_zeros(1)])
+        return torch.where(step > 0, p - bs[(step - 1).clamp(min=0)], 0), torch.arange(B)
     # Step t read step t + 1's row (off[t+1] + j = p + bs[t]) if the sequence is live there, else h0.
-    return torch.where(j < nxt[step], p + bs[step], N + j)
+    live_next = j < torch.cat([bs[1:], bs.new_zeros(1)])[step]
+    first = torch.empty(B, dtype=torch.int64)
+    first[j[~live_next]] = p[~live_next]
+    return torch.where(live_next, p + bs[step], 0), first
+
+
+def _gather(states, init, index, first):
+    """``[N, W]``: the state each packed row read (see ``_prev_index``)."""
+    out = states.index_select(0, index)
+    return out.index_copy_(0, first, init)
 
 
 def _prev(states, init, buf, p0: int, m: int, n: int):
@@ -185,7 +204,7 @@ def _prev(states, init, buf, p0: int, m: int, n: int):
     return buf[:n]
 
 
-def _final(states, init, bs, off, reverse: bool):
+def _final(states, bs, off, reverse: bool):
     """``[1, B, W]``: each sequence's state after its last step. Reversed,
     that is step 0 (all B rows, the first B packed rows); forward, the
     sequences that end at step t are rows ``bs[t+1] : bs[t]`` of that step
@@ -242,15 +261,15 @@ def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode,
         hbuf = data.new_empty((B, Hout)) if reverse else None
         w_hh_t = w_hh.t()
         if mode == "LSTM":
-            ws = data.new_empty((N, 5 * H))
-            gates, c_all = ws[:, :4 * H], ws[:, 4 * H:]
+            ws = data.new_empty((N, 6 * H))
+            gates, c_all, tc_all = ws[:, :4 * H], ws[:, 4 * H:5 * H], ws[:, 5 * H:]
             i_all, f_all, if_all = ws[:, :H], ws[:, H:2 * H], ws[:, :2 * H]
             g_all, o_all = ws[:, 2 * H:3 * H], ws[:, 3 * H:4 * H]
             _project(gates, _bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih)
             out = data.new_empty((N, Hout))
-            tc = data.new_empty((B, H))
             cbuf = data.new_empty((B, H)) if reverse else None
             w_hr_t = w_hr.t() if w_hr is not None else None
+            hpre = data.new_empty((B, H)) if w_hr is not None else None
             for r0, n, p0, m in _schedule(bs, off, reverse):
                 R = slice(r0, r0 + n)
                 hp = _prev(out, h_init, hbuf, p0, m, n)
@@ -262,12 +281,12 @@ def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode,
                 c = c_all[R]
                 torch.mul(f_all[R], cp, out=c)
                 c.addcmul_(i_all[R], g_all[R])  # c = f * c_prev + i * g
-                t_c = torch.tanh(c, out=tc[:n])
+                t_c = torch.tanh(c, out=tc_all[R])
                 if w_hr_t is not None:
-                    torch.mm(t_c.mul_(o_all[R]), w_hr_t, out=out[R])
+                    torch.mm(torch.mul(o_all[R], t_c, out=hpre[:n]), w_hr_t, out=out[R])
                 else:
                     torch.mul(o_all[R], t_c, out=out[R])
-            c_n = _final(c_all, c_init, bs, off, reverse)
+            c_n = _final(c_all, bs, off, reverse)
         elif mode == "GRU":
             ws = data.new_empty((N, 4 * H))
             rz_all, rzh_all = ws[:, :2 * H], ws[:, :3 * H]
@@ -299,7 +318,7 @@ def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode,
                 h = out[r0:r0 + n].addmm_(hp, w_hh_t)
                 h.relu_() if relu else h.tanh_()
             c_n = data.new_empty(0)
-        h_n = _final(out, h_init, bs, off, reverse)
+        h_n = _final(out, bs, off, reverse)
     return out, h_n, c_n, (ws if train else data.new_empty(0))
 
 
@@ -313,6 +332,36 @@ def _packed_layer_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, 
     return data.new_empty((N, Hout)), data.new_empty((1, B, Hout)), c_n, ws
 
 
+def _one_minus(x, out):
+    """``out = 1 - x``, exactly (negation is exact), without a temporary."""
+    return torch.neg(x, out=out).add_(1)
+
+
+def _carry(grad, data, B: int, W: int):
+    """A carry of the backward loop: the gradient of each sequence's final
+    state, ``[B, W]``, contiguous and its own (the loop overwrites it), zeros where there is none."""
+    if grad is None:
+        return data.new_zeros((B, W))
+    return grad[0].clone(memory_format=torch.contiguous_format)
+
+
+def _incoming(dst, grad_out, carry, r0: int, n: int):
+    """``dst = grad_out[r0 : r0 + n] + carry[:n]`` (the carry alone without grad_out): a step's dL/dh."""
+    if grad_out is not None:
+        return torch.add(grad_out[r0:r0 + n], carry[:n], out=dst)
+    return dst.copy_(carry[:n])
+
+
+def _bias_grads(dg, b_ih, b_hh, data):
+    """Both biases' gradients where both enter every gate as a plain sum
+    (LSTM, RNN): the same values, as two tensors (outputs may not alias);
+    an empty placeholder for an absent bias."""
+    d_b = dg.sum(0) if b_ih is not None or b_hh is not None else None
+    d_b_ih = d_b if b_ih is not None else data.new_empty(0)
+    d_b_hh = (d_b.clone() if b_ih is not None else d_b) if b_hh is not None else data.new_empty(0)
+    return d_b_ih, d_b_hh
+
+
 def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
                            grad_out, grad_hn, grad_cn, mode, reverse):
     _check_args(mode, w_hr, c0)
@@ -324,85 +373,107 @@ def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, 
         raise RuntimeError(f"wfpass::packed_layer_backward: the workspace has shape {tuple(workspace.shape)}, "
                            f"not {(N, workspace_width(mode, H))}: was the forward run with train=False?")
     h_init, c_init = _states(data, B, H, Hout, h0, c0, mode == "LSTM")
-    gout = grad_out
+    # Few fresh N-row buffers, no throwaway ones: each costs page faults (the
+    # CPU allocator hands large blocks back to the system; a third of this
+    # backward's time at N = 1600, H = 128 before), so the factors are
+    # computed in place into the buffers the loop then scales, and the
+    # loop's dL/dh lives in a [B, H] buffer unless later GEMMs need every row's.
     with torch.no_grad():
-        idx = prev_index(batch_sizes, reverse)
-        h_prev = torch.cat([out, h_init]).index_select(0, idx)  # [N, H_out]: the state each row read
+        index, first = _prev_index(batch_sizes, B, N, reverse)
+        h_prev = _gather(out, h_init, index, first)  # [N, H_out]: the state each row read
         # The carries: dL/dh (dL/dc) of each sequence's state, starting from
         # the gradient of its final state; after the loop, dL/dh0 (dL/dc0).
-        hcar = (grad_hn[0].clone(memory_format=torch.contiguous_format) if grad_hn is not None
-                else data.new_zeros((B, Hout)))
+        hcar = _carry(grad_hn, data, B, Hout)
         # The backward runs the steps in the opposite order of the forward.
         order = [(off[t], bs[t]) for t in range(len(bs))]
         if not reverse:
             order.reverse()
-        d_w_hr = data.new_empty(0)  # replaced below where there is a projection
-        d_c0 = None
+        d_w_hr, d_c0 = data.new_empty(0), data.new_empty(0)
         if mode == "LSTM":
-            i, f, g, o, c = (workspace[:, k * H:(k + 1) * H] for k in range(5))
-            c_prev = torch.cat([c, c_init]).index_select(0, idx)
-            tc = torch.tanh(c)
-            # dL/d(pre-activation) = dh * k (o) or dc * k (i, f, g), where
-            # dc = carried dc + dh * k_c; the factors, for all rows at once.
-            k_c = o * (1 - tc * tc)
-            k_o = tc * o * (1 - o)
-            k_ifg = torch.stack([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g)], 1)  # [N, 3, H]
-            ccar = (grad_cn[0].clone(memory_format=torch.contiguous_format) if grad_cn is not None
-                    else data.new_zeros((B, H)))
+            i, f, g, o, c, tc = (workspace[:, k * H:(k + 1) * H] for k in range(6))
+            # dL/d(pre-activation) = dc * k_i, k_f, k_g and dh * k_o, where the
+            # step's dc = carried dc + dh * k_c: the factors for all rows at
+            # once, written into dg, which the loop then scales in place.
             dg = data.new_empty((N, 4, H))
-            dg_ifg, dg_o, dgi = dg[:, :3], dg[:, 3], dg.view(N, 4 * H)
-            dh_all = data.new_empty((N, Hout))
-            dhp = data.new_empty((B, H)) if w_hr is not None else None
+            dg_if, dg_i, dg_f, dg_g, dg_o = dg[:, :2], dg[:, 0], dg[:, 1], dg[:, 2], dg[:, 3]
+            ws_if = workspace[:, :2 * H].view(N, 2, H)
+            _one_minus(ws_if, dg_if).mul_(ws_if)  # i (1 - i), f (1 - f)
+            dg_i.mul_(g)
+            k_c = _gather(c, c_init, index, first)  # c_prev, until k_f has it
+            dg_f.mul_(k_c)
+            torch.mul(g, g, out=dg_g).neg_().add_(1).mul_(i)  # (1 - g^2) i
+            _one_minus(o, dg_o).mul_(o).mul_(tc)  # (1 - o) o tanh(c)
+            torch.mul(tc, tc, out=k_c).neg_().add_(1).mul_(o)  # (1 - tanh(c)^2) o
+            ccar = _carry(grad_cn, data, B, H)
+            dg_ifg, dg2 = dg[:, :3], dg.view(N, 4 * H)
+            proj = w_hr is not None
+            # With a projection, d_w_hr needs every row's dL/dh.
+            dh_all = data.new_empty((N, Hout)) if proj else data.new_empty((B, Hout))
+            dhp = data.new_empty((B, H)) if proj else None
             for r0, n in order:
                 R = slice(r0, r0 + n)
-                dh = dh_all[R]
-                torch.add(gout[R], hcar[:n], out=dh) if gout is not None else dh.copy_(hcar[:n])
-                if w_hr is not None:  # through the projection: dL/d(o * tanh(c))
+                dh = _incoming(dh_all[R] if proj else dh_all[:n], grad_out, hcar, r0, n)
+                if proj:  # through the projection: dL/d(o * tanh(c))
                     dh = torch.mm(dh, w_hr, out=dhp[:n])
                 dc = ccar[:n]
                 dc.addcmul_(dh, k_c[R])
-                torch.mul(dc.unsqueeze(1), k_ifg[R], out=dg_ifg[R])
-                torch.mul(dh, k_o[R], out=dg_o[R])
+                dg_ifg[R].mul_(dc.unsqueeze(1))
+                dg_o[R].mul_(dh)
                 dc.mul_(f[R])  # dL/dc_prev
-                torch.mm(dgi[R], w_hh, out=hcar[:n])  # dL/dh_prev
-            dgh = dgi
-            if w_hr is not None:
-                d_w_hr = torch.mm(dh_all.t(), o * tc)
-            d_c0 = ccar.unsqueeze(0)
+                torch.mm(dg2[R], w_hh, out=hcar[:n])  # dL/dh_prev
+            if proj:
+                d_w_hr = torch.mm(dh_all.t(), torch.mul(o, tc, out=k_c))  # k_c's buffer is free now
+            if c0 is not None:
+                d_c0 = ccar.unsqueeze(0)
+            d_data = torch.mm(dg2, w_ih)
+            d_w_ih = torch.mm(dg2.t(), data)
+            d_w_hh = torch.mm(dg2.t(), h_prev)
+            d_b_ih, d_b_hh = _bias_grads(dg2, b_ih, b_hh, data)
         elif mode == "GRU":
             r, z, hn, n_ = (workspace[:, k * H:(k + 1) * H] for k in range(4))
-            # As native_layer._gates_backward: dL/d(recurrent gates) = dh * k_h.
-            a_n = (1 - z) * (1 - n_ * n_)
-            k_h = torch.stack([a_n * hn * r * (1 - r), (h_prev - n_) * z * (1 - z), a_n * r], 1)  # [N, 3, H]
+            # As native_layer._gates_backward: dL/d(recurrent gates) =
+            # dh * (k_r, k_z, a_n r), written into dg, scaled in the loop.
             dg = data.new_empty((N, 3, H))
+            dg_r, dg_z, dg_n = dg[:, 0], dg[:, 1], dg[:, 2]
+            a_n = torch.mul(n_, n_).neg_().add_(1)
+            a_n.mul_(_one_minus(z, dg_z))  # (1 - n^2)(1 - z): through n
+            dg_z.mul_(z).mul_(torch.sub(h_prev, n_, out=dg_r))  # (1 - z) z (h_prev - n)
+            _one_minus(r, dg_r).mul_(r).mul_(hn).mul_(a_n)  # (1 - r) r hn a_n
+            torch.mul(a_n, r, out=dg_n)  # the recurrent side of n is scaled by r
+            dg2 = dg.view(N, 3 * H)
             dh_all = data.new_empty((N, H))
             for r0, n in order:
                 R = slice(r0, r0 + n)
-                dh = dh_all[R]
-                torch.add(gout[R], hcar[:n], out=dh) if gout is not None else dh.copy_(hcar[:n])
-                torch.mul(dh.unsqueeze(1), k_h[R], out=dg[R])
-                torch.mul(dh, z[R], out=hcar[:n])
-                hcar[:n].addmm_(dg[R].view(n, 3 * H), w_hh)  # dL/dh_prev = dh * z + dgh @ W_hh
-            dgh = dg.view(N, 3 * H)
-            dgi = dg.clone()
-            torch.mul(dh_all, a_n, out=dgi[:, 2])  # the input side of n is not scaled by r
-            dgi = dgi.view(N, 3 * H)
+                dh = _incoming(dh_all[R], grad_out, hcar, r0, n)
+                dg[R].mul_(dh.unsqueeze(1))
+                hc = torch.mul(dh, z[R], out=hcar[:n])
+                hc.addmm_(dg2[R], w_hh)  # dL/dh_prev = dh * z + dgh @ W_hh
+            # The input side differs from dg only in n's third (not scaled by
+            # r): its gradients as GEMMs over dg's r | z columns and this one.
+            dgi_n, dg_rz = a_n.mul_(dh_all), dg2[:, :2 * H]
+            d_data = torch.mm(dg_rz, w_ih[:2 * H]).addmm_(dgi_n, w_ih[2 * H:])
+            d_w_ih = data.new_empty(w_ih.shape)
+            torch.mm(dg_rz.t(), data, out=d_w_ih[:2 * H])
+            torch.mm(dgi_n.t(), data, out=d_w_ih[2 * H:])
+            d_w_hh = torch.mm(dg2.t(), h_prev)
+            d_b_ih = data.new_empty(0)
+            if b_ih is not None:
+                d_b_ih = data.new_empty(3 * H)
+                torch.sum(dg_rz, 0, out=d_b_ih[:2 * H])
+                torch.sum(dgi_n, 0, out=d_b_ih[2 * H:])
+            d_b_hh = dg2.sum(0) if b_hh is not None else data.new_empty(0)
         else:
-            d_act = (out > 0).to(out.dtype) if mode == "RNN_RELU" else 1 - out * out
-            dgi = dgh = data.new_empty((N, H))
+            # d act(pre) / d pre, scaled in place by dL/dh in the loop.
+            dpre = (out > 0).to(out.dtype) if mode == "RNN_RELU" else torch.mul(out, out).neg_().add_(1)
+            dh_buf = data.new_empty((B, H))
             for r0, n in order:
-                d = dgi[r0:r0 + n]
-                torch.add(gout[r0:r0 + n], hcar[:n], out=d) if gout is not None else d.copy_(hcar[:n])
-                d.mul_(d_act[r0:r0 + n])
-                torch.mm(d, w_hh, out=hcar[:n])
-        d_data = torch.mm(dgi, w_ih)
-        d_w_ih = torch.mm(dgi.t(), data)
-        d_w_hh = torch.mm(dgh.t(), h_prev)
-        d_b_ih = dgi.sum(0) if b_ih is not None else data.new_empty(0)
-        d_b_hh = dgh.sum(0) if b_hh is not None else data.new_empty(0)
+                dh = _incoming(dh_buf[:n], grad_out, hcar, r0, n)
+                torch.mm(dpre[r0:r0 + n].mul_(dh), w_hh, out=hcar[:n])
+            d_data = torch.mm(dpre, w_ih)
+            d_w_ih = torch.mm(dpre.t(), data)
+            d_w_hh = torch.mm(dpre.t(), h_prev)
+            d_b_ih, d_b_hh = _bias_grads(dpre, b_ih, b_hh, data)
         d_h0 = hcar.unsqueeze(0) if h0 is not None else data.new_empty(0)
-        if d_c0 is None or c0 is None:
-            d_c0 = data.new_empty(0)
     return d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0
 
 

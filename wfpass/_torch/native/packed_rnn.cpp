@@ -5,8 +5,10 @@
 // computes and lays out the workspace; these are the same steps, the same
 // ATen calls in the same order (the same numbers, bit for bit, checked in
 // tests/test_packed_layer.py), without Python's few microseconds per call:
-// at hidden 128 and batch 16 a step's GEMM takes ~10 us, and Python's loop
-// spends more than that around it.
+// ~10 calls a step, so the C++ kernels take 0.55-0.6x the Python ones'
+// time at hidden 16, batch 4, and 0.85-0.9x at hidden 128, batch 16, where
+// the GEMMs dominate (T = 100, one thread, benchmarks/bench_packed_layer.py's
+// lengths).
 //
 // What keeps the loop short: every buffer allocated before it, the input
 // projection of all steps done as one GEMM straight into the workspace, and
@@ -43,7 +45,7 @@ int64_t gate_count(Mode mode) {
 }
 
 int64_t workspace_width(Mode mode, int64_t H) {
-  return mode == Mode::LSTM ? 5 * H : mode == Mode::GRU ? 4 * H : 0;
+  return mode == Mode::LSTM ? 6 * H : mode == Mode::GRU ? 4 * H : 0;
 }
 
 // batch_sizes read once, checked, with its row offsets.
@@ -135,22 +137,30 @@ Tensor final_state(const Tensor& states, const Steps& s, bool reverse) {
   return fin;
 }
 
-// For each packed row, its row of cat([states, init]) holding the state
-// that row's step read (packed_layer.py, prev_index).
-Tensor prev_index(const Steps& s, bool reverse) {
-  Tensor idx = at::empty({s.N}, at::TensorOptions().dtype(at::kLong));
-  int64_t* p = idx.data_ptr<int64_t>();
+// Where the state each packed row's step read lives (packed_layer.py,
+// _prev_index): index [N], the row of the per-row states it read (0 where it
+// read the initial state instead), and first [B], the packed row where
+// sequence b read the initial state.
+std::pair<Tensor, Tensor> prev_index(const Steps& s, bool reverse) {
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  Tensor index = at::empty({s.N}, opts), first = at::empty({s.B}, opts);
+  int64_t* p = index.data_ptr<int64_t>();
+  int64_t* q = first.data_ptr<int64_t>();
   for (int64_t t = 0; t < s.T; ++t) {
     const int64_t nxt = t + 1 < s.T ? s.bs[t + 1] : 0;
     for (int64_t j = 0; j < s.bs[t]; ++j) {
       const int64_t row = s.off[t] + j;
-      if (!reverse)
-        p[row] = t ? s.off[t - 1] + j : s.N + j;
-      else
-        p[row] = j < nxt ? s.off[t + 1] + j : s.N + j;
+      const bool init = reverse ? j >= nxt : t == 0;
+      p[row] = init ? 0 : reverse ? s.off[t + 1] + j : s.off[t - 1] + j;
+      if (init) q[j] = row;
     }
   }
-  return idx;
+  return {index, first};
+}
+
+// [N, W]: the state each packed row read.
+Tensor gather(const Tensor& states, const Tensor& init, const std::pair<Tensor, Tensor>& where) {
+  return states.index_select(0, where.first).index_copy_(0, where.second, init);
 }
 
 // a[lo : lo + len] + b[lo : lo + len] for the biases given (undefined if none).
@@ -190,16 +200,16 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
   Tensor out, ws, c_n;
   if (mode == Mode::LSTM) {
     const Tensor c_init = initial_state(c0, data, B, H, "c0");
-    ws = at::empty({N, 5 * H}, opts);
-    // Column blocks of the workspace, made once: i | f | g | o | c.
-    const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H);
+    ws = at::empty({N, 6 * H}, opts);
+    // Column blocks of the workspace, made once: i | f | g | o | c | tanh(c).
+    const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H), tc_all = ws.narrow(1, 5 * H, H);
     const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
     const Tensor g_all = ws.narrow(1, 2 * H, H), o_all = ws.narrow(1, 3 * H, H);
     project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih);
     out = at::empty({N, Hout}, opts);
-    const Tensor tc = at::empty({B, H}, opts);
     const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
     const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
+    const Tensor hpre = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st), cp = prev_state(c_all, c_init, cbuf, st);
       const Tensor o = o_all.narrow(0, st.r0, st.n), g = g_all.narrow(0, st.r0, st.n);
@@ -210,13 +220,15 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
       Tensor c = c_all.narrow(0, st.r0, st.n);
       at::mul_out(c, f_all.narrow(0, st.r0, st.n), cp);
       c.addcmul_(i_all.narrow(0, st.r0, st.n), g);  // c = f * c_prev + i * g
-      Tensor t_c = tc.narrow(0, 0, st.n);
+      Tensor t_c = tc_all.narrow(0, st.r0, st.n);
       at::tanh_out(t_c, c);
       Tensor h = out.narrow(0, st.r0, st.n);
-      if (w_hr_t.defined())
-        at::mm_out(h, t_c.mul_(o), w_hr_t);
-      else
+      if (w_hr_t.defined()) {
+        Tensor hq = hpre.narrow(0, 0, st.n);
+        at::mm_out(h, at::mul_out(hq, o, t_c), w_hr_t);
+      } else {
         at::mul_out(h, o, t_c);
+      }
     }
     c_n = final_state(c_all, s, reverse);
   } else if (mode == Mode::GRU) {
@@ -272,6 +284,11 @@ void incoming(Tensor& dst, const Opt& grad_out, const Tensor& carry, int64_t r0,
     dst.copy_(carry.narrow(0, 0, n));
 }
 
+// out = 1 - x, exactly (negation is exact), without a temporary.
+Tensor& one_minus(Tensor& out, const Tensor& x) {
+  return at::neg_out(out, x).add_(1);
+}
+
 // A carry: the gradient of each sequence's final state, contiguous, to be
 // overwritten row by row (zeros where it has none).
 Tensor carry_from(const Opt& grad, const Tensor& data, int64_t B, int64_t W) {
@@ -296,91 +313,131 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
   const auto opts = data.options();
   at::NoGradGuard no_grad;
   const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
-  const Tensor idx = prev_index(s, reverse);
-  const Tensor h_prev = at::cat({out, h_init}).index_select(0, idx);  // [N, H_out]: the state each row read
+  // Few fresh N-row buffers, no throwaway ones: each costs page faults (the
+  // CPU allocator hands large blocks back to the system), so the factors
+  // are computed in place into the buffers the loop then scales
+  // (packed_layer.py, _packed_layer_backward).
+  const auto where = prev_index(s, reverse);
+  const Tensor h_prev = gather(out, h_init, where);  // [N, H_out]: the state each row read
   Tensor hcar = carry_from(grad_hn, data, B, Hout);
   // The backward runs the steps in the opposite order of the forward.
   std::vector<int64_t> order(s.T);
   for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
-  Tensor dgi, dgh, d_w_hr = at::empty({0}, opts), d_c0 = at::empty({0}, opts);
+  Tensor d_data, d_w_ih, d_w_hh, d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
+  Tensor d_w_hr = at::empty({0}, opts), d_c0 = at::empty({0}, opts);
   if (mode == Mode::LSTM) {
     const Tensor c_init = initial_state(c0, data, B, H, "c0");
     const Tensor i = workspace.narrow(1, 0, H), f = workspace.narrow(1, H, H), g = workspace.narrow(1, 2 * H, H);
     const Tensor o = workspace.narrow(1, 3 * H, H), c = workspace.narrow(1, 4 * H, H);
-    const Tensor c_prev = at::cat({c, c_init}).index_select(0, idx);
-    const Tensor tc = at::tanh(c);
-    // dL/d(pre-activation) = dh * k (o) or dc * k (i, f, g), where
-    // dc = carried dc + dh * k_c; the factors, for all rows at once.
-    const Tensor k_c = o * at::rsub(tc * tc, 1);
-    const Tensor k_o = tc * o * at::rsub(o, 1);
-    const Tensor k_ifg = at::stack({g * i * at::rsub(i, 1), c_prev * f * at::rsub(f, 1), i * at::rsub(g * g, 1)}, 1);
-    Tensor ccar = carry_from(grad_cn, data, B, H);
+    const Tensor tc = workspace.narrow(1, 5 * H, H);
+    // dL/d(pre-activation) = dc * k_i, k_f, k_g and dh * k_o, where the
+    // step's dc = carried dc + dh * k_c: the factors for all rows at once,
+    // written into dg, which the loop then scales in place.
     const Tensor dg = at::empty({N, 4, H}, opts);
-    const Tensor dg_ifg = dg.narrow(1, 0, 3), dg_o = dg.select(1, 3);
-    dgi = dg.view({N, 4 * H});
-    const Tensor dh_all = at::empty({N, Hout}, opts);
-    const Tensor dhp = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
+    Tensor dg_if = dg.narrow(1, 0, 2), dg_i = dg.select(1, 0), dg_f = dg.select(1, 1), dg_g = dg.select(1, 2);
+    Tensor dg_o = dg.select(1, 3);
+    const Tensor ws_if = workspace.narrow(1, 0, 2 * H).view({N, 2, H});
+    one_minus(dg_if, ws_if).mul_(ws_if);  // i (1 - i), f (1 - f)
+    dg_i.mul_(g);
+    Tensor k_c = gather(c, c_init, where);  // c_prev, until k_f has it
+    dg_f.mul_(k_c);
+    at::mul_out(dg_g, g, g).neg_().add_(1).mul_(i);  // (1 - g^2) i
+    one_minus(dg_o, o).mul_(o).mul_(tc);  // (1 - o) o tanh(c)
+    at::mul_out(k_c, tc, tc).neg_().add_(1).mul_(o);  // (1 - tanh(c)^2) o
+    Tensor ccar = carry_from(grad_cn, data, B, H);
+    const Tensor dg_ifg = dg.narrow(1, 0, 3), dg2 = dg.view({N, 4 * H});
+    const bool proj = w_hr.has_value();
+    // With a projection, d_w_hr needs every row's dL/dh.
+    const Tensor dh_all = at::empty({proj ? N : B, Hout}, opts);
+    const Tensor dhp = proj ? at::empty({B, H}, opts) : Tensor();
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
-      Tensor dh = dh_all.narrow(0, r0, n);
+      Tensor dh = dh_all.narrow(0, proj ? r0 : 0, n);
       incoming(dh, grad_out, hcar, r0, n);
-      if (w_hr.has_value()) {  // through the projection: dL/d(o * tanh(c))
+      if (proj) {  // through the projection: dL/d(o * tanh(c))
         Tensor d = dhp.narrow(0, 0, n);
         at::mm_out(d, dh, *w_hr);
         dh = d;
       }
       Tensor dc = ccar.narrow(0, 0, n);
       dc.addcmul_(dh, k_c.narrow(0, r0, n));
-      Tensor dst_ifg = dg_ifg.narrow(0, r0, n), dst_o = dg_o.narrow(0, r0, n);
-      at::mul_out(dst_ifg, dc.unsqueeze(1), k_ifg.narrow(0, r0, n));
-      at::mul_out(dst_o, dh, k_o.narrow(0, r0, n));
+      dg_ifg.narrow(0, r0, n).mul_(dc.unsqueeze(1));
+      dg_o.narrow(0, r0, n).mul_(dh);
       dc.mul_(f.narrow(0, r0, n));  // dL/dc_prev
       Tensor hc = hcar.narrow(0, 0, n);
-      at::mm_out(hc, dgi.narrow(0, r0, n), w_hh);  // dL/dh_prev
+      at::mm_out(hc, dg2.narrow(0, r0, n), w_hh);  // dL/dh_prev
     }
-    dgh = dgi;
-    if (w_hr.has_value()) d_w_hr = at::mm(dh_all.t(), o * tc);
+    if (proj) d_w_hr = at::mm(dh_all.t(), at::mul_out(k_c, o, tc));  // k_c's buffer is free now
     if (c0.has_value()) d_c0 = ccar.unsqueeze(0);
+    d_data = at::mm(dg2, w_ih);
+    d_w_ih = at::mm(dg2.t(), data);
+    d_w_hh = at::mm(dg2.t(), h_prev);
+    // The same gradient for both biases: two tensors (outputs may not alias).
+    if (b_ih.has_value() || b_hh.has_value()) {
+      const Tensor d_b = dg2.sum(0);
+      if (b_ih.has_value()) d_b_ih = d_b;
+      if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
+    }
   } else if (mode == Mode::GRU) {
     const Tensor r = workspace.narrow(1, 0, H), z = workspace.narrow(1, H, H);
     const Tensor hn = workspace.narrow(1, 2 * H, H), nn = workspace.narrow(1, 3 * H, H);
-    // As native_layer._gates_backward: dL/d(recurrent gates) = dh * k_h.
-    const Tensor a_n = at::rsub(z, 1) * at::rsub(nn * nn, 1);
-    const Tensor k_h = at::stack({a_n * hn * r * at::rsub(r, 1), (h_prev - nn) * z * at::rsub(z, 1), a_n * r}, 1);
+    // As native_layer._gates_backward: dL/d(recurrent gates) =
+    // dh * (k_r, k_z, a_n r), written into dg, scaled in the loop.
     const Tensor dg = at::empty({N, 3, H}, opts);
+    Tensor dg_r = dg.select(1, 0), dg_z = dg.select(1, 1), dg_n = dg.select(1, 2);
+    Tensor a_n = at::mul(nn, nn).neg_().add_(1);
+    a_n.mul_(one_minus(dg_z, z));  // (1 - n^2)(1 - z): through n
+    dg_z.mul_(z).mul_(at::sub_out(dg_r, h_prev, nn));  // (1 - z) z (h_prev - n)
+    one_minus(dg_r, r).mul_(r).mul_(hn).mul_(a_n);  // (1 - r) r hn a_n
+    at::mul_out(dg_n, a_n, r);  // the recurrent side of n is scaled by r
+    const Tensor dg2 = dg.view({N, 3 * H});
     const Tensor dh_all = at::empty({N, H}, opts);
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
       Tensor dh = dh_all.narrow(0, r0, n);
       incoming(dh, grad_out, hcar, r0, n);
-      Tensor dgt = dg.narrow(0, r0, n);
-      at::mul_out(dgt, dh.unsqueeze(1), k_h.narrow(0, r0, n));
+      dg.narrow(0, r0, n).mul_(dh.unsqueeze(1));
       Tensor hc = hcar.narrow(0, 0, n);
       at::mul_out(hc, dh, z.narrow(0, r0, n));
-      hc.addmm_(dgt.view({n, 3 * H}), w_hh);  // dL/dh_prev = dh * z + dgh @ W_hh
+      hc.addmm_(dg2.narrow(0, r0, n), w_hh);  // dL/dh_prev = dh * z + dgh @ W_hh
     }
-    dgh = dg.view({N, 3 * H});
-    Tensor dgi3 = dg.clone();
-    Tensor dgi_n = dgi3.select(1, 2);
-    at::mul_out(dgi_n, dh_all, a_n);  // the input side of n is not scaled by r
-    dgi = dgi3.view({N, 3 * H});
+    // The input side differs from dg only in n's third (not scaled by r):
+    // its gradients as GEMMs over dg's r | z columns and this one.
+    const Tensor dgi_n = a_n.mul_(dh_all), dg_rz = dg2.narrow(1, 0, 2 * H);
+    d_data = at::mm(dg_rz, w_ih.narrow(0, 0, 2 * H)).addmm_(dgi_n, w_ih.narrow(0, 2 * H, H));
+    d_w_ih = at::empty(w_ih.sizes(), opts);
+    Tensor d_w_rz = d_w_ih.narrow(0, 0, 2 * H), d_w_n = d_w_ih.narrow(0, 2 * H, H);
+    at::mm_out(d_w_rz, dg_rz.t(), data);
+    at::mm_out(d_w_n, dgi_n.t(), data);
+    d_w_hh = at::mm(dg2.t(), h_prev);
+    if (b_ih.has_value()) {
+      d_b_ih = at::empty({3 * H}, opts);
+      Tensor d_b_rz = d_b_ih.narrow(0, 0, 2 * H), d_b_n = d_b_ih.narrow(0, 2 * H, H);
+      at::sum_out(d_b_rz, dg_rz, 0);
+      at::sum_out(d_b_n, dgi_n, 0);
+    }
+    if (b_hh.has_value()) d_b_hh = dg2.sum(0);
   } else {
-    const Tensor d_act = mode == Mode::RNN_RELU ? at::gt(out, 0).to(out.scalar_type()) : at::rsub(out * out, 1);
-    dgi = dgh = at::empty({N, H}, opts);
+    // d act(pre) / d pre, scaled in place by dL/dh in the loop.
+    const Tensor dpre =
+        mode == Mode::RNN_RELU ? at::gt(out, 0).to(out.scalar_type()) : at::mul(out, out).neg_().add_(1);
+    const Tensor dh_buf = at::empty({B, H}, opts);
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
-      Tensor d = dgi.narrow(0, r0, n);
-      incoming(d, grad_out, hcar, r0, n);
-      d.mul_(d_act.narrow(0, r0, n));
+      Tensor dh = dh_buf.narrow(0, 0, n);
+      incoming(dh, grad_out, hcar, r0, n);
       Tensor hc = hcar.narrow(0, 0, n);
-      at::mm_out(hc, d, w_hh);
+      at::mm_out(hc, dpre.narrow(0, r0, n).mul_(dh), w_hh);
+    }
+    d_data = at::mm(dpre, w_ih);
+    d_w_ih = at::mm(dpre.t(), data);
+    d_w_hh = at::mm(dpre.t(), h_prev);
+    if (b_ih.has_value() || b_hh.has_value()) {
+      const Tensor d_b = dpre.sum(0);
+      if (b_ih.has_value()) d_b_ih = d_b;
+      if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
     }
   }
-  Tensor d_data = at::mm(dgi, w_ih);
-  Tensor d_w_ih = at::mm(dgi.t(), data);
-  Tensor d_w_hh = at::mm(dgh.t(), h_prev);
-  Tensor d_b_ih = b_ih.has_value() ? dgi.sum(0) : at::empty({0}, opts);
-  Tensor d_b_hh = b_hh.has_value() ? dgh.sum(0) : at::empty({0}, opts);
   Tensor d_h0 = h0.has_value() ? hcar.unsqueeze(0) : at::empty({0}, opts);
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }

@@ -1,0 +1,97 @@
+"""One packed RNN layer on the CPU, forward + backward: eager PyTorch on the
+PackedSequence, eager on the padded batch, and ``wfpass::packed_layer``.
+
+    python benchmarks/bench_packed_layer.py [--rounds 7] [--iters 5] [--threads 1]
+
+The shape: input 128, hidden 128, batch 16, lengths uniform in 20..100
+(seeded; the padded batch is as long as the longest), one thread by
+default. Per variant and round, ``--iters`` training steps (forward, then
+the backward of a fixed random projection of ``out`` and ``h_n`` into the
+input and every weight); the table gives the median over rounds of the
+time per step, the variants interleaved inside every round so machine noise
+hits them alike. Eager's padded LSTM is oneDNN's kernel; its padded GRU is
+ATen's per-step loop. The op runs on its C++ kernel (``wfpass/_torch/native``)
+when it builds, else on its Python kernel: the first line says which.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+from wfpass._torch import native
+from wfpass.rnn import packed_layer  # noqa: F401 - registers wfpass::packed_layer
+
+I, H, B, T = 128, 128, 16, 100
+
+
+def _variants(kind: str, lengths: torch.Tensor):
+    """name -> a function running one training step."""
+    torch.manual_seed(0)
+    rnn = (nn.LSTM if kind == "LSTM" else nn.GRU)(I, H)
+    x = torch.randn(int(lengths[0]), B, I)  # padded to the longest sequence
+    packed = pack_padded_sequence(x, lengths)
+    R, Rh = torch.randn(packed.data.shape[0], H), torch.randn(1, B, H)
+    Rp = torch.randn(x.shape[0], B, H)
+    params = list(rnn.parameters())
+
+    def eager_packed():
+        data = packed.data.detach().requires_grad_()
+        out, h = rnn(PackedSequence(data, packed.batch_sizes))
+        h = h[0] if kind == "LSTM" else h
+        torch.autograd.grad((out.data * R).sum() + (h * Rh).sum(), [data] + params)
+
+    def eager_padded():
+        xx = x.detach().requires_grad_()
+        out, h = rnn(xx)
+        h = h[0] if kind == "LSTM" else h
+        torch.autograd.grad((out * Rp).sum() + (h * Rh).sum(), [xx] + params)
+
+    def op():
+        data = packed.data.detach().requires_grad_()
+        out, h, _, _ = torch.ops.wfpass.packed_layer(data, packed.batch_sizes, rnn.weight_ih_l0, rnn.weight_hh_l0,
+                                                     rnn.bias_ih_l0, rnn.bias_hh_l0, None, None, None, kind, False,
+                                                     True)
+        torch.autograd.grad((out * R).sum() + (h * Rh).sum(), [data] + params)
+
+    return {"eager, PackedSequence": eager_packed, "eager, padded": eager_padded, "wfpass::packed_layer": op}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, T + 1, (B,), generator=g).sort(descending=True).values
+    print(f"torch {torch.__version__}, {args.threads} thread(s); op kernel: {native.status()}")
+    print(f"I = {I}, H = {H}, B = {B}, T = {T}, lengths {lengths.tolist()} "
+          f"({int(lengths.sum())} of {int(lengths[0]) * B} padded steps valid); forward + backward, ms per "
+          f"training step, "
+          f"median of {args.rounds} rounds x {args.iters}\n")
+    print("| layer | eager, PackedSequence | eager, padded | wfpass::packed_layer | vs eager packed | vs padded |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("LSTM", "GRU"):
+        fns = _variants(kind, lengths)
+        for fn in fns.values():  # warm up (allocator, oneDNN primitives)
+            fn()
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        a, b, c = med["eager, PackedSequence"], med["eager, padded"], med["wfpass::packed_layer"]
+        print(f"| {kind} | {a:.2f} | {b:.2f} | {c:.2f} | {a / c:.2f}x | {b / c:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""``wfpass::packed_layer``: one layer and direction of an LSTM / GRU / RNN
+over a packed batch, against eager PyTorch's packed RNN on the same weights.
+
+Each case runs an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (one layer;
+bidirectional for the reverse direction, whose ``_reverse`` weights and
+output half the op must reproduce) on ``pack_padded_sequence(...)`` and
+compares ``out.data``, ``h_n``, ``c_n`` and the gradients of the packed
+data, of every weight of that direction, of h0 and c0, under a loss that
+reaches every output: a fixed random projection of ``out``, ``h_n`` and
+``c_n``. Gradient errors are scaled by the largest gradient of the tensor.
+
+Both kernels: the op with its autograd formula (the C++ kernel,
+``_torch/native/packed_rnn.cpp``, where it builds; the Python one in a
+``WFPASS_NATIVE=0`` run), and the Python kernel (``_packed_layer`` /
+``_packed_layer_backward``) called directly with the loss's output
+gradients. A further test checks the two kernels give the same bits.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+from wfpass._torch import native
+from wfpass.rnn import packed_layer as pl
+
+# The C++ kernels, where they build (WFPASS_NATIVE=0: the Python ones), for
+# every call of the op in this file: loaded before the first test runs.
+native.load()
+
+OP = torch.ops.wfpass.packed_layer.default
+OP_BACKWARD = torch.ops.wfpass.packed_layer_backward.default
+
+# name -> (module class, its kwargs, the op's mode)
+CELLS = {
+    "lstm": (nn.LSTM, {}, "LSTM"),
+    "lstm_proj": (nn.LSTM, {"proj_size": 3}, "LSTM"),
+    "gru": (nn.GRU, {}, "GRU"),
+    "rnn_tanh": (nn.RNN, {"nonlinearity": "tanh"}, "RNN_TANH"),
+    "rnn_relu": (nn.RNN, {"nonlinearity": "relu"}, "RNN_RELU"),
+}
+# Sorted longest first, as pack_padded_sequence(enforce_sorted=True) wants.
+LENGTHS = {
+    "equal": [6, 6, 6, 6],
+    "one_of_length_1": [6, 5, 3, 1],
+    "decreasing": [7, 5, 4, 3, 2],
+    "repeats": [6, 6, 4, 4, 4, 1],
+}
+I, H = 5, 6
+# Largest error allowed, relative to the largest value of each tensor.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The cases are tiny: one thread is as fast, and a busy machine's spinning
+    # OpenMP workers made them 10x slower (seen with 2 threads on 2 cores).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Case:
+    """One layer's inputs, eager PyTorch's answer and its gradients."""
+
+    def __init__(self, cell: str, lengths, bias: bool, states: bool, reverse: bool, dtype=torch.float32,
+                 seed: int = 0):
+        cls, kw, self.mode = CELLS[cell]
+        torch.manual_seed(seed)
+        self.lstm = self.mode == "LSTM"
+        self.reverse, self.dtype = reverse, dtype
+        D = 2 if reverse else 1
+        # The reference runs in float32 on the same (rounded) values as the op.
+        self.module = cls(I, H, bias=bias, bidirectional=reverse, **kw)
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    p.copy_(p.to(dtype))
+        self.H_out = kw.get("proj_size") or H
+        B, T = len(lengths), lengths[0]
+        x = torch.randn(T, B, I).to(dtype).float()
+        packed = pack_padded_sequence(x, lengths)
+        self.batch_sizes = packed.batch_sizes
+        self.data = packed.data.clone().requires_grad_()
+        N = self.data.shape[0]
+        self.h0_all = torch.randn(D, B, self.H_out).to(dtype).float().requires_grad_() if states else None
+        self.c0_all = torch.randn(D, B, H).to(dtype).float().requires_grad_() if states and self.lstm else None
+        sfx = "_reverse" if reverse else ""
+        self.weights = {n: getattr(self.module, f"{n}_l0{sfx}", None)
+                        for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")}
+        # The loss: a fixed random projection of every output.
+        self.R, self.Rh = torch.randn(N, self.H_out), torch.randn(1, B, self.H_out)
+        self.Rc = torch.randn(1, B, H) if self.lstm else None
+
+        self.ref, self.ref_grads = self.run_eager()
+
+    def run_eager(self, dtype=torch.float32):
+        """Eager PyTorch's packed RNN (in ``dtype``): the direction's outputs and the loss's gradients."""
+        ins = self.grad_inputs()
+        if dtype == torch.float32:
+            module, leaves = self.module, ins
+        else:  # a copy in dtype, its own leaves
+            module = copy.deepcopy(self.module).to(dtype)
+            leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in ins.items()}
+            sfx = "_reverse" if self.reverse else ""
+            leaves.update({k: getattr(module, f"{k}_l0{sfx}") for k in self.weights if k in ins})
+        h0, c0 = leaves.get("h0"), leaves.get("c0")
+        state = ((h0, c0) if self.lstm else h0) if h0 is not None else None
+        y, hn = module(PackedSequence(leaves["data"], self.batch_sizes), state)
+        h_n, c_n = (hn[0], hn[1]) if self.lstm else (hn, None)
+        d = 1 if self.reverse else 0
+        outs = {"out": y.data[:, d * self.H_out:(d + 1) * self.H_out], "h_n": h_n[d:d + 1],
+                "c_n": c_n[d:d + 1] if self.lstm else None}
+        f = lambda t: t.float() if t is not None else None  # noqa: E731
+        grads = torch.autograd.grad(self.loss(f(outs["out"]), f(outs["h_n"]), f(outs["c_n"])),
+                                    list(leaves.values()))
+        return ({k: (v.detach() if v is not None else None) for k, v in outs.items()},
+                {k: g.detach() for k, g in zip(leaves, grads)})
+
+    def grad_inputs(self):
+        ins = {"data": self.data}
+        ins.update({k: w for k, w in self.weights.items() if w is not None})
+        if self.h0_all is not None:
+            ins["h0"] = self.h0_all
+        if self.c0_all is not None:
+            ins["c0"] = self.c0_all
+        return ins
+
+    def loss(self, out, h_n, c_n):
+        total = (out * self.R).sum() + (h_n * self.Rh).sum()
+        return total + (c_n * self.Rc).sum() if self.lstm else total
+
+    def op_args(self, train=True, detach=False):
+        """The op's arguments in the op's dtype (autograd leaves unless ``detach``)."""
+        d = 1 if self.reverse else 0
+        cast = (lambda t: t.detach().to(self.dtype)) if detach else (lambda t: t.to(self.dtype))
+        opt = lambda t: cast(t) if t is not None else None  # noqa: E731
+        h0 = self.h0_all[d:d + 1] if self.h0_all is not None else None
+        c0 = self.c0_all[d:d + 1] if self.c0_all is not None else None
+        w = self.weights
+        return (cast(self.data), self.batch_sizes, cast(w["weight_ih"]), cast(w["weight_hh"]), opt(w["bias_ih"]),
+                opt(w["bias_hh"]), opt(w["weight_hr"]), opt(h0), opt(c0), self.mode, self.reverse, train)
+
+    def run_op(self):
+        """The op (its C++ kernel where built) and its autograd formula: outputs and gradients of the loss."""
+        args = self.op_args()
+        out, h_n, c_n, ws = OP(*args)
+        assert ws.shape == (out.shape[0], pl.workspace_width(self.mode, H))
+        ins = self.grad_inputs()
+        grads = torch.autograd.grad(self.loss(out.float(), h_n.float(), c_n.float() if self.lstm else None),
+                                    list(ins.values()))
+        return {"out": out, "h_n": h_n, "c_n": c_n}, dict(zip(ins, grads))
+
+    def run_python(self):
+        """The Python kernels, called directly; the output gradients are the loss's (R, Rh, Rc)."""
+        args = self.op_args(detach=True)
+        out, h_n, c_n, ws = pl._packed_layer(*args)
+        g = lambda t: t.to(self.dtype) if t is not None else None  # noqa: E731
+        d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0 = pl._packed_layer_backward(
+            *args[:9], out, h_n, c_n, ws, g(self.R), g(self.Rh), g(self.Rc), self.mode, self.reverse)
+        grads = {"data": d_data, "weight_ih": d_w_ih, "weight_hh": d_w_hh, "bias_ih": d_b_ih, "bias_hh": d_b_hh,
+                 "weight_hr": d_w_hr}
+        # h0 / c0: the gradient of the direction's slice of the module's state.
+        d = 1 if self.reverse else 0
+        for name, full, dd in (("h0", self.h0_all, d_h0), ("c0", self.c0_all, d_c0)):
+            if full is not None:
+                g_full = torch.zeros_like(full)
+                g_full[d:d + 1] = dd
+                grads[name] = g_full
+        return {"out": out, "h_n": h_n, "c_n": c_n}, {k: grads[k] for k in self.grad_inputs()}
+
+    def errors(self, outs, grads):
+        """Each output's and gradient's largest error against float32 eager,
+        relative to its largest value; checks shapes and dtypes on the way."""
+        errs = {}
+        for k, ref in self.ref.items():
+            if ref is None:
+                assert outs[k] is None or outs[k].shape == (0,), k  # c_n: eager None, the op [0]
+                continue
+            got = outs[k].detach()
+            assert got.shape == ref.shape and got.dtype == self.dtype, (k, got.shape, ref.shape)
+            errs[k] = float((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        assert grads.keys() == self.ref_grads.keys()
+        for k, ref in self.ref_grads.items():
+            got = grads[k]
+            assert got is not None and got.shape == ref.shape, (k, None if got is None else got.shape)
+            errs[f"d_{k}"] = float((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        return errs
+
+    def check(self, outs, grads):
+        errs = self.errors(outs, grads)
+        bad = {k: e for k, e in errs.items() if not e <= TOL[self.dtype]}
+        assert not bad, bad
+        return errs
+
+
+@pytest.mark.parametrize("kernel", ["op", "python_kernel"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("states", [True, False], ids=["h0", "zero_state"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_packed_layer_equals_eager(cell, bias, states, reverse, kernel):
+    """Forward and backward, float32, every length pattern, against eager's packed RNN."""
+    for i, lengths in enumerate(LENGTHS.values()):
+        case = Case(cell, lengths, bias, states, reverse, seed=i)
+        case.check(*(case.run_op() if kernel == "op" else case.run_python()))
+
+
+@pytest.mark.parametrize("kernel", ["op", "python_kernel"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_packed_layer_half_precision(dtype, cell, kernel):
+    """bf16 / fp16: the op's answer against float32 eager on the same
+    rounded values, within the dtype's accuracy, and no worse than twice
+    eager's own packed RNN in that dtype (whose worst error here is
+    0.6-1.2% in bf16, ~0.1% in fp16)."""
+    for reverse in (False, True):
+        case = Case(cell, LENGTHS["repeats"], True, True, reverse, dtype=dtype)
+        ours = max(case.check(*(case.run_op() if kernel == "op" else case.run_python())).values())
+        eager = max(case.errors(*case.run_eager(dtype)).values())
+        assert ours <= 2 * eager, (ours, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_and_python_kernels_give_the_same_bits(dtype):
+    """The C++ kernels make the same ATen calls in the same order as the
+    Python ones: every output, workspace and gradient equal bit for bit (so
+    the suite, run on the C++ kernels, speaks for the Python ones too)."""
+    if not native.loaded():
+        pytest.skip(native.status())
+    torch.manual_seed(0)
+    for lengths in (LENGTHS["repeats"], LENGTHS["one_of_length_1"]):
+        for cell in CELLS:
+            for reverse in (False, True):
+                for bias, states, with_gout in ((True, True, True), (False, False, False)):
+                    case = Case(cell, lengths, bias, states, reverse, dtype=dtype)
+                    args = case.op_args(detach=True)
+                    py = pl._packed_layer(*args)
+                    cpp = torch.ops.wfpass.packed_layer_fw(*args)
+                    for a, b in zip(py, cpp):
+                        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+                    g = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
+                    bargs = (*args[:9], *py, g(case.R) if with_gout else None, g(case.Rh), g(case.Rc),
+                             case.mode, reverse)
+                    for a, b in zip(pl._packed_layer_backward(*bargs), OP_BACKWARD(*bargs)):
+                        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+
+
+def _fake_outputs(op, args):
+    """``op`` run under FakeTensorMode on fakes of ``args``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return op(*fargs)
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_fake_matches_the_kernels(cell):
+    """The fakes promise the real outputs' shapes, dtypes and strides, with
+    and without a training workspace (h0 given: B from its shape)."""
+    case = Case(cell, LENGTHS["repeats"], True, True, True)
+    for train in (True, False):
+        args = case.op_args(train=train, detach=True)
+        real = OP(*args)
+        fake = _fake_outputs(OP, args)
+        for r, f in zip(real, fake):
+            assert (tuple(r.shape), r.dtype, r.stride(), r.device) == (tuple(f.shape), f.dtype, f.stride(), f.device)
+        if not train:
+            assert real[3].shape == (0,)
+    args = case.op_args(detach=True)
+    real = OP(*args)
+    g = (torch.randn_like(real[0]), torch.randn_like(real[1]), torch.randn_like(real[2]) if case.lstm else None)
+    bargs = (*args[:9], *real, *g, case.mode, True)
+    for r, f in zip(OP_BACKWARD(*bargs), _fake_outputs(OP_BACKWARD, bargs)):
+        assert (tuple(r.shape), r.dtype, r.stride()) == (tuple(f.shape), f.dtype, f.stride())
+
+
+@pytest.mark.parametrize("cell,bias", [("lstm_proj", True), ("gru", False), ("rnn_relu", True)])
+def test_opcheck(cell, bias):
+    """torch.library's own checker: schema (no aliasing, no mutation), fake,
+    autograd registration, and AOTAutograd (static and dynamic shapes)
+    through the op and its backward. h0 / c0 given: with None, B comes from
+    ``batch_of`` only inside a compile (a size noted on the graph's
+    batch_sizes, else one learned at run time)."""
+    case = Case(cell, LENGTHS["decreasing"], bias, True, False)
+    args = case.op_args()
+    torch.library.opcheck(OP, args)
+    out = OP(*case.op_args(detach=True))
+    g = (torch.randn_like(out[0]), torch.randn_like(out[1]), torch.randn_like(out[2]) if case.lstm else None)
+    bargs = (*case.op_args(detach=True)[:9], *out, *g, case.mode, False)
+    torch.library.opcheck(OP_BACKWARD, bargs, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_backward_of_a_call_without_train_raises():
+    case = Case("gru", LENGTHS["repeats"], True, True, False)
+    out, h_n, _, ws = OP(*case.op_args(train=False))
+    assert ws.shape == (0,)
+    with pytest.raises(RuntimeError, match="train=False"):
+        out.sum().backward()
+    # The backward op itself names the missing workspace.
+    args = case.op_args(detach=True)
+    with pytest.raises(RuntimeError, match="train=False"):
+        OP_BACKWARD(*args[:9], out.detach(), h_n.detach(), torch.empty(0), ws, torch.ones_like(out), None, None,
+                    "GRU", False)
+
+
+def test_bad_arguments_are_named():
+    case = Case("gru", LENGTHS["repeats"], True, True, False)
+    args = list(case.op_args(detach=True))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        OP(*args[:9], "LSTMX", False, True)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        OP(args[0], torch.tensor([1, 2, 3]), *args[2:])
+    with pytest.raises(ValueError, match="LSTM arguments"):
+        OP(*args[:8], torch.zeros(1, 6, H), *args[9:])
