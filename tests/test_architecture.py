@@ -199,9 +199,9 @@ def test_private_pattern_matches(line):
 # imports nothing else from wfpass.
 LAYERS = [
     ("private torch", ("wfpass._torch",)),
-    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.records", "wfpass.history", "wfpass.storage")),
+    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.stats", "wfpass.records", "wfpass.history", "wfpass.storage")),
     ("graph", ("wfpass.graph", "wfpass.bodies")),
-    ("runtime", ("wfpass.runtime", "wfpass.groups")),
+    ("runtime", ("wfpass.notes", "wfpass.runtime", "wfpass.groups")),
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.pack", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),

@@ -27,10 +27,11 @@ from wfpass.rnn.guards import cudnn_layout_without_gpu
 from wfpass.rnn.packed import PackedRnnForward
 from wfpass.rnn.packed_meta import note_batch
 from wfpass.rnn.spec import GATES, RnnSpec, flat_weight_names, rnn_mode
+from wftest import needs_gpu
 
 CUDA_BUILD = torch.version.cuda is not None
 needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="needs a CUDA build of torch (fake CUDA tensors)")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+gpu = needs_gpu()
 
 I, H = 8, 16
 LENGTHS = [5, 4, 4, 2, 1]  # longest first (a PackedSequence's order)
@@ -460,6 +461,7 @@ def test_a_packed_lstm_on_fake_cuda_is_captured_as_one_cudnn_call():
     assert call.target.path == "cudnn"
     (rec,) = wfpass.report(model).find("rnn")
     assert rec.action == "rewritten" and "cudnn" in set(rec.detail["paths"].values()), rec.detail
+    assert "T=variable: cuDNN (cudnn_calls)" in rec.reason, rec.reason
     with _fake_mode():
         graphs = _aot(_without_size_asserts(gm), _cpu_twins(gm))
     assert _count(graphs["fw"], OPS.cudnn_packed_rnn.default, OPS.cudnn_packed_rnn_fw.default) == 1

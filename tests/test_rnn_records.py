@@ -104,3 +104,38 @@ def test_frozen_graph_every_module_has_a_record():
     assert recs["linear"].action == "skipped" and "freezing=True" in recs["linear"].reason
     assert recs["linear"].params == ["q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias"]
     assert recs["rnn"].action == "rewritten"
+
+
+def test_rnn_rows_name_the_kernel_per_length_with_its_calls():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.gru = nn.LSTM(4, 8, 2), nn.GRU(8, 8)
+
+        def forward(self, x):
+            return self.gru(self.lstm(x)[0])[0]
+
+    m = Two()
+    x = torch.randn(12, 3, 4)
+    plan = {r.params[0].split(".")[0]: r.reason for r in wfpass.explain(Two(), x).records}
+    assert "T=12: oneDNN LSTM" in plan["lstm"] and "threshold N=2" in plan["lstm"], plan
+    f = torch.compile(m, backend=wfpass.backend(inner="aot_eager"))
+    with torch.no_grad():
+        for T in (12, 12, 2):
+            f(torch.randn(T, 3, 4))
+    recs = {r.params[0].split(".")[0]: r for r in wfpass.report(m).find("rnn", "rewritten")}
+    lstm, gru = recs["lstm"], recs["gru"]
+    assert "T=12: oneDNN LSTM (onednn_lstm_calls)" in lstm.reason and "T=2: per-step path (per_step_calls)" in lstm.reason
+    assert "threshold N=2" in lstm.reason
+    assert lstm.stats["onednn_lstm_calls"] == 2 and lstm.stats["per_step_calls"] == 1
+    assert "C++ GRU loop" in gru.reason or "ATen's GRU kernel" in gru.reason
+    assert gru.stats["per_step_calls"] == 1 and lstm.stats["fused_calls"] + lstm.stats["unfused_calls"] == 3
+
+
+def test_packed_rnn_row_names_its_kernel():
+    m = PackedEncoder()
+    f = torch.compile(m, backend=wfpass.backend(inner="aot_eager"))
+    with torch.no_grad():
+        f(torch.randn(3, 5, 4), torch.tensor([5, 2, 4]))
+    (row,) = [r for r in wfpass.report(m).find("rnn", "rewritten") if r.params[0].startswith("lstm")]
+    assert "T=variable: C++ packed-batch loop" in row.reason and row.stats["packed_loop_calls"] == 1

@@ -16,7 +16,11 @@ calls them while Dynamo traces.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import collections
+import functools
+import types
+import weakref
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -25,48 +29,113 @@ from .config import Config
 
 
 def wformat_config(compiler_fn) -> Optional[Config]:
-    """The ``Config`` of the wformat backend ``compiler_fn`` is, or None.
-    Dynamo holds a backend wrapped (``WrapBackendDebug`` around
+    """The ``Config`` of the wformat backend ``compiler_fn`` is or calls, or
+    None. Dynamo holds a backend wrapped (``WrapBackendDebug`` around
     ``_TorchCompileWrapper`` around ours, torch 2.13.0); backends built by
     ``wfpass.backend(...)`` carry their ``Config`` as ``.config`` (kept by
-    ``functools.wraps`` wrappers)."""
-    fn = compiler_fn
-    for _ in range(8):
-        if fn is None:
-            return None
-        cfg = getattr(fn, "config", None)
-        if isinstance(cfg, Config):
-            return cfg
-        fn = (
-            getattr(fn, "_torchdynamo_orig_backend", None)
-            or getattr(fn, "compiler_fn", None)
-            or getattr(fn, "__wrapped__", None)
-            # DistributedDataParallel: Dynamo compiles through the bound method
-            # DDPOptimizer.compile_fn, whose object holds our backend as
-            # ``backend_compile_fn`` (torch/_dynamo/backends/distributed.py, 2.13.0).
-            or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
-            # A plain function wrapping a wformat backend (``wfpass.explain``'s
-            # collector): the backend it closes over.
-            or _closed_over_backend(fn)
-        )
-    return None
+    ``functools.wraps`` wrappers). A user's backend that calls one is
+    searched for it (``_reachable``): where it holds it, however (a global
+    or closure variable its code names, an attribute, a
+    ``functools.partial`` argument, a callable object's ``__call__``)."""
+    return _search(compiler_fn)[0]
+
+
+def _search(root) -> Tuple[Optional[Config], bool]:
+    """(the first ``Config`` a wformat backend reachable from ``root``
+    carries, or None; whether anything reached is wfpass's: a backend that
+    calls wfpass in a way not followed here). Breadth first, at most
+    ``_BUDGET`` objects, so the nearest backend wins."""
+    queue, seen, mentions = [(root, 0)], set(), False
+    while queue and len(seen) < _BUDGET:
+        obj, depth = queue.pop(0)
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            cfg = getattr(obj, "config", None) if callable(obj) else None
+            if isinstance(cfg, Config):
+                return cfg, True
+            mentions = mentions or _is_wfpass(obj)
+            if depth < _DEPTH:
+                queue.extend((o, depth + 1) for o in _reachable(obj))
+        except Exception:  # a user's object that refuses to be looked at: not ours
+            continue
+    return None, mentions
+
+
+#: How many objects ``_search`` looks at from one backend, and how deep.
+_BUDGET, _DEPTH = 400, 8
+_SKIP = (torch.Tensor, torch.nn.Module, type, str, bytes, int, float, bool)
+
+
+def _is_wfpass(obj) -> bool:
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    return isinstance(name, str) and (name == "wfpass" or name.startswith("wfpass."))
+
+
+def _reachable(obj) -> list:
+    """What a backend ``obj`` may call its wformat backend through."""
+    if isinstance(obj, _SKIP) or isinstance(obj, types.ModuleType):
+        return []
+    if isinstance(obj, dict):
+        return list(obj.values())[:64]
+    if isinstance(obj, (list, tuple)):
+        return list(obj[:64])
+    out = [getattr(obj, a, None) for a in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__")]
+    # DistributedDataParallel: Dynamo compiles through the bound method
+    # DDPOptimizer.compile_fn, whose object holds the backend as
+    # ``backend_compile_fn`` (torch/_dynamo/backends/distributed.py, 2.13.0).
+    out.append(getattr(getattr(obj, "__self__", None), "backend_compile_fn", None))
+    plain = isinstance(obj, (types.FunctionType, types.MethodType))
+    origin = getattr(obj if plain else type(obj), "__module__", "")
+    if isinstance(origin, str) and (origin == "torch" or origin.startswith("torch.")):
+        return out  # PyTorch's own wrappers and backends: only the backend they wrap
+    if _is_wfpass(obj) and isinstance(obj, types.FunctionType):  # wfpass's own helpers: what they close over
+        return out + [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+    if isinstance(obj, functools.partial):
+        return out + [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, types.MethodType):
+        return out + [obj.__func__, obj.__self__]
+    if isinstance(obj, types.FunctionType):
+        return out + _function_refs(obj)
+    if callable(obj) and hasattr(obj, "__dict__"):  # a callable object: its attributes, its __call__'s names
+        call = getattr(type(obj), "__call__", None)
+        refs = _function_refs(call) if isinstance(call, types.FunctionType) else []
+        return out + list(vars(obj).values())[:64] + refs
+    return out
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _function_refs(fn: types.FunctionType) -> list:
+    """The objects ``fn``'s code can reach by name: its closure cells, the
+    globals its code names (``co_names``, nested functions' too) and, for a
+    module it names, those names as the module's attributes (``mod.backend``)."""
+    out = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
+    names, codes = [], [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names.extend(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    g = fn.__globals__
+    found = [g[n] for n in names if n in g]
+    for mod in (v for v in found if isinstance(v, types.ModuleType)):
+        out.extend(getattr(mod, n) for n in names if n != mod.__name__ and hasattr(mod, n))
+        if _is_wfpass(mod):
+            out.append(mod)
+    return out + [v for v in found if not isinstance(v, types.ModuleType)]
 
 
 def rnn_capture_wanted(compiler_fn) -> bool:
     """Is ``compiler_fn`` a wformat backend whose config runs ``fuse_rnn``?"""
     cfg = wformat_config(compiler_fn)
     return cfg is not None and cfg.runs("fuse_rnn")
-
-
-def _closed_over_backend(fn):
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            c = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if callable(c) and isinstance(getattr(c, "config", None), Config):
-            return c
-    return None
 
 
 def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> str:
@@ -92,28 +161,83 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     ``wfpass.rnn.capture``)."""
 
     def policy(compiler_fn, module, source_name: str) -> bool:
-        wanted = rnn_capture_wanted(compiler_fn)
-        if not wanted or module is None:
+        config, mentions = _search(compiler_fn)
+        wanted = config is not None and config.runs("fuse_rnn")
+        if module is None:
             return wanted
         path = _dynamo.module_name_from_source(source_name) if source_name else ""
+        if config is None:
+            _left_out(compiler_fn, module, path, mentions)
+            return False
+        if not wanted:
+            return False
         try:
             name_errors(module, path)
             _hooks.refresh_flat_weight_refs(module)
         except Exception:  # never break a trace over this: capture it unnamed
             return wanted
-        config = wformat_config(compiler_fn)
         why = _uncapturable_off_cpu(module, config)
-        if config is not None and not config.dry_run:  # explain() files nothing
+        if not config.dry_run:  # explain() files nothing
             note_seen(module, path, why)
         if why:
             # Left to a graph break: it runs eagerly, as without wfpass.
             return False
         return wanted
 
+    _NOTE_SEEN[0] = note_seen
     _hooks.install_rnn_capture(policy)
     # pack_padded_sequence / pad_packed_sequence go into the graph for the
     # same backends (wfpass.rnn.packed).
     _hooks.install_packed_capture(rnn_capture_wanted)
+
+
+# -- RNNs left out for a backend that calls wformat where wfpass cannot see it --------
+
+_NOTE_SEEN: list = [None]
+# (the backend Dynamo holds, the RNN, its path), held weakly, for RNNs Dynamo left
+# out of a trace for a backend wfpass did not recognise; the newest few.
+_LEFT_OUT: "collections.deque" = collections.deque(maxlen=64)
+
+
+def _left_out(compiler_fn, module: torch.nn.Module, path: str, mentions: bool) -> None:
+    """An RNN Dynamo leaves out of the graph for a backend in which no
+    wformat backend was found. If that backend turns out to call one (it
+    hands wfpass a graph: ``note_left_out``), or its code names wfpass,
+    the RNN gets a row saying it ran eagerly and why."""
+    try:
+        held = weakref.ref(compiler_fn)
+    except TypeError:  # not weakly referenceable: held while it is among the newest
+        held = (lambda fn: lambda: fn)(compiler_fn)
+    _LEFT_OUT.append((held, weakref.ref(module), path))
+    if mentions and _NOTE_SEEN[0] is not None:
+        _NOTE_SEEN[0](module, path, _unseen_why(compiler_fn))
+
+
+def note_left_out(report) -> None:
+    """Called by a wformat backend while it compiles: where Dynamo holds a
+    backend that wfpass did not recognise as one that calls wformat (this
+    call proves it does), the RNNs Dynamo left out of this trace for it get
+    a ``skipped`` row, in ``report`` and ``wfpass.report(model)``."""
+    fn = _dynamo.compiler_fn_of(_dynamo.current_tx())
+    if fn is None or _NOTE_SEEN[0] is None or not _LEFT_OUT:
+        return
+    for held, ref, path in list(_LEFT_OUT):
+        module = ref()
+        if held() is fn and module is not None:
+            rec = _NOTE_SEEN[0](module, path, _unseen_why(fn))
+            if rec is not None and not any(r is rec for r in report.records):
+                report.records.append(rec)
+
+
+def _unseen_why(compiler_fn) -> str:
+    fn = compiler_fn
+    for _ in range(4):  # Dynamo's wrappers around the user's backend
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None) or fn
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return (f"the torch.compile backend {name!r} calls a wformat backend that wfpass cannot find from it, so "
+            "Dynamo was not told to take RNNs into the graph; give it the wformat backend's options "
+            f"({name}.config = wformat_backend.config) or hold the wformat backend in a global, a closure, an "
+            "attribute or a functools.partial (README, 'Your own backend')")
 
 
 def install_item_break_probe(note_item_break: Callable) -> None:

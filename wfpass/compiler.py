@@ -20,12 +20,13 @@ import torch.fx as fx
 
 from ._torch import aot as _aot, dynamo as _dynamo
 from .bodies import run_in_bodies
+from .capture import note_left_out
 from .config import Config
 from .graph import PassContext
 from .history import last_report, set_last
 from .passes import run_passes
 from .records import Report
-from .runtime import file_report, guarded_call
+from .runtime import file_report, guarded_call, rename, state_names
 
 __all__ = ["backend", "wformat", "last_report", "compile_with_report"]
 
@@ -84,21 +85,32 @@ def compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequ
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
     run_in_bodies(gm, ctx)
+    module = None
     if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
-        _publish(report, ctx)
+        note_left_out(report)  # RNNs Dynamo left out for a backend that calls this one where wfpass did not see it
+        module = _publish(report, ctx)
     compiled = _resolve_inner(config.inner, settings)(gm, ctx.compile_inputs())
-    return _settle(compiled, ctx, original), report
+    compiled = _settle(compiled, ctx, original)
+    if module is not None:
+        # The rows name the tensors as the module called does (the wrapper's
+        # names for a wrapped model), after the moves that waited for the
+        # inner compiler noted them under the graph's names.
+        rename(report.records, state_names(module))
+    return compiled, report
 
 
-def _publish(report: Report, ctx: PassContext) -> None:
+def _publish(report: Report, ctx: PassContext):
     """``report`` as ``last_report()``, and filed under the tensors it
-    concerns (``wfpass.report(model)``)."""
-    set_last(report, *_dynamo.compile_origin())
+    concerns (``wfpass.report(model)``); returns the ``nn.Module`` whose
+    call Dynamo is compiling, or None."""
+    origin, continues, call, module = _dynamo.compile_origin()
+    set_last(report, origin, continues, call)
     # Parameters Dynamo kept as graph attributes (Inductor's freezing=True)
     # are not inputs; their records are filed under them too.
     attrs = {r.name: r.tensor for r in (ctx.resolve(n) for n in ctx.gm.graph.nodes if n.op == "get_attr")
              if r is not None and r.is_state}
     file_report(report, {**attrs, **{r.name: r.tensor for r in ctx.state_tensors()}})
+    return module
 
 
 def _settle(compiled: Callable, ctx: PassContext, original: fx.GraphModule) -> Callable:

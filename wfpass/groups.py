@@ -2,20 +2,21 @@
 format sets them up (``linear/rewrite.py``, ``rnn/rewrite.py``).
 
 ``find_layout``: the layout these very tensors already have (a recompile,
-an idempotent re-run, a lost layout fused again); ``group_record``: that
-layout's record, which every graph rewriting the same parameters shares, or
-a new one; ``open_site``: the site's counters, and the layout it starts
-from, adopted, or the members fused (now, after the inner compile, or not).
+an idempotent re-run, a lost layout fused again); ``group_record``: the
+record of the same decision on these parameters, which every graph that
+decides so shares, or a new one; ``open_site``: the site's counters, and the
+layout it starts from, adopted, or the members fused (now, after the inner
+compile, or not).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from .graph import PassContext
-from .records import Record
-from .runtime import GroupSite, note
+from .records import Record, decision
+from .runtime import GroupSite, note, records_of, tracked_ids
 from .storage import FusedStorage, fuse, layout_of_set, re_fuse
 
 __all__ = ["find_layout", "group_record", "open_site"]
@@ -55,15 +56,41 @@ def find_layout(tensors: Sequence[torch.Tensor], key,
     return fs
 
 
-def group_record(ctx: PassContext, fs: Optional[FusedStorage], pattern: str, new: Callable[[], Record]) -> Record:
-    """The group's record: the record of its layout ``fs`` when that is one
-    of ``pattern`` (the same parameters in another graph: a recompile, a
-    graph break; one record, whose counters add up over every graph), listed
-    in this graph's report too; else ``new()``."""
-    if fs is not None and fs.record is not None and fs.record.pattern == pattern:
-        ctx.report.records.append(fs.record)
-        return fs.record
-    return new()
+def group_record(ctx: PassContext, fs: Optional[FusedStorage], pattern: str, new: Callable[[], Record],
+                 decided: Any = None, tensors: Sequence[torch.Tensor] = ()) -> Record:
+    """The group's record: the record that made the same decision on the
+    same parameters (in another graph: a recompile, a graph break; before
+    ``wfpass.restore``), one record whose counters add up over every graph,
+    listed in this graph's report too; else ``new()``. ``decided``: what
+    this graph decided (``records.decision``); by default the pattern, the
+    action and the new record's detail as ``new()`` writes it, so compiles
+    with other options (a threshold, a path) get rows of their own.
+    ``tensors``: the group's (by default, those ``new()``'s params name)."""
+    rec = None
+    if decided is None:
+        rec = new()
+        decided = decision(rec.pattern, rec.action, _public(rec.detail))
+    cands = [fs.record, *fs.records.values()] if fs is not None else []
+    if not tensors and rec is not None:
+        state = dict(ctx.named_state())
+        tensors = [state[n] for n in rec.params if n in state]
+    if tensors:  # the layout may be gone (wfpass.restore): the rows filed under the tensors
+        ids = {id(t) for t in tensors}
+        cands += [r for r in records_of(tensors[0]) if tracked_ids(r) == ids]
+    for cand in cands:
+        if cand is not None and cand.pattern == pattern and cand.decision is decided:
+            if rec is not None:  # the same decision: the row there is, not a new one
+                ctx.report.records[:] = [r for r in ctx.report.records if r is not rec]
+            ctx.report.records.append(cand)
+            return cand
+    if rec is None:
+        rec = new()
+    rec.decision = decided
+    return rec
+
+
+def _public(detail: dict) -> dict:
+    return {k: v for k, v in detail.items() if not k.startswith("_")}
 
 
 def open_site(ctx: PassContext, site: GroupSite, fs: Optional[FusedStorage], members: Sequence[torch.Tensor],
@@ -80,7 +107,10 @@ def open_site(ctx: PassContext, site: GroupSite, fs: Optional[FusedStorage], mem
     for c in site.counter + ("fallback_calls", "re_fused"):
         record.stats.setdefault(c, 0)
     if fs is not None:
-        fs.record = record
+        if fs.record is None or fs.record.decision is record.decision or fs.record.pattern != record.pattern:
+            fs.record = record
+        else:  # the layout's record decided otherwise: this decision's row beside it
+            fs.records[record.decision] = record
         site.adopt(fs, members, extra)
     elif move == "never":
         note(record, site.names, members)

@@ -46,8 +46,12 @@ def last_report() -> Report:
     if len(_LAST) == 1:
         return _LAST[0]
     merged = Report(f"wfpass report ({len(_LAST)} graphs of one call, split by Dynamo)")
+    seen = set()
     for r in _LAST:
-        merged.extend(r)
+        for rec in r.records:
+            if id(rec) not in seen:  # a group read by several graphs of the call: one row
+                seen.add(id(rec))
+                merged.records.append(rec)
     return merged
 
 

@@ -12,89 +12,15 @@ import shutil
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Record", "Report", "Stats", "terminal_width"]
+from .stats import Stats
+
+__all__ = ["Record", "Report", "Stats", "decision", "terminal_width"]
 
 log = logging.getLogger("wfpass")
 
 
 #: ``"would rewrite"`` is a dry run's (``wfpass.explain``) word for ``"rewritten"``.
 ACTIONS = ("rewritten", "skipped", "would rewrite")
-
-
-class Stats(dict):
-    """A record's counters: a dict that first adds what counters kept
-    outside Python (the C++ kernels', ``wfpass/_torch/native``) hold, whenever it
-    is read. ``pull`` adds such a source: a callable that returns
-    ``{counter: calls since its last call}``, or None once its source is
-    gone (then it is dropped)."""
-
-    __slots__ = ("_pulls",)
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self._pulls: list = []
-
-    def pull(self, fn) -> None:
-        self._pulls.append(fn)
-
-    def add(self, counts: Dict[str, int]) -> None:
-        """Add ``counts`` to the counters (without pulling first)."""
-        for k, n in counts.items():
-            if n:
-                dict.__setitem__(self, k, dict.get(self, k, 0) + n)
-
-    def _sync(self) -> None:
-        if not self._pulls:
-            return
-        keep = []
-        for fn in self._pulls:
-            got = fn()
-            if got is None:
-                continue
-            keep.append(fn)
-            self.add(got)
-        self._pulls[:] = keep
-
-    def __getitem__(self, k):
-        self._sync()
-        return dict.__getitem__(self, k)
-
-    def get(self, k, default=None):
-        self._sync()
-        return dict.get(self, k, default)
-
-    def items(self):
-        self._sync()
-        return dict.items(self)
-
-    def values(self):
-        self._sync()
-        return dict.values(self)
-
-    def keys(self):
-        self._sync()
-        return dict.keys(self)
-
-    def __iter__(self):
-        self._sync()
-        return dict.__iter__(self)
-
-    def __eq__(self, other):
-        self._sync()
-        return dict.__eq__(self, other)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        self._sync()
-        return dict.__repr__(self)
-
-    def copy(self) -> Dict[str, int]:
-        self._sync()
-        return dict(dict.items(self))
-
-    def __reduce__(self):
-        return (dict, (self.copy(),))
 
 
 @dataclasses.dataclass
@@ -111,11 +37,40 @@ class Record:
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"Record.action must be one of {ACTIONS}, got {self.action!r}")
+        if not isinstance(self.stats, Stats):
+            self.stats = Stats(self.stats)
+        #: What this row decided (``decision(...)``): two compiles of the same
+        #: parameters share a row only where they decided the same.
+        self.decision: Any = None
 
     def bump(self, counter: str, n: int = 1) -> None:
-        # Kernels call this on the hot path; a dict update under the GIL is
-        # atomic enough for counters and far cheaper than a lock.
-        self.stats[counter] = self.stats.get(counter, 0) + n
+        """Count ``n`` on ``counter``; safe from many threads (``stats.Stats``)."""
+        self.stats.bump(counter, n)
+
+    def named(self, names: Dict[int, str]) -> "Record":
+        """A view of this record whose ``params`` are the names ``names``
+        (``id(tensor) -> name``, a model's ``named_parameters``) gives the
+        tensors it concerns, each tensor once; a name whose tensor is not
+        known stays as it is. The view shares the live ``stats``."""
+        tracked = self.detail.get("_tensors") or {}
+        aliases = self.detail.get("_aliases") or {}  # FSDP2: the sharded Parameter of an unsharded one
+        params: List[str] = []
+        seen = set()
+        for p in self.params:
+            name, key = p, ("name", p)
+            for refs in (tracked, aliases):
+                r = refs.get(p)
+                member = r() if r is not None else None
+                if member is not None and id(member) in names:
+                    name, key = names[id(member)], ("tensor", id(member))
+                    break
+            if key not in seen:
+                seen.add(key)
+                params.append(name)
+        view = Record(self.pattern, self.action, self.reason, params,
+                      detail={k: v for k, v in self.detail.items() if not k.startswith("_")})
+        view.stats, view.decision = self.stats, self.decision  # the live counters, not a copy
+        return view
 
     def __getstate__(self):
         # Private detail (weak references to the tensors a record concerns)
@@ -133,6 +88,30 @@ class Record:
             "stats": dict(self.stats.items()),
             "detail": _jsonable({k: v for k, v in self.detail.items() if not k.startswith("_")}),
         }
+
+
+#: decision key -> itself: equal decisions are one object, compared with ``is``.
+_DECISIONS: Dict[Any, Any] = {}
+
+
+def decision(*parts: Any) -> Any:
+    """The token of a decision made of ``parts`` (hashable, or dicts and
+    lists of them): equal decisions give the same object, so the per-call
+    path tells them apart with ``is``."""
+    key = _frozen(parts)
+    return _DECISIONS.setdefault(key, key)
+
+
+def _frozen(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return tuple(sorted(((str(k), _frozen(v)) for k, v in obj.items()), key=lambda kv: kv[0]))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_frozen(v) for v in obj)
+    try:
+        hash(obj)
+    except TypeError:
+        return repr(obj)
+    return obj
 
 
 def _jsonable(obj: Any) -> Any:

@@ -26,15 +26,19 @@ layouts and moves none of them again.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._torch import distributed as _distributed, tensors as _tensors
-from .records import Record, Report
+from .notes import (file_report, model_report, note, note_provisional, rename, records_of, state_names, tracked_ids,
+                    unnote)
+from .records import Record
 from .storage import FusedStorage, entry_by_id, first_sharing_problem, fuse, layout_of, layout_of_set, re_fuse
 
-__all__ = ["GroupSite", "guarded_call", "note", "file_report", "model_report"]
+__all__ = ["GroupSite", "guarded_call", "Group", "Bound",
+           # filed by tensor (``notes``), here for the formats that import them from the runtime
+           "note", "note_provisional", "file_report", "unnote", "model_report", "rename", "records_of", "state_names",
+           "tracked_ids"]
 
 
 class GroupSite:
@@ -79,7 +83,7 @@ class GroupSite:
                 return fs
             # Our own layout, lost: ``param.data = ...``, ``.to()`` and back.
             if self._movable(members, others) is None and re_fuse(fs, members):
-                fs.record.bump("re_fused")
+                self.record_of(fs).bump("re_fused")
                 return fs
             return None
         for m in members:
@@ -105,6 +109,26 @@ class GroupSite:
         if self.extra_idx and args:
             note(record, self.extra_names, [args[i] for i in self.extra_idx])
         return fs
+
+    def record_of(self, fs: FusedStorage) -> Record:
+        """The record that counts this site's calls on the set in ``fs``:
+        the layout's own record where it decided what this site decided,
+        else the record of this site's decision for that set (one per
+        decision and set: another compile that decided differently, e.g.
+        another path, has its own row and counters)."""
+        rec = fs.record
+        if rec is None:
+            fs.record = rec = self.record
+        dec = self.record.decision
+        if rec.decision is dec:
+            return rec
+        other = fs.records.get(dec)
+        if other is None:
+            members = fs.members
+            other = self._record_for(members) if all(m is not None for m in members) else self.record
+            other = fs.records.setdefault(dec, other)
+            note(other, self.names, members)
+        return other
 
     def _movable(self, members, others) -> Optional[str]:
         return first_sharing_problem(zip(self.names, members), others, allowed=members)
@@ -144,6 +168,7 @@ class GroupSite:
             return self.record
         rec = Record(self.record.pattern, self.record.action, self.record.reason, list(self.names),
                      detail={k: v for k, v in self.record.detail.items() if not k.startswith("_")})
+        rec.decision = self.record.decision
         for k in self.record.stats:
             rec.stats.setdefault(k, 0)
         return rec
@@ -166,7 +191,7 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
     """The callable the backend returns: per-call layout checks, then the
     compiled graph, or the fallback graph when a group that the compiled graph
     reads as a block cannot be laid out for this call."""
-    plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block) for s in sites]
+    plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block, s.record.decision) for s in sites]
     owner_get = entry_by_id
 
     def others(args):
@@ -174,7 +199,7 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
 
     def call(*args):
         ok = True
-        for site, idx, i0, key, counter, reads in plan:
+        for site, idx, i0, key, counter, reads, dec in plan:
             entry = owner_get(id(args[i0]))
             fs = entry[1] if entry is not None else None
             if fs is None or fs.key != key or fs.ptrs != tuple([args[i].data_ptr() for i in idx]):
@@ -186,137 +211,22 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
                     else:
                         site.record.bump("unfused_layout_calls")
                     continue
-            stats = fs.record.stats
-            for c in counter:
-                stats[c] = stats.get(c, 0) + 1
+            if counter:
+                # Counted without a lock and without losing a call to another
+                # thread: one ``next`` per counter (``stats.Stats.ticker``).
+                rec = fs.record
+                if rec is None or rec.decision is not dec:
+                    rec = site.record_of(fs)
+                stats = rec.stats
+                ticks = stats.by_names.get(counter) or stats.tickers(counter)
+                for t in ticks:
+                    next(t)
         if ok:
             return compiled(*args)
         return fallback(*args)
 
     call._wfpass_sites = list(sites)  # type: ignore[attr-defined]
     return call
-
-
-# -- records, by the tensors they concern ---------------------------------------
-
-# tensor -> the records that concern it. Weak keys: a deleted model's records go with it.
-_NOTES = _tensors.weak_id_key_dict()
-
-
-def note(record: Record, names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]]) -> None:
-    """File ``record`` under each of ``tensors`` (for ``wfpass.report(model)``),
-    remembering which of the record's ``params`` names each one is, so the
-    model's report can show it under the model's own name. A record for the
-    same decision on the same tensors (a recompile taking it again) replaces
-    the older one: a model's report does not grow with recompiles."""
-    refs = record.detail.setdefault("_tensors", {})
-    for n, t in zip(names, tensors):
-        if isinstance(t, torch.Tensor):
-            refs[n] = weakref.ref(t)
-            if n not in record.params:
-                record.params.append(n)
-    sig = (record.pattern, record.action, record.reason, tuple(record.params))
-    provisional = record.detail.get("_provisional", False)
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        recs = _NOTES.get(t)
-        if recs is None:
-            _NOTES[t] = recs = []
-        if any(r is record for r in recs):
-            continue
-        recs[:] = [r for r in recs if (r.pattern, r.action, r.reason, tuple(r.params)) != sig
-                   and not (r.detail.get("_provisional") and r.pattern == record.pattern and not provisional)]
-        recs.append(record)
-
-
-def note_provisional(pattern: str, reason: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-    """A skip record that stands until a pass files a real one for the same
-    tensors and pattern (``note`` drops it then): for calls Dynamo saw but
-    may never hand to a backend. Not filed where a record already exists."""
-    if any(any(r.pattern == pattern for r in _NOTES.get(t, ())) for t in tensors if isinstance(t, torch.Tensor)):
-        return
-    rec = Record(pattern, "skipped", reason, list(names), detail={"_provisional": True})
-    note(rec, names, tensors)
-
-
-def file_report(report: Report, tensors: Dict[str, torch.Tensor]) -> None:
-    """File every record of a compile under the tensors its ``params`` name
-    (``tensors``: name -> tensor of the graph's parameters and buffers), so
-    ``wfpass.report(model)`` shows skips and rewrites of every format."""
-    sharded = {}
-    if _distributed.fsdp2_modules():
-        # FSDP2: the graph saw the unsharded Parameters, which FSDP frees
-        # after the forward; file the records under the sharded ones too,
-        # which ``model.named_parameters()`` holds.
-        for n, t in tensors.items():
-            s = _distributed.fsdp2_sharded_of(t)
-            if s is not None:
-                sharded[n] = s
-    for rec in report.records:
-        found = [(n, tensors[n]) for n in rec.params if n in tensors]
-        if found:
-            note(rec, [n for n, _ in found], [t for _, t in found])
-        shards = [(n, sharded[n]) for n in rec.params if n in sharded]
-        if shards:
-            _note_also(rec, [t for _, t in shards])
-            aliases = rec.detail.setdefault("_aliases", {})
-            for n, t in shards:
-                aliases[n] = weakref.ref(t)
-
-
-def unnote(record: Record, tensors: Sequence[torch.Tensor]) -> None:
-    """Withdraw ``record`` from ``tensors`` (a later decision replaced it)."""
-    for t in tensors:
-        recs = _NOTES.get(t)
-        if recs:
-            recs[:] = [r for r in recs if r is not record]
-
-
-def _note_also(record: Record, tensors: Sequence[torch.Tensor]) -> None:
-    """File ``record`` under more tensors without changing the names it tracks."""
-    for t in tensors:
-        recs = _NOTES.get(t)
-        if recs is None:
-            _NOTES[t] = recs = []
-        if not any(r is record for r in recs):
-            recs.append(record)
-
-
-def model_report(model: torch.nn.Module) -> Report:
-    """Everything wfpass did to ``model``'s parameters and buffers, across every
-    graph, recompile and graph break: one row per decision, named with the
-    model's own ``named_parameters`` / ``named_buffers`` names, live counters."""
-    names: Dict[int, str] = {}
-    tensors: List[torch.Tensor] = []
-    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        if id(t) not in names:
-            names[id(t)] = n
-            tensors.append(t)
-    out = Report(f"wfpass report for {type(model).__name__} (every graph, recompile and graph break)")
-    seen = set()
-    for t in tensors:
-        for rec in _NOTES.get(t, ()):
-            if id(rec) in seen:
-                continue
-            seen.add(id(rec))
-            tracked = rec.detail.get("_tensors") or {}
-            aliases = rec.detail.get("_aliases") or {}  # FSDP2: the sharded Parameter of an unsharded one
-            params = []
-            for p in rec.params:
-                name = None
-                for refs in (tracked, aliases):
-                    r = refs.get(p)
-                    member = r() if r is not None else None
-                    if member is not None and id(member) in names:
-                        name = names[id(member)]
-                        break
-                params.append(name or p)
-            view = Record(rec.pattern, rec.action, rec.reason, params,
-                          detail={k: v for k, v in rec.detail.items() if not k.startswith("_")})
-            view.stats = rec.stats  # the live counters, not a copy
-            out.records.append(view)
-    return out
 
 
 # -- eager call targets (``wfpass.apply`` graphs, hooks) ---------------------------

@@ -158,7 +158,7 @@ class FusedStorage:
     ``key`` says which layout this is (format, sizes, offsets); a compiled
     graph reads a block only through a layout with its own key. ``record``
     is the report record of this set of parameters: its counters add up over
-    every graph that runs with them.
+    every graph that runs with them and decided the same (``records``).
     """
 
     def __init__(self, kind: str, block: torch.Tensor, names: Sequence[str], members: Sequence[torch.Tensor],
@@ -166,6 +166,7 @@ class FusedStorage:
         self.kind = kind
         self.key = key if key is not None else (kind, tuple(offsets), tuple(tuple(m.shape) for m in members))
         self.record = record
+        self.records: dict = {}  # decision -> the rows of compiles that decided otherwise
         self.names = list(names)
         self.offsets = list(offsets)
         self.shapes = [tuple(m.shape) for m in members]

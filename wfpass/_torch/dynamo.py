@@ -143,8 +143,10 @@ def compile_origin() -> tuple:
     (torch/_dynamo/convert_frame.py); a continuation has the user's code
     there. (Those file and function names, and ``CompileContext.
     current_compile_id``, are private; torch 2.13.0.) Third: the call's
-    tensor arguments, to check that a continuation belongs to the same call
-    as the graphs before it. ``(None, False, ())`` outside Dynamo."""
+    tensor arguments (positional and keyword), to check that a continuation
+    belongs to the same call as the graphs before it; fourth: the
+    ``nn.Module`` called (None for a function), whose names the report
+    uses. ``(None, False, (), None)`` outside Dynamo."""
     import sys
 
     try:
@@ -154,18 +156,22 @@ def compile_origin() -> tuple:
         # torch._dynamo.reset(). The caller keeps it, so it cannot be reused.
         cid = CompileContext.try_get()
     except Exception:
-        return None, False, ()
-    frame, seen_callback, continues, call = sys._getframe(1), False, False, ()
+        return None, False, (), None
+    frame, seen_callback, continues, call, module = sys._getframe(1), False, False, (), None
     while frame is not None:
         fname = frame.f_code.co_filename.replace("\\", "/")
         if fname.endswith("torch/_dynamo/convert_frame.py"):
             seen_callback, continues = True, False
         elif seen_callback:
             if fname.endswith("torch/_dynamo/eval_frame.py") and frame.f_code.co_name == "compile_wrapper":
-                # The call's tensor arguments tell two calls apart (frame
-                # objects are not weak-referenceable and their ids are reused).
-                args = frame.f_locals.get("args") or ()
-                call = tuple(a for a in args if isinstance(a, torch.Tensor))
+                # The call's tensor arguments, positional and keyword (HF
+                # models are called ``model(**inputs)``), tell two calls
+                # apart (frame objects are not weak-referenceable and their
+                # ids are reused); the module called, for its names.
+                local = frame.f_locals
+                call = tuple(_tensors_in((local.get("args") or (), local.get("kwargs") or {})))
+                module = getattr(local.get("fn"), "__self__", None)
+                module = module if isinstance(module, torch.nn.Module) else None
                 break
             if not fname.endswith("torch/nn/modules/module.py"):
                 continues = True
@@ -175,7 +181,19 @@ def compile_origin() -> tuple:
     del frame
     # A restarted analysis (attempt + 1) compiles the same graph again: a new
     # report, not a second graph of the call.
-    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues, call
+    return ((cid, getattr(cid, "attempt", None)) if cid is not None else None), continues, call, module
+
+
+def _tensors_in(obj, depth: int = 0):
+    """The tensors in a call's arguments: in tuples, lists and dicts too."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
 
 
 def clone_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

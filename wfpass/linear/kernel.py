@@ -144,7 +144,7 @@ class EagerBlock(_EagerSite):
         if fs is None:
             self.site.record.bump("fallback_calls")
             return torch.cat([m.detach().reshape(m.shape[0], -1) if self.cols else m.detach() for m in members], 0)
-        [fs.record.bump(c) for c in self.site.counter]
+        [self.site.record_of(fs).bump(c) for c in self.site.counter]
         shape, stride = ((self.rows, self.cols), (self.cols, 1)) if self.cols else ((self.rows,), (1,))
         return torch.as_strided(members[0].detach(), shape, stride, 0)
 
@@ -161,5 +161,5 @@ class EagerLayoutCheck(_EagerSite):
         if fs is None:
             self.site.record.bump("unfused_layout_calls")
         else:
-            [fs.record.bump(c) for c in self.site.counter]
+            [self.site.record_of(fs).bump(c) for c in self.site.counter]
         return None

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import PassContext, meta_value
-from ..records import Record
+from ..records import Record, decision
 from ..runtime import GroupSite
 from ..storage import FusedStorage
 from ..groups import find_layout, group_record, open_site
@@ -33,11 +33,12 @@ def _note_path(record, why: str, counter: str) -> None:
     several graphs names every path they took."""
     cond, _, what = why.partition(": ")
     paths = record.detail.setdefault("paths", {})
-    paths[cond] = f"{what} ({counter})"
+    paths[cond] = f"{what} ({counter})" if what else f"({counter})"
     text = record.detail.get("_text")
     if text is not None:
         head, tail = text
-        record.reason = f"{head}; " + "; ".join(f"{c}: {w}" for c, w in paths.items()) + tail
+        parts = (f"{c}: {w}" if w[0] != "(" else f"{c} {w}" for c, w in paths.items())
+        record.reason = f"{head}; " + "; ".join(parts) + tail
 
 
 def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
@@ -133,21 +134,34 @@ def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: S
 
 def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Optional[FusedStorage], biases) -> Record:
     """The group's record, its text naming the path this graph took. The
-    same parameters in another graph (a recompile, a graph break) keep one
-    record, whose counters add up over every graph, and whose text names
-    every path those graphs took."""
+    same parameters in another graph compiled with the same options (a
+    recompile, a graph break) keep one record, whose counters add up over
+    every such graph, and whose text and ``detail["path"]`` name every path
+    those graphs took."""
     bias_note = "" if m.fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
     counter = {"fused": "fused_calls", "split": "split_calls"}[m.path]
 
     def new() -> Record:
-        how = "storage already fused (idempotent re-run)" if fs is not None else "weights moved into one block"
+        how = "weights already in one block (an earlier compile or run)" if fs is not None else "weights moved into one block"
         head = f"{len(m.sites)} linears ({'+'.join(map(str, layout.sizes))} rows): {how}"
         record = ctx.report.add("linear", "rewritten", f"{head}; {m.why}{bias_note}{m.region}", m.params, **m.detail)
         record.detail["_text"] = (head, bias_note + m.region)
         return record
 
-    record = group_record(ctx, fs, "linear", new)
+    # One row per decision: compiles with the same options share it (their
+    # row counts may take both paths: the row names each, with its
+    # counter); another ``linear.path`` or ``fused_max_rows`` has its own.
+    opts = ctx.config.linear
+    decided = decision("linear", opts.path, opts.fused_max_rows if opts.path == "auto" else None,
+                       m.detail.get("bias_layout"))
+    record = group_record(ctx, fs, "linear", new, decided=decided, tensors=[s.weight.tensor for s in m.sites] + biases)
     _note_path(record, m.why, counter)
+    taken = str(record.detail.get("path"))
+    if m.path not in taken.split("+"):  # the paths this row's graphs took, in the order first taken
+        record.detail["path"] = f"{taken}+{m.path}"
+    rows = record.detail.get("rows")
+    if m.detail["rows"] not in (rows if isinstance(rows, list) else [rows]):  # several graphs' row counts: all of them
+        record.detail["rows"] = (rows if isinstance(rows, list) else [rows]) + [m.detail["rows"]]
     return record
 
 

@@ -301,7 +301,7 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
         if kernel != "plain":
             c = _fresh(s, weights, rows, kernel, m)
             if c is not None:
-                s.record.stats["packed_calls"] += 1
+                s.record.bump("packed_calls")
                 bias = _whole(biases, rows, s)
                 if kernel == "mkl":
                     y = _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m)
@@ -312,7 +312,7 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                 return y if y.is_contiguous() else y.contiguous()
         elif chosen == "plain" and _native.is_loaded():
             _hand_to_native(s, m, kernel, None, weights, rows)
-        s.record.stats["plain_calls"] += 1
+        s.record.bump("plain_calls")
     y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
     return y if y.is_contiguous() else y.contiguous()
 

@@ -39,7 +39,7 @@ from ..rnn import packed as _packed
 from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
-from ..rnn.rewrite import rewrite_call
+from ..rnn.rewrite import planned_kernels, rewrite_call
 
 __all__ = ["FuseRnn", "RNN_FUNCTIONS"]
 
@@ -79,6 +79,8 @@ class FuseRnn(Format):
             s.plan += ("; variable lengths (a packed batch): " +
                        ("one cuDNN call in packed mode" if on_cuda else
                         "one C++ loop per layer and direction over each sequence's valid steps"))
+        if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
+            s.plan += planned_kernels(s)
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
                         bidirectional=spec.bidirectional, block_elements=spec.numel)
         return None

@@ -58,17 +58,18 @@ def unname_errors(module: nn.Module) -> bool:
     return undone
 
 
-def note_seen(module: nn.RNNBase, path: str, why: str = "") -> None:
+def note_seen(module: nn.RNNBase, path: str, why: str = ""):
     """File a provisional record for an RNN Dynamo is about to inline for a
     wformat backend. If the call reaches a graph, the pass's own record
     replaces it; if it never does (a ``PackedSequence`` input: Dynamo breaks
     on ``pack_padded_sequence`` and again inside ``forward``, and no backend
     is called for that code), ``wfpass.report(model)`` still says so.
-    ``why``: wfpass itself left the call out of the graph, for this reason."""
+    ``why``: wfpass itself left the call out of the graph, for this reason.
+    Returns the record (``runtime.note_provisional``)."""
     own = flat_weight_names(module)  # public attributes: subclasses of nn.LSTM too
     names = [f"{path}.{n}" if path else n for n in own]
     label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
     reason = (f"{label}: left out of the compiled graph ({why}): it runs eagerly, unchanged" if why else
               f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
               "input, or a graph break inside the RNN): it runs eagerly, unchanged")
-    note_provisional("rnn", reason, names, [getattr(module, n) for n in own])
+    return note_provisional("rnn", reason, names, [getattr(module, n) for n in own])

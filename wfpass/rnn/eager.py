@@ -59,7 +59,7 @@ class RnnModuleCall:
         if fs is None:
             rec.bump("unfused_layout_calls")
         else:
-            rec = fs.record
+            rec = site.record_of(fs)
         hx_list = list(hx) if lstm else [hx]
         train = mod.training
         ws, has_b = weights, spec.has_biases
@@ -108,7 +108,7 @@ class CellLoopCall:
 
         hx = [state(h0s), state(c0s)] if lstm else [state(h0s)]
         fs = site.find(weights)
-        rec = site.record if fs is None else fs.record
+        rec = site.record if fs is None else site.record_of(fs)
         if fs is None:
             rec.bump("unfused_layout_calls")
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (X, *hx, *weights))

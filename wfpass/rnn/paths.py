@@ -47,7 +47,7 @@ from . import native_layer  # registers wfpass::rnn_layer, which native_path cal
 from .cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "no_onednn_reason",
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "kernel_words", "no_onednn_reason",
            "paths_differ", "RnnForward"]
 
 
@@ -222,6 +222,26 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
         # one-layer nn.RNN whose h_n is read (seen under Inductor).
         return "loop"
     return "aten"
+
+
+def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
+    """The kernel a path runs, in words a user knows, and the counter its
+    calls are counted in: ``("oneDNN LSTM", "onednn_lstm_calls")``."""
+    if path == "mkldnn":
+        return "oneDNN LSTM", "onednn_lstm_calls"
+    if path == "cudnn":
+        return "cuDNN", "cudnn_calls"
+    if path == "packed":
+        return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
+    if path == "loop":
+        return "per-step path", "per_step_calls"
+    if path == "native":
+        from .._torch import native as _native
+
+        if spec.mode == "GRU" and x.dtype in (torch.float32, torch.float64) and _native.is_loaded():
+            return "C++ GRU loop", "cxx_gru_calls"
+        return f"ATen's {'GRU' if spec.mode == 'GRU' else 'RNN'} kernel", "aten_rnn_calls"
+    return "ATen's ops (the RNN decomposed)", "aten_calls"
 
 
 def no_onednn_reason(spec: RnnSpec, x: torch.Tensor) -> Optional[str]:

@@ -26,10 +26,10 @@ from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
 from .packed import PackedRnnForward
-from .paths import RnnForward, choose_path, no_onednn_reason
+from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
-__all__ = ["rewrite_call", "new_group"]
+__all__ = ["rewrite_call", "new_group", "note_kernel", "planned_kernels"]
 
 
 def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
@@ -118,9 +118,10 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     record.detail.setdefault("paths", {})["T=variable"] = path
     record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")
+    kernel = note_kernel(record, spec, path, s.weights[0].tensor, "T=variable")
     if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
         site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
-        site.counter = ("fused_calls",)
+        site.counter = ("fused_calls", kernel)
         ctx.add_site(site)
     with g.inserting_before(s.node):
         return g.call_function(PackedRnnForward(spec, path, bool(s.consts[3])), (s.x, s.batch_sizes, s.hx, *w_nodes))
@@ -143,12 +144,45 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
     record.stats.setdefault("fused_calls", 0)
     record.stats.setdefault("unfused_calls", 0)
-    record.detail.setdefault("paths", {})[f"T={steps if steps is not None else 'symbolic'}"] = path
+    bucket = f"T={steps if steps is not None else 'symbolic'}"
+    record.detail.setdefault("paths", {})[bucket] = path
+    kernel = note_kernel(record, spec, path, ref, bucket, n)
     if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
         site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
-        site.counter = (counter,)
+        site.counter = (counter, kernel)
         ctx.add_site(site)
     return path
+
+
+def planned_kernels(s: RnnCall) -> str:
+    """What a dry run (``wfpass.explain``) says about the call's kernel:
+    ``"; T=12: oneDNN LSTM; threshold N=2"``, as the row will once it runs."""
+    spec = s.spec
+    v = meta_value(s.x)
+    ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
+    if s.batch_sizes is not None:
+        on_cuda = ref.device.type == "cuda" and spec.options.cuda == "cudnn"
+        return f"; T=variable: {kernel_words(spec, 'cudnn' if on_cuda else 'packed', ref)[0]}"
+    steps = _static_steps(s)
+    if spec.threshold == "auto":
+        return f"; threshold N measured when compiled (seq_threshold='auto')"
+    words = kernel_words(spec, choose_path(spec, ref, steps, spec.threshold), ref)[0]
+    return f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
+
+
+def note_kernel(record, spec: RnnSpec, path: str, x: torch.Tensor, bucket: str, n=None) -> str:
+    """Write into the row, once per length bucket, the kernel that runs
+    there in words (``T=12: oneDNN LSTM (onednn_lstm_calls)``) and, once,
+    the threshold N; returns the counter of that kernel's calls."""
+    words, counter = kernel_words(spec, path, x)
+    record.stats.setdefault(counter, 0)
+    kernels = record.detail.setdefault("kernels", {})
+    if kernels.get(bucket) != words:
+        kernels[bucket] = words
+        record.reason += f"; {bucket}: {words} ({counter})"
+    if n is not None and "threshold N=" not in record.reason:
+        record.reason += f"; threshold N={n} (T <= N takes the per-step path)"
+    return counter
 
 
 def _module_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
