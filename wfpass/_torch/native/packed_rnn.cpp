@@ -1,7 +1,7 @@
 // CPU kernels of wfpass::packed_layer and wfpass::packed_layer_backward:
 // one layer and one direction of an LSTM / GRU / plain RNN over a packed
 // batch (PackedSequence layout). The op, its fakes, its autograd formula and
-// its Python kernels are in wfpass/rnn/packed_layer.py, which says what it
+// its Python kernels are in wfpass/rnn/packed_layer_py.py and packed_layer_py_backward.py, which says what it
 // computes and lays out the workspace; these are the same steps, the same
 // ATen calls in the same order (the same numbers, bit for bit, checked in
 // tests/test_packed_layer.py), without Python's few microseconds per call:

@@ -1,0 +1,267 @@
+"""The Python kernel of ``wfpass::packed_layer``'s forward, with its
+helpers; ``packed_layer_py_backward.py`` has the backward's.
+``packed_layer.py`` defines the op and says what it computes, how these
+kernels compute it, and what the workspace holds.
+
+The Python kernels run where the C++ kernels
+(``_torch/native/packed_rnn.cpp``, registered for the CPU key, which comes
+first) are not loaded (``WFPASS_NATIVE=0``), and must give the same bits:
+both make the same ATen calls in the same order
+(``tests/test_packed_layer.py`` checks it), so a change here is a change
+there.
+
+Here too, as the bottom of the three modules (``packed_layer.py`` imports
+this one, never the other way round): the mode tables and argument checks
+the op's fakes and both kernels share (``MODES``, ``gate_count``,
+``workspace_width``, ``check_args``, ``hidden_sizes``; ``packed_layer.py``
+re-exports the first three), and what both kernels start from
+(``layer_call``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "LayerCall", "layer_call"]
+
+#: The cells this op runs.
+MODES = ("LSTM", "GRU", "RNN_TANH", "RNN_RELU")
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+_WIDTH = {"LSTM": 6, "GRU": 4, "RNN_TANH": 0, "RNN_RELU": 0}
+
+
+def gate_count(mode: str) -> int:
+    """Gates per hidden unit: the rows of ``w_ih`` are ``gate_count * H``."""
+    _check_mode(mode)
+    return _GATES[mode]
+
+
+def workspace_width(mode: str, H: int) -> int:
+    """Columns of the training workspace for ``mode`` and hidden size H:
+    LSTM 6H (i, f, g, o, c, tanh(c)), GRU 4H (r, z, hn, n), RNN 0."""
+    _check_mode(mode)
+    return _WIDTH[mode] * H
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"wfpass::packed_layer: mode must be one of {MODES}, got {mode!r}")
+
+
+def check_args(mode: str, w_hr, c0) -> None:
+    _check_mode(mode)
+    if mode != "LSTM" and (w_hr is not None or c0 is not None):
+        raise ValueError(f"wfpass::packed_layer: w_hr and c0 are LSTM arguments, got one for mode {mode!r}")
+
+
+def hidden_sizes(mode: str, w_ih, w_hr) -> Tuple[int, int]:
+    """(H, H_out): the hidden size and the size of h (H_out < H with a projection)."""
+    H = w_ih.shape[0] // _GATES[mode]
+    return H, (w_hr.shape[0] if w_hr is not None else H)
+
+
+def _steps(batch_sizes: torch.Tensor, N: int) -> Tuple[list, list]:
+    """``batch_sizes`` read once (one ``.tolist()``), checked, and its row offsets."""
+    if batch_sizes.dim() != 1 or batch_sizes.dtype != torch.int64 or batch_sizes.device.type != "cpu":
+        raise ValueError("wfpass::packed_layer: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)")
+    bs = batch_sizes.tolist()
+    if not bs or bs[-1] < 1 or any(a < b for a, b in zip(bs, bs[1:])) or sum(bs) != N:
+        raise ValueError(f"wfpass::packed_layer: batch_sizes must be positive, non-increasing and sum to "
+                         f"data.shape[0] = {N}; got {bs[:8]}{'...' if len(bs) > 8 else ''}")
+    off, acc = [], 0
+    for n in bs:
+        off.append(acc)
+        acc += n
+    return bs, off
+
+
+def _schedule(bs: Sequence[int], off: Sequence[int], reverse: bool):
+    """The forward's steps in order: ``(r0, n, p0, m)``: the step's rows
+    ``r0 : r0 + n``; its state's first ``m`` rows are rows ``p0 : p0 + m``
+    of the step before it (in processing order), the rest rows ``m : n`` of
+    the initial state. Going forward m = n except at step 0 (m = 0);
+    reversed, m = bs[t + 1] (0 at the last step): the sequences that join
+    at step t start from h0."""
+    T = len(bs)
+    for k in range(T):
+        t = T - 1 - k if reverse else k
+        if not reverse:
+            yield off[t], bs[t], (off[t - 1] if t else 0), (bs[t] if t else 0)
+        else:
+            last = t == T - 1
+            yield off[t], bs[t], (0 if last else off[t + 1]), (0 if last else bs[t + 1])
+
+
+def _prev(states, init, buf, p0: int, m: int, n: int):
+    """The ``[n, W]`` state a step reads (see ``_schedule``): a view where
+    it is one block, else its two pieces copied into ``buf``."""
+    if m == n:
+        return states[p0:p0 + n]
+    if m == 0:
+        return init[:n]
+    buf[:m].copy_(states[p0:p0 + m])
+    buf[m:n].copy_(init[m:n])
+    return buf[:n]
+
+
+def _final(states, bs, off, reverse: bool):
+    """``[1, B, W]``: each sequence's state after its last step. Reversed,
+    that is step 0 (all B rows, the first B packed rows); forward, the
+    sequences that end at step t are rows ``bs[t+1] : bs[t]`` of that step
+    (one copy per distinct length)."""
+    B = bs[0]
+    fin = states.new_empty((1, B, states.shape[1]))
+    if reverse:
+        fin[0].copy_(states[:B])
+        return fin
+    for t in range(len(bs)):
+        m = bs[t + 1] if t + 1 < len(bs) else 0
+        if m < bs[t]:
+            fin[0, m:bs[t]].copy_(states[off[t] + m:off[t] + bs[t]])
+    return fin
+
+
+def _bias_sum(a, b, lo: int, hi: int):
+    """``a[lo:hi] + b[lo:hi]`` for the biases given, or None."""
+    a = a[lo:hi] if a is not None else None
+    b = b[lo:hi] if b is not None else None
+    if a is not None and b is not None:
+        return a + b
+    return a if a is not None else b
+
+
+def _project(out, bias, data, w) -> None:
+    """``out = data @ w.T (+ bias)``, over all N rows, written into ``out`` (a column block of the workspace)."""
+    if bias is not None:
+        torch.addmm(bias, data, w.t(), out=out)
+    else:
+        torch.mm(data, w.t(), out=out)
+
+
+def _states(data, B: int, H: int, Hout: int, h0, c0, lstm: bool):
+    """h0 ``[B, H_out]`` and c0 ``[B, H]`` (zeros where None; made here, not in the graph)."""
+    for s, w, name in ((h0, Hout, "h0"), (c0, H, "c0")):
+        if s is not None and tuple(s.shape) != (1, B, w):
+            raise ValueError(f"wfpass::packed_layer: {name} must have shape {(1, B, w)}, got {tuple(s.shape)}")
+    h = h0[0] if h0 is not None else data.new_zeros((B, Hout))
+    c = (c0[0] if c0 is not None else data.new_zeros((B, H))) if lstm else None
+    return h, c
+
+
+class LayerCall(NamedTuple):
+    """What both kernels start from: the checked sizes, ``batch_sizes`` read
+    once (``bs``, and ``off``: each step's first row) and the initial states."""
+    N: int
+    bs: list
+    off: list
+    B: int
+    H: int
+    Hout: int
+    reverse: bool
+    h_init: torch.Tensor  # [B, H_out]
+    c_init: Optional[torch.Tensor]  # [B, H] (LSTM), else None
+
+
+def layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse, workspace=None) -> LayerCall:
+    """The call's arguments checked (``workspace``: the backward's, against
+    the forward's layout), its sizes and its initial states."""
+    check_args(mode, w_hr, c0)
+    N = data.shape[0]
+    bs, off = _steps(batch_sizes, N)
+    B = bs[0]
+    H, Hout = hidden_sizes(mode, w_ih, w_hr)
+    if workspace is not None and tuple(workspace.shape) != (N, workspace_width(mode, H)):
+        raise RuntimeError(f"wfpass::packed_layer_backward: the workspace has shape {tuple(workspace.shape)}, "
+                           f"not {(N, workspace_width(mode, H))}: was the forward run with train=False?")
+    h_init, c_init = _states(data, B, H, Hout, h0, c0, mode == "LSTM")
+    return LayerCall(N, bs, off, B, H, Hout, reverse, h_init, c_init)
+
+
+def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
+    L = layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse)
+    # out= ops below would refuse inputs that require grad; the autograd
+    # formula is the op's, not these calls'.
+    with torch.no_grad():
+        hbuf = data.new_empty((L.B, L.Hout)) if reverse else None
+        w_hh_t = w_hh.t()
+        if mode == "LSTM":
+            out, c_n, ws = _lstm_forward(L, data, hbuf, w_ih, w_hh_t, b_ih, b_hh, w_hr)
+        elif mode == "GRU":
+            out, ws = _gru_forward(L, data, hbuf, w_ih, w_hh_t, b_ih, b_hh)
+            c_n = data.new_empty(0)
+        else:
+            out, ws = _rnn_forward(L, data, hbuf, w_ih, w_hh_t, b_ih, b_hh, mode == "RNN_RELU")
+            c_n = data.new_empty(0)
+        h_n = _final(out, L.bs, L.off, reverse)
+    return out, h_n, c_n, (ws if train else data.new_empty(0))
+
+
+def _lstm_forward(L: LayerCall, data, hbuf, w_ih, w_hh_t, b_ih, b_hh, w_hr):
+    """The LSTM's steps: ``(out, c_n, workspace)``, the workspace
+    ``i | f | g | o | c | tanh(c)``."""
+    N, H = L.N, L.H
+    ws = data.new_empty((N, 6 * H))
+    gates, c_all, tc_all = ws[:, :4 * H], ws[:, 4 * H:5 * H], ws[:, 5 * H:]
+    i_all, f_all, if_all = ws[:, :H], ws[:, H:2 * H], ws[:, :2 * H]
+    g_all, o_all = ws[:, 2 * H:3 * H], ws[:, 3 * H:4 * H]
+    _project(gates, _bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih)
+    out = data.new_empty((N, L.Hout))
+    cbuf = data.new_empty((L.B, H)) if L.reverse else None
+    w_hr_t = w_hr.t() if w_hr is not None else None
+    hpre = data.new_empty((L.B, H)) if w_hr is not None else None
+    for r0, n, p0, m in _schedule(L.bs, L.off, L.reverse):
+        R = slice(r0, r0 + n)
+        hp = _prev(out, L.h_init, hbuf, p0, m, n)
+        cp = _prev(c_all, L.c_init, cbuf, p0, m, n)
+        gates[R].addmm_(hp, w_hh_t)
+        if_all[R].sigmoid_()
+        g_all[R].tanh_()
+        o_all[R].sigmoid_()
+        c = c_all[R]
+        torch.mul(f_all[R], cp, out=c)
+        c.addcmul_(i_all[R], g_all[R])  # c = f * c_prev + i * g
+        t_c = torch.tanh(c, out=tc_all[R])
+        if w_hr_t is not None:
+            torch.mm(torch.mul(o_all[R], t_c, out=hpre[:n]), w_hr_t, out=out[R])
+        else:
+            torch.mul(o_all[R], t_c, out=out[R])
+    return out, _final(c_all, L.bs, L.off, L.reverse), ws
+
+
+def _gru_forward(L: LayerCall, data, hbuf, w_ih, w_hh_t, b_ih, b_hh):
+    """The GRU's steps: ``(out, workspace)``, the workspace ``r | z | hn | n``."""
+    N, H = L.N, L.H
+    ws = data.new_empty((N, 4 * H))
+    rz_all, rzh_all = ws[:, :2 * H], ws[:, :3 * H]
+    r_all, z_all, hn_all, n_all = (ws[:, k * H:(k + 1) * H] for k in range(4))
+    _project(rz_all, _bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih[:2 * H])
+    _project(n_all, b_ih[2 * H:] if b_ih is not None else None, data, w_ih[2 * H:])
+    # hn starts as b_hn so the step's GEMM, accumulating into r | z | hn, yields W_hn h + b_hn.
+    if b_hh is not None:
+        hn_all.copy_(b_hh[2 * H:])
+    else:
+        hn_all.zero_()
+    out = data.new_empty((N, H))
+    for r0, n, p0, m in _schedule(L.bs, L.off, L.reverse):
+        R = slice(r0, r0 + n)
+        hp = _prev(out, L.h_init, hbuf, p0, m, n)
+        rzh_all[R].addmm_(hp, w_hh_t)
+        rz_all[R].sigmoid_()
+        nt = n_all[R]
+        nt.addcmul_(r_all[R], hn_all[R]).tanh_()
+        torch.lerp(nt, hp, z_all[R], out=out[R])  # (1 - z) * n + z * h
+    return out, ws
+
+
+def _rnn_forward(L: LayerCall, data, hbuf, w_ih, w_hh_t, b_ih, b_hh, relu: bool):
+    """The plain RNN's steps: ``(out, workspace)``, the workspace ``[N, 0]``."""
+    ws = data.new_empty((L.N, 0))
+    out = data.new_empty((L.N, L.H))
+    _project(out, _bias_sum(b_ih, b_hh, 0, L.H), data, w_ih)
+    for r0, n, p0, m in _schedule(L.bs, L.off, L.reverse):
+        hp = _prev(out, L.h_init, hbuf, p0, m, n)
+        h = out[r0:r0 + n].addmm_(hp, w_hh_t)
+        h.relu_() if relu else h.tanh_()
+    return out, ws
