@@ -21,7 +21,7 @@ import torch
 
 import wfpass
 from _out import emit  # beside this script
-from bench_gpu import CUDNN, _inputs, _model, own_code  # noqa: E402 - the same models and inputs
+from bench_gpu import CUDNN, _call, _inputs, _model, own_code  # noqa: E402 - the same models and inputs
 from wfpass.tools.tables import markdown_table
 
 
@@ -29,7 +29,7 @@ def _step(fn, x, params):
     opt = torch.optim.SGD(params, lr=1e-4)
 
     def run():
-        fn(x).float().sum().backward()
+        _call(fn, x).float().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return run

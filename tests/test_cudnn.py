@@ -25,10 +25,11 @@ from wfpass.tools.bench_models import built_in_dtype
 from wfpass.rnn import cudnn
 from wfpass.rnn.paths import RnnForward
 from wfpass.storage import fused_storage_of
+from wftest import needs_gpu
 
 CUDA_BUILD = torch.version.cuda is not None
 needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="needs a CUDA build of torch (fake CUDA tensors)")
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+gpu = needs_gpu()
 
 VARIANTS = {
     "lstm-2layer": (nn.LSTM, dict(num_layers=2)),

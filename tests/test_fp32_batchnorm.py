@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import wfpass
 from wfpass.batchnorm.kernels import held_in_fp32
+from wftest import needs_gpu
 
 HALF = (torch.bfloat16, torch.float16)
 # Relative (norm-wise) error allowed between a half model and an fp32 one.
@@ -589,7 +590,7 @@ def test_idempotent_apply_and_dry_run():
     assert probe.bn.running_var.dtype == torch.bfloat16
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN mixed-precision BatchNorm)")
+@needs_gpu("needs CUDA (cuDNN mixed-precision BatchNorm)")
 def test_cuda_fp16_inductor():
     model = ConvBN(2).half().cuda()
     ref = copy.deepcopy(model)

@@ -21,7 +21,7 @@ import wfpass
 from wfpass.rnn import paths as rnn_ops
 from wfpass.rnn.auto import auto_threshold_cache
 from wfpass.storage import fused_storage_of
-from wftest import TOL, assert_same_fwd_bwd, param_ids, train_steps
+from wftest import TOL, assert_same_fwd_bwd, needs_gpu, param_ids, train_steps
 
 N = 4
 LENGTHS = {"below": 2, "at": N, "above": 7}
@@ -952,7 +952,7 @@ def test_explain_and_dry_run_change_nothing():
 
 # -- CUDA (skipped here) ----------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN flat-buffer path)")
+cuda = needs_gpu("needs CUDA (cuDNN flat-buffer path)")
 
 
 @cuda

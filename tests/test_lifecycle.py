@@ -12,7 +12,7 @@ import torch.nn as nn
 import wfpass
 from models import QKV, SwiGLU
 from wfpass.storage import fused_storage_of
-from wftest import TOL, param_ids, train_steps
+from wftest import TOL, needs_gpu, param_ids, train_steps
 
 
 def _fused(model, x=None, **kw):
@@ -466,7 +466,7 @@ def test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_st
         assert torch.equal(a, b.to(a.dtype)), k
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (.to(device) after compiling)")
+@needs_gpu("needs CUDA (.to(device) after compiling)")
 def test_to_cuda_and_back_after_compiling_all_three_formats():
     """Compiled and run on the CPU, then moved with .cuda() and back with
     .cpu(): each move loses the layout (new storage on the new device);

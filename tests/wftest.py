@@ -5,10 +5,11 @@ import copy
 import socket
 from typing import Callable, Sequence
 
+import pytest
 import torch
 
 __all__ = ["TOL", "Capture", "free_port", "assert_applied", "assert_same_fwd_bwd", "clone_inputs", "param_ids",
-           "train_steps"]
+           "train_steps", "needs_gpu"]
 
 #: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -124,6 +125,18 @@ class Capture:
     def count(self, pred) -> int:
         """Call nodes whose target satisfies ``pred``, over every graph kept."""
         return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and pred(n.target))
+
+
+def needs_gpu(reason: str = "needs a GPU"):
+    """Decorator for a test that needs a CUDA GPU: skipped without one, and
+    marked ``gpu``, so that ``python -m pytest -m gpu`` on a GPU machine runs
+    every such test (``benchmarks/bench_gpu.py`` does, first)."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
+
+    def mark(fn):
+        return pytest.mark.gpu(skip(fn))
+
+    return mark
 
 
 def free_port() -> int:

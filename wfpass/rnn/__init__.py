@@ -30,6 +30,7 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
                                   and the mode tables and checks the op shares with it
 ``packed_layer_py_backward.py``   its Python backward kernel
 ``cudnn_packed.py``               the ``wfpass::cudnn_packed_rnn`` op (cuDNN's packed mode)
+``cudnn_grads.py``                the weights' gradients as views of cuDNN's gradient buffer
 ``auto.py``                       ``seq_threshold="auto"``: the paths timed once per shape
 ``eager.py``                      the calls of ``wfpass.apply`` graphs, which run eagerly:
                                   ``RnnModuleCall``, ``CellLoopCall``

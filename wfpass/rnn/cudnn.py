@@ -43,6 +43,7 @@ import torch
 
 from .._torch import aot as _aot, kernels as _kernels
 from ..graph import static_int
+from .cudnn_grads import buffer_numel, grad_buffer, weight_grads
 from .ops import define_rnn_op
 
 __all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "buffer_numel", "grad_buffer", "weight_grads",
@@ -143,9 +144,16 @@ def dropout_state(device: torch.device, p: float) -> torch.Tensor:
     return entry[2]
 
 
+#: Set while ``reserve_numel`` measures: a dropout state of its own, so the
+#: measurement does not advance the model's (the first call after a
+#: ``manual_seed`` then draws the masks every later such call draws).
+_MEASURING: list = [None]
+
+
 def dropout_args(input, train, dropout):
     if train and dropout > 0:
-        return float(dropout), dropout_state(input.device, float(dropout))
+        state = _MEASURING[0] if _MEASURING[0] is not None else dropout_state(input.device, float(dropout))
+        return float(dropout), state
     return 0.0, None
 
 
@@ -192,8 +200,13 @@ def reserve_numel(T: int, B: int, I: int, mode: int, hidden_size: int, proj_size
                         if proj_size:
                             ws.append(torch.zeros(proj_size, hidden_size, dtype=dtype, device=device))
                 x = torch.zeros(T, B, I, dtype=dtype, device=device)
-                n = int(_cudnn_rnn(x, ws, None, None, mode, hidden_size, proj_size, num_layers, True, bidirectional,
-                                   [], dropout)[3].numel())
+                if dropout > 0:
+                    _MEASURING[0] = _kernels.cudnn_dropout_state(torch.device(device), 0, float(dropout))
+                try:
+                    n = int(_cudnn_rnn(x, ws, None, None, mode, hidden_size, proj_size, num_layers, True,
+                                       bidirectional, [], dropout)[3].numel())
+                finally:
+                    _MEASURING[0] = None
         _RESERVE[key] = n
     return n
 
@@ -221,60 +234,6 @@ def _cudnn_rnn_fake(input, weights, hx, cx, mode, hidden_size, proj_size, num_la
         else:  # a symbolic T or batch: a size known once the op has run
             n = torch.library.get_ctx().new_dynamic_size()
     return out, hy, cy, input.new_empty((n,), dtype=torch.uint8)
-
-
-def buffer_numel(weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> int:
-    """Elements of the flat buffer (and of its gradient buffer): the size
-    entry after the offsets, else where the last weight ends; the weights'
-    own total where no layout is given."""
-    if len(offsets) > len(weights):
-        return int(offsets[-1])
-    if offsets:
-        return max(int(o) + w.numel() for o, w in zip(offsets, weights))
-    return sum(w.numel() for w in weights)
-
-
-def grad_buffer(dw: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], offsets: Sequence[int], like):
-    """The weights' gradients as one buffer in the flat buffer's layout.
-
-    ``_cudnn_rnn_backward`` writes every weight's gradient into one buffer
-    laid out like the weight buffer (``weight_buf``), and returns views of
-    it: that buffer is the answer, no copy. cuDNN 9's layout puts every
-    layer's matrices before the biases, so the views are not one after
-    another in list order (an earlier version concatenated them, a copy of
-    the weights' size on every training step). Each weight's gradient is
-    then a view of this buffer at the weight's own offset (``weight_grads``).
-    Only where the views are not at the offsets (never seen) are they
-    copied into a new buffer."""
-    n = buffer_numel(weights, offsets)
-    if not dw or any(g is None for g in dw) or len(offsets) < len(dw):
-        out = like.new_zeros((n,))
-        for g, off in zip(dw or (), offsets):
-            if g is not None:
-                out.narrow(0, int(off), g.numel()).copy_(g.reshape(-1))
-        return out
-    storage = dw[0].untyped_storage()
-    base = dw[0].storage_offset() - int(offsets[0])
-    in_place = base >= 0 and (base + n) * dw[0].element_size() <= storage.nbytes() and all(
-        g.untyped_storage().data_ptr() == storage.data_ptr() and g.is_contiguous()
-        and g.storage_offset() - base == int(off) for g, off in zip(dw, offsets))
-    if in_place:
-        return dw[0].new_empty(0).set_(storage, base, (n,))
-    out = like.new_zeros((n,))
-    for g, off in zip(dw, offsets):
-        out.narrow(0, int(off), g.numel()).copy_(g.reshape(-1))
-    return out
-
-
-def weight_grads(flat: torch.Tensor, weights: Sequence[torch.Tensor], offsets: Sequence[int]) -> List[torch.Tensor]:
-    """Each weight's gradient as a view of the gradient buffer at the
-    weight's offset: the same layout as the parameters' own flat block."""
-    if len(offsets) < len(weights):  # no layout given: list order
-        ends = [0]
-        for w in weights:
-            ends.append(ends[-1] + w.numel())
-        offsets = ends[:-1]
-    return [flat.narrow(0, int(off), w.numel()).view(w.shape) for off, w in zip(offsets, weights)]
 
 
 def backward_outputs(input, weights, offsets, hx0, cx0, dx, dhx, dcx, dw):
