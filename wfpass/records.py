@@ -72,6 +72,11 @@ class Record:
         view.stats, view.decision = self.stats, self.decision  # the live counters, not a copy
         return view
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if not isinstance(self.stats, Stats):  # pickled as a plain dict
+            self.stats = Stats(self.stats)
+
     def __getstate__(self):
         # Private detail (weak references to the tensors a record concerns)
         # does not pickle and means nothing in another process.

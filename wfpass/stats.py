@@ -141,6 +141,11 @@ class Stats(dict):
     def __reduce__(self):
         return (dict, (self.copy(),))
 
+    def __deepcopy__(self, memo):
+        # A deep-copied model's records count on their own (a plain dict
+        # from __reduce__ would have no bump()).
+        return Stats(self.copy())
+
     # -- writing (off the per-call path) --------------------------------------
     def __setitem__(self, k, v) -> None:
         with self._lock:
