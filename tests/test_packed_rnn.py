@@ -418,3 +418,19 @@ def test_text_classifier_training_matches_eager_over_batches():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     (row,) = wfpass.report(model).find("rnn", "rewritten")
     assert row.stats["fused_calls"] == 4
+
+
+def test_the_captured_rnns_forward_survives_copies_and_goes_with_restore():
+    import pickle
+
+    model = PackedModel(kind="GRU")
+    fn, _ = _compile(model)
+    x, L = _batch(5, [5, 2, 4], False)
+    fn(x, L)
+    assert "forward" in model.rnn.__dict__  # a PackedSequence goes to wfpass::packed_rnn while Dynamo traces
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.rnn.forward.args[0] is clone.rnn  # the copy's forward is its own
+        for a, b in zip(clone(x, L), model(x, L)):
+            torch.testing.assert_close(a, b)
+    wfpass.restore(model)
+    assert "forward" not in model.rnn.__dict__ and "check_forward_args" not in model.rnn.__dict__
