@@ -17,12 +17,18 @@ import itertools
 import threading
 from typing import Callable, Dict, Optional, Tuple
 
+import torch
+
 __all__ = ["Stats"]
 
 
 def _count_of(ticker: "itertools.count") -> int:
     """How often ``next`` ran on ``ticker`` (started at 0): its repr is ``count(n)``."""
     return int(repr(ticker)[6:-1])
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
 class Stats(dict):
@@ -65,7 +71,12 @@ class Stats(dict):
         return ts
 
     def bump(self, k: str, n: int = 1) -> None:
-        if n == 1:
+        if _compiling():
+            # Dynamo is tracing the caller (a BatchNorm's pre-hook, say): a
+            # dict update, which it records and replays per call; torch 2.11
+            # graph-breaks on ``next`` of a count object and on locks.
+            dict.__setitem__(self, k, dict.get(self, k, 0) + n)
+        elif n == 1:
             next(self.ticker(k))
         elif n:
             with self._lock:
