@@ -75,9 +75,9 @@ class FuseRnn(Format):
         spec = s.spec
         s.plan = f"{spec.name}: {spec.summary()}"
         if s.batch_sizes is not None:
-            on_cuda = s.weights[0].tensor.device.type == "cuda"
+            on_cudnn = _packed.packed_path(spec, s.weights[0].tensor) == "cudnn"
             s.plan += ("; variable lengths (a packed batch): " +
-                       ("one cuDNN call in packed mode" if on_cuda else
+                       ("one cuDNN call in packed mode" if on_cudnn else
                         "one C++ loop per layer and direction over each sequence's valid steps"))
         if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
             s.plan += planned_kernels(s)

@@ -37,7 +37,7 @@ and the masks drawn go into the reserve the backward reads.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 

@@ -120,17 +120,22 @@ def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
         s.problem = "RNN flags or state are not plain graph values"
         return s
     s.consts = consts
-    refs = [ctx.resolve(p) for p in args[2]]
-    names = [r.name if r is not None else str(p) for r, p in zip(refs, args[2])]
-    s.name = display_name(module_path(names[0]) if refs[0] is not None else "", mode)
+    _resolve_weights(ctx, s, args[2])
     if "wfpass_cells" in node.meta:  # a loop of cells that fold_cells folded into this call
         s.name = node.meta["wfpass_cells"]
-    for r, p in zip(refs, args[2]):
+    return s
+
+
+def _resolve_weights(ctx: PassContext, s: RnnCall, weights) -> None:
+    """The call's name (from its first weight's module) and its weights as
+    the model's tensors, or ``s.problem`` where one is not model state."""
+    refs = [ctx.resolve(p) for p in weights]
+    s.name = display_name(module_path(refs[0].name) if refs[0] is not None else "", s.mode)
+    for r, p in zip(refs, weights):
         if r is None or not r.is_state:
             s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
-            return s
+            return
     s.weights = refs
-    return s
 
 
 def _packed_call(ctx: PassContext, node: fx.Node) -> RnnCall:
@@ -141,13 +146,7 @@ def _packed_call(ctx: PassContext, node: fx.Node) -> RnnCall:
     s = RnnCall(node, mode)
     s.x, s.batch_sizes, s.hx = data, batch_sizes, list(hx)
     s.consts = (has_biases, num_layers, dropout, train, bidirectional, False)  # packed data: time-major rows
-    refs = [ctx.resolve(p) for p in weights]
-    s.name = display_name(module_path(refs[0].name) if refs[0] is not None else "", mode)
-    for r, p in zip(refs, weights):
-        if r is None or not r.is_state:
-            s.problem = f"weight {getattr(p, 'name', p)} is not a Parameter or buffer of the model (a functional call?)"
-            return s
-    s.weights = refs
+    _resolve_weights(ctx, s, weights)
     return s
 
 

@@ -43,7 +43,7 @@ as before (``torch._dynamo.graph_break``, at the same call).
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +51,9 @@ from torch.nn.utils.rnn import PackedSequence, invert_permutation
 
 from .._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
 from .packed_meta import batch_of, note_batch
-from .spec import GATES, flat_weight_names, rnn_mode
+from .spec import flat_weight_names, rnn_mode
 
-__all__ = ["PACKED_RNN", "PackedRnnForward", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
+__all__ = ["PACKED_RNN", "PackedRnnForward", "packed_path", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
            "packed_rnn_kernel"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
@@ -215,6 +215,12 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
 
 #: The graph targets ``fuse_rnn`` matches (Dynamo records the op as called).
 PACKED_RNN = (torch.ops.wfpass.packed_rnn, torch.ops.wfpass.packed_rnn.default)
+
+
+def packed_path(spec, x: torch.Tensor) -> str:
+    """The kernel of a packed batch: cuDNN's packed mode on CUDA where
+    ``rnn={"cuda": "cudnn"}``, else the C++ layer loop (``packed``)."""
+    return "cudnn" if x.device.type == "cuda" and spec.options.cuda == "cudnn" else "packed"
 
 
 class PackedRnnForward:

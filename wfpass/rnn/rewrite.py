@@ -25,7 +25,7 @@ from ..storage import first_sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
-from .packed import PackedRnnForward
+from .packed import PackedRnnForward, packed_path
 from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
@@ -111,18 +111,10 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     batch on the CPU, cuDNN's packed mode on CUDA."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
-    on_cuda = s.weights[0].tensor.device.type == "cuda"
-    path = "cudnn" if on_cuda and spec.options.cuda == "cudnn" else "packed"
-    record.stats.setdefault("fused_calls", 0)
-    record.stats.setdefault("unfused_calls", 0)
-    record.detail.setdefault("paths", {})["T=variable"] = path
+    path = packed_path(spec, s.weights[0].tensor)
     record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")
-    kernel = note_kernel(record, spec, path, s.weights[0].tensor, "T=variable")
-    if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
-        site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
-        site.counter = ("fused_calls", kernel)
-        ctx.add_site(site)
+    _count_at_site(ctx, site, w_nodes, "fused_calls", spec, path, s.weights[0].tensor, "T=variable")
     with g.inserting_before(s.node):
         return g.call_function(PackedRnnForward(spec, path, bool(s.consts[3])), (s.x, s.batch_sizes, s.hx, *w_nodes))
 
@@ -142,16 +134,24 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     # Counted by length, as the report's threshold reads: GRUs and plain
     # RNNs run the same kernels on both sides of N on the CPU.
     counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
+    _count_at_site(ctx, site, w_nodes, counter, spec, path, ref, f"T={steps if steps is not None else 'symbolic'}", n)
+    return path
+
+
+def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, spec: RnnSpec, path: str,
+                   ref: torch.Tensor, bucket: str, n=None) -> None:
+    """The row notes the path and kernel of this length bucket; the site,
+    checked per call by the backend, counts the call in ``counter`` (which
+    side of N, or ``fused_calls``) and in the kernel's own counter."""
+    record = site.record
     record.stats.setdefault("fused_calls", 0)
     record.stats.setdefault("unfused_calls", 0)
-    bucket = f"T={steps if steps is not None else 'symbolic'}"
     record.detail.setdefault("paths", {})[bucket] = path
     kernel = note_kernel(record, spec, path, ref, bucket, n)
     if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
         site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
         site.counter = (counter, kernel)
         ctx.add_site(site)
-    return path
 
 
 def planned_kernels(s: RnnCall) -> str:
@@ -161,11 +161,10 @@ def planned_kernels(s: RnnCall) -> str:
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
     if s.batch_sizes is not None:
-        on_cuda = ref.device.type == "cuda" and spec.options.cuda == "cudnn"
-        return f"; T=variable: {kernel_words(spec, 'cudnn' if on_cuda else 'packed', ref)[0]}"
+        return f"; T=variable: {kernel_words(spec, packed_path(spec, ref), ref)[0]}"
     steps = _static_steps(s)
     if spec.threshold == "auto":
-        return f"; threshold N measured when compiled (seq_threshold='auto')"
+        return "; threshold N measured when compiled (seq_threshold='auto')"
     words = kernel_words(spec, choose_path(spec, ref, steps, spec.threshold), ref)[0]
     return f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
 
