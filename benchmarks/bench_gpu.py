@@ -441,7 +441,7 @@ class Worker:
 
 
 #: The test command: every test that needs a GPU (they skip elsewhere).
-TEST_ARGS = ["-m", "pytest", "-m", "gpu", "-v", "-rfEx", "-p", "no:cacheprovider"]
+TEST_ARGS = ["-m", "pytest", "-m", "gpu", "-v", "-rfEx", "--tb=short", "-p", "no:cacheprovider", "-p", "no:logging"]
 
 
 def _has(module: str) -> bool:
@@ -450,10 +450,12 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def gpu_tests(timeout_s: float) -> List[str]:
+def gpu_tests(timeout_s: float, log_path: Optional[str] = None) -> List[str]:
     """Run the tests marked ``gpu`` (a wrong layout or reserve would make
     every table below wrong): the page's lines, the summary first, then
-    each test that failed, errored or is expected to fail, with why."""
+    each test that failed, errored or is expected to fail, with why. The
+    whole output, tracebacks included, goes to ``log_path`` (the GPU is
+    lent for minutes: a failure must be readable after it is gone)."""
     if not _has("pytest"):
         return ["Not run: pytest is not installed here."]
     args = list(TEST_ARGS)
@@ -464,6 +466,9 @@ def gpu_tests(timeout_s: float) -> List[str]:
     shown = "python " + " ".join(args)
     rc, out, err = run_for([sys.executable, *args], timeout_s)
     print(out[-8000:], err[-3000:], file=sys.stderr, flush=True)
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(out + "\n" + err)
     lines = [ln for ln in out.splitlines() if ln.strip()]
     if rc is None:
         counts = {w: sum(f" {w}" in ln for ln in lines) for w in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL")}
@@ -584,7 +589,7 @@ def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only
             jobs += [("point", name, T, B, train) for train in (True, False)]
     else:
         write()
-        tests = gpu_tests(min(tests_s, 0.45 * left()))
+        tests = gpu_tests(min(tests_s, 0.45 * left()), os.path.splitext(out_path)[0] + "_tests.log")
         print("\n".join(tests), flush=True)
         write()
         prof = profile(dev, min(150.0, 0.3 * left()))

@@ -488,6 +488,56 @@ def test_with_a_symbolic_length_the_training_reserve_keeps_the_graph_out_of_cuda
     assert cudagraph_blocker(call(False)) is None
 
 
+@needs_cuda_build
+@pytest.mark.parametrize("variant", ["lstm-2layer", "lstm-bi-batch_first", "lstm-proj", "gru-2layer-bi",
+                                     "rnn-relu-2layer"])
+def test_a_new_length_after_the_recompile_is_served_by_the_symbolic_graph(variant):
+    """Five lengths in inference: Dynamo's static first graph, then one
+    graph with T symbolic for the other four (on a GPU, torch 2.11, each
+    length was its own graph: torch's decomposition of ``torch.lstm``
+    unrolls the sequence on CUDA, and its example value fixed T). Then
+    three training lengths, a graph each. Each graph's RNN is one cuDNN call."""
+    cls, kw = VARIANTS[variant]
+    keep = Keep()
+    with _fake_mode():
+        model = Net(cls, device="cuda", **kw)
+        fn = torch.compile(model, backend=wfpass.backend(inner=keep, rnn=CUDNN))
+
+        def x_of(steps, grad=False):
+            shape = (B, steps, I) if kw.get("batch_first") else (steps, B, I)
+            return torch.randn(shape, device="cuda", requires_grad=grad)
+
+        with torch.no_grad():
+            for steps in (4, 7, 9, 40, 5):
+                fn(x_of(steps))
+        assert len(keep.graphs) == 2, f"{len(keep.graphs)} graphs for 5 lengths: the length was specialized"
+        for steps in (6, 11, 13):
+            fn(x_of(steps, grad=True))
+    # Training specializes each length, as documented: cuDNN's training
+    # reserve has a size only cuDNN knows, and Dynamo's shape environment
+    # refuses sizes known at run time (unless capture_dynamic_output_shape_ops).
+    assert len(keep.graphs) == 5, f"{len(keep.graphs)} graphs"
+    for gm in keep.graphs:
+        calls = _rnn_calls(gm)
+        assert len(calls) == 1 and calls[0].target.path == "cudnn", gm.graph
+    (rec,) = wfpass.report(model).find("rnn", "rewritten")
+    assert "T=symbolic" in rec.detail["paths"], rec.detail
+
+
+def test_the_cuda_example_values_leave_the_cpu_and_other_backends_alone():
+    """Outside a wformat trace with RNNs on cuDNN, ``torch.lstm``'s example
+    value is torch's own: eager calls run as before, and a CPU trace for
+    wformat keeps its length symbolic as it always did."""
+    import wfpass.capture  # noqa: F401  (installs the example values)
+    from wfpass._torch import rnn_fake
+
+    m = nn.LSTM(I, H)
+    x = torch.randn(T, B, I)
+    torch.testing.assert_close(torch.lstm(x, [torch.zeros(1, B, H)] * 2, m._flat_weights, True, 1, 0.0, False,
+                                          False, False)[0], m(x)[0])
+    assert not rnn_fake._in_dynamo_fake_prop(x)
+
+
 def test_the_layout_without_a_gpu_matches_every_layout_recorded_on_a_gpu():
     """cuDNN 9 puts every layer's matrices first and the biases after them,
     and keeps the bias space of an RNN without biases: the buffer can end

@@ -968,7 +968,7 @@ def test_cuda_cudnn_flat_buffer_no_compaction_warning(variant, recwarn):
     def compiled_no_warning(m):
         # Only the compiled model's calls are watched: the deep-copied eager
         # reference has lost its own flat buffer (copying an RNN does) and warns.
-        fn = wformat(inner="inductor")(m)
+        fn = wformat(inner="inductor", rnn={"cuda": "cudnn"})(m)
 
         def call(*args):
             with warnings.catch_warnings(record=True) as seen:

@@ -64,6 +64,21 @@ CUDNN = {"cuda": "cudnn"}
 # -- helpers ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def full_fp32():
+    """fp32 math for every comparison here: cuDNN may run an fp32 RNN with
+    TF32 tensor cores (``torch.backends.cudnn.allow_tf32``, on by default),
+    and where the compiled side takes another kernel than eager (a GRU left
+    to AOTAutograd's per-step matmuls, say) that alone differs by ~1e-4
+    relative (seen on an H100), more than these tolerances. TF32 is a
+    precision the user picks, the same with or without wfpass."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+
 def backend(inner="aot_eager", **options):
     return wfpass.backend(inner=inner, rnn=CUDNN, **options)
 
@@ -575,7 +590,10 @@ def test_hooks_run_as_in_eager(device):
             o.step()
     assert len(seen["model"]) == len(seen["ref"]) == 3
     for a, b in zip(seen["model"], seen["ref"]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        # Scaled by the largest, as assert_grads_close does: cuDNN's fp32
+        # backward sums in its own order (seen on an H100: 1.6e-5 on one
+        # element of 256 after two SGD steps, 2.8e-4 of that element).
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
     rep = wfpass.report(model)

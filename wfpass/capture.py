@@ -24,7 +24,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._torch import dynamo as _dynamo, dynamo_hooks as _hooks
+from ._torch import dynamo as _dynamo, dynamo_hooks as _hooks, rnn_fake as _rnn_fake
 from .config import Config
 
 
@@ -138,6 +138,12 @@ def rnn_capture_wanted(compiler_fn) -> bool:
     return cfg is not None and cfg.runs("fuse_rnn")
 
 
+def cudnn_capture_wanted(compiler_fn) -> bool:
+    """Is ``compiler_fn`` a wformat backend that puts CUDA RNNs on cuDNN?"""
+    cfg = wformat_config(compiler_fn)
+    return cfg is not None and cfg.runs("fuse_rnn") and cfg.rnn.cuda == "cudnn"
+
+
 def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> str:
     """Why an RNN stays out of the graph, or "" where it goes in: CPU
     modules go in; CUDA modules go in as one cuDNN call
@@ -189,6 +195,8 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     # pack_padded_sequence / pad_packed_sequence go into the graph for the
     # same backends (wfpass.rnn.packed).
     _hooks.install_packed_capture(rnn_capture_wanted)
+    # Their example values on CUDA keep a symbolic length symbolic.
+    _rnn_fake.install_cuda_rnn_example_values(cudnn_capture_wanted)
 
 
 # -- RNNs left out for a backend that calls wformat where wfpass cannot see it --------

@@ -208,8 +208,13 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
                     if reads:
                         ok = False
                         site.record.bump("fallback_calls")
-                    else:
-                        site.record.bump("unfused_layout_calls")
+                        continue
+                    # The kernel still runs, reading the weights where they
+                    # are (a tie keeps them there): its calls are counted too.
+                    site.record.bump("unfused_layout_calls")
+                    if counter:
+                        for name in counter:
+                            site.record.bump(name)
                     continue
             if counter:
                 # Counted without a lock and without losing a call to another
