@@ -184,7 +184,8 @@ def run(sizes: Sizes, parts: Sequence[str] = PARTS, progress: Optional[Progress]
                 out = torch.from_numpy(out)
                 ref = out if ref is None else ref
                 errors[v] = err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                ok &= math.isfinite(err) and err <= case.tol
+                if v not in case.unchecked:
+                    ok &= math.isfinite(err) and err <= case.tol
             progress.advance(len(VARIANTS) - len(workers))
             extras = [w.ask("extra") for w in workers.values()]
             for e in extras:

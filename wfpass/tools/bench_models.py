@@ -181,6 +181,21 @@ class PackedLSTM(nn.Module):
         y, _ = self.rnn(packed)
         return self.out(pad_packed_sequence(y, total_length=x.shape[0])[0])
 
+    def padded(self) -> nn.Module:
+        """The same weights run on the padded batch, without packing (what
+        users do to avoid packing's cost: every step of every sequence; the
+        backward direction then starts in the padding)."""
+        return _Padded(self)
+
+
+class _Padded(nn.Module):
+    def __init__(self, packed: PackedLSTM) -> None:
+        super().__init__()
+        self.inp, self.rnn, self.out = packed.inp, packed.rnn, packed.out
+
+    def forward(self, x, lengths):
+        return self.out(self.rnn(self.inp(x))[0])
+
 
 class BnCNN(nn.Module):
     """Conv-BatchNorm-ReLU blocks with a residual, then pooling and a linear

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_positive, default=None,
                        help="interleaved timing rounds (default: 7, or 3 with --quick)")
     bench.add_argument("--only", type=_parts, default=None, metavar="PARTS",
-                       help="comma list of the models to run: decoder, generate, rnn, speech, cnn, cells (default: all)")
+                       help="comma list of the models to run: decoder, generate, rnn, speech, packed, cnn, cells (default: all)")
     bench.add_argument("--threads", type=_positive, default=None,
                        help="torch threads (default: torch's own choice; 1 with --quick)")
     bench.add_argument("--no-plot", action="store_true", help="write the table only, not bench.png")
