@@ -1,13 +1,17 @@
 """One packed RNN layer on the CPU, forward + backward: eager PyTorch on the
-PackedSequence, eager on the padded batch, and ``wfpass::packed_layer``.
+PackedSequence, eager on the padded batch, ``wfpass::packed_layer`` (the
+per-step loop) and, for the LSTM, ``wfpass::packed_lstm_runs`` (oneDNN's
+LSTM layer over each run of equal batch size: what wformat runs for a
+packed CPU LSTM without a projection).
 
-    python benchmarks/bench_packed_layer.py [--rounds 7] [--iters 5] [--threads 1]
+    python benchmarks/bench_packed_layer.py [--rounds 7] [--iters 5] [--threads 1] [--inference]
 
 The shape: input 128, hidden 128, batch 16, lengths uniform in 20..100
 (seeded; the padded batch is as long as the longest), one thread by
 default. Per variant and round, ``--iters`` training steps (forward, then
 the backward of a fixed random projection of ``out`` and ``h_n`` into the
-input and every weight); the table gives the median over rounds of the
+input and every weight; with ``--inference``, the forward alone without
+grad); the table gives the median over rounds of the
 time per step, the variants interleaved inside every round so machine noise
 hits them alike. Eager's padded LSTM is oneDNN's kernel; its padded GRU is
 ATen's per-step loop. The op runs on its C++ kernel (``wfpass/_torch/native``)
@@ -24,13 +28,33 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from wfpass._torch import native
-from wfpass.rnn import packed_layer  # noqa: F401 - registers wfpass::packed_layer
+from wfpass.rnn import packed_layer, packed_lstm_runs  # noqa: F401 - register the ops
 
 I, H, B, T = 128, 128, 16, 100
 
 
-def _variants(kind: str, lengths: torch.Tensor):
-    """name -> a function running one training step."""
+def _variants(kind: str, lengths: torch.Tensor, inference: bool = False):
+    """name -> a function running one training step (or, ``inference``,
+    one forward without grad)."""
+    fns = _training_variants(kind, lengths)
+    if not inference:
+        return fns
+    torch.manual_seed(0)
+    rnn = (nn.LSTM if kind == "LSTM" else nn.GRU)(I, H)
+    x = torch.randn(int(lengths[0]), B, I)
+    packed = pack_padded_sequence(x, lengths)
+    w = [p.detach() for p in rnn._flat_weights]
+    ops = torch.ops.wfpass
+    fns = {"eager, PackedSequence": lambda: rnn(packed), "eager, padded": lambda: rnn(x),
+           "wfpass::packed_layer": lambda: ops.packed_layer_fw(packed.data, packed.batch_sizes, *w, None, None, None,
+                                                                kind, False, False)}
+    if kind == "LSTM":
+        fns["wfpass::packed_lstm_runs"] = lambda: ops.packed_lstm_runs_fw(packed.data, packed.batch_sizes, *w, None,
+                                                                           None, False, False)
+    return fns
+
+
+def _training_variants(kind: str, lengths: torch.Tensor):
     torch.manual_seed(0)
     rnn = (nn.LSTM if kind == "LSTM" else nn.GRU)(I, H)
     x = torch.randn(int(lengths[0]), B, I)  # padded to the longest sequence
@@ -58,7 +82,16 @@ def _variants(kind: str, lengths: torch.Tensor):
                                                      True)
         torch.autograd.grad((out * R).sum() + (h * Rh).sum(), [data] + params)
 
-    return {"eager, PackedSequence": eager_packed, "eager, padded": eager_padded, "wfpass::packed_layer": op}
+    def runs():
+        data = packed.data.detach().requires_grad_()
+        out, h, _, _ = torch.ops.wfpass.packed_lstm_runs(data, packed.batch_sizes, rnn.weight_ih_l0, rnn.weight_hh_l0,
+                                                         rnn.bias_ih_l0, rnn.bias_hh_l0, None, None, False, True)
+        torch.autograd.grad((out * R).sum() + (h * Rh).sum(), [data] + params)
+
+    fns = {"eager, PackedSequence": eager_packed, "eager, padded": eager_padded, "wfpass::packed_layer": op}
+    if kind == "LSTM":
+        fns["wfpass::packed_lstm_runs"] = runs
+    return fns
 
 
 def main() -> None:
@@ -66,19 +99,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--inference", action="store_true", help="time the forward alone, without grad")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, T + 1, (B,), generator=g).sort(descending=True).values
     print(f"torch {torch.__version__}, {args.threads} thread(s); op kernel: {native.status()}")
     print(f"I = {I}, H = {H}, B = {B}, T = {T}, lengths {lengths.tolist()} "
-          f"({int(lengths.sum())} of {int(lengths[0]) * B} padded steps valid); forward + backward, ms per "
-          f"training step, "
+          f"({int(lengths.sum())} of {int(lengths[0]) * B} padded steps valid); "
+          f"{'forward without grad, ms per call' if args.inference else 'forward + backward, ms per training step'}, "
           f"median of {args.rounds} rounds x {args.iters}\n")
-    print("| layer | eager, PackedSequence | eager, padded | wfpass::packed_layer | vs eager packed | vs padded |")
-    print("|---|---|---|---|---|---|")
+    print("| layer | eager, PackedSequence | eager, padded | wfpass::packed_layer | wfpass::packed_lstm_runs | "
+          "wformat's kernel vs eager packed | vs padded |")
+    print("|---|---|---|---|---|---|---|")
     for kind in ("LSTM", "GRU"):
-        fns = _variants(kind, lengths)
+        fns = _variants(kind, lengths, args.inference)
+        if args.inference:
+            torch.set_grad_enabled(False)
         for fn in fns.values():  # warm up (allocator, oneDNN primitives)
             fn()
         times = {name: [] for name in fns}
@@ -90,7 +127,11 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
         med = {name: statistics.median(v) for name, v in times.items()}
         a, b, c = med["eager, PackedSequence"], med["eager, padded"], med["wfpass::packed_layer"]
-        print(f"| {kind} | {a:.2f} | {b:.2f} | {c:.2f} | {a / c:.2f}x | {b / c:.2f}x |")
+        r = med.get("wfpass::packed_lstm_runs")
+        # The kernel wformat picks: oneDNN run by run for an LSTM without grad, else the loop.
+        w = r if args.inference and r is not None else c
+        runs_cell = f"{r:.2f}" if r is not None else "-"
+        print(f"| {kind} | {a:.2f} | {b:.2f} | {c:.2f} | {runs_cell} | {a / w:.2f}x | {b / w:.2f}x |")
 
 
 if __name__ == "__main__":

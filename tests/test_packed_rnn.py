@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import wfpass
+from wfpass._torch.kernels import mkldnn_rnn_dtype
 from wfpass.rnn.packed import PackedRnnForward
 from wftest import Capture
 
@@ -170,7 +171,36 @@ def test_packed_rnn_matches_eager_in_one_graph(name):
     assert _packed_calls(cap) == 1
     (row,) = wfpass.report(model).find("rnn", "rewritten")
     assert "variable lengths" in row.reason and row.stats["fused_calls"] == 1
+    # A training graph: the C++ per-step loop, whose backward is the fastest here.
     assert row.detail["paths"] == {"T=variable": "packed"}
+    assert row.stats["packed_loop_calls"] == 1, row.stats
+
+
+@pytest.mark.parametrize("name", ["lstm", "lstm-2layer-bi-h0", "lstm-nobias-padding", "lstm-max-shorter-than-T",
+                                  "lstm-proj-bi", "gru"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_equal_to_eager_on_onednns_lstm_run_by_run(name, dtype):
+    """Without grad, a CPU LSTM without a projection runs oneDNN's LSTM
+    layer over each run of equal batch size (``wfpass::packed_lstm_runs``);
+    with a projection, and for GRUs, the per-step loop. Equal to eager
+    (bf16: 3e-2), h_n and c_n included, in one graph."""
+    kwargs, T, lengths, with_h0 = CASES[name]
+    model = PackedModel(**kwargs).to(dtype).eval()
+    fn, cap = _compile(model)
+    x, L = _batch(T, lengths, model.batch_first, dtype)
+    h0 = _h0(model, len(lengths), dtype) if with_h0 else None
+    with torch.no_grad():
+        out, exp = fn(x, L, h0), copy.deepcopy(model)(x, L, h0)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip(out, exp):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert len(cap.graphs) == 1 and _packed_calls(cap) == 1
+    (row,) = wfpass.report(model).find("rnn", "rewritten")
+    onednn = kwargs.get("kind", "LSTM") == "LSTM" and not kwargs.get("proj") and mkldnn_rnn_dtype(dtype)
+    assert row.detail["paths"] == {"T=variable": "packed_onednn" if onednn else "packed"}, row.detail
+    assert row.stats["packed_onednn_calls" if onednn else "packed_loop_calls"] == 1, row.stats
+    if onednn:
+        assert "oneDNN LSTM over each run of equal batch size" in row.reason, row.reason
 
 
 def test_twenty_batches_of_different_sizes_and_lengths_recompile_once():

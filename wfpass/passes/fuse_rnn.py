@@ -39,9 +39,17 @@ from ..rnn import packed as _packed
 from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
-from ..rnn.rewrite import planned_kernels, rewrite_call
+from ..rnn.rewrite import planned_kernels, rewrite_call, trains
 
 __all__ = ["FuseRnn", "RNN_FUNCTIONS"]
+
+
+#: A packed batch's kernel, per path (``rnn.packed.packed_path``), in the row's words.
+_PACKED_PLANS = {
+    "cudnn": "one cuDNN call in packed mode",
+    "packed_onednn": "oneDNN's LSTM layer over each run of equal batch size, per layer and direction",
+    "packed": "one C++ loop per layer and direction over each sequence's valid steps",
+}
 
 
 class FuseRnn(Format):
@@ -75,10 +83,8 @@ class FuseRnn(Format):
         spec = s.spec
         s.plan = f"{spec.name}: {spec.summary()}"
         if s.batch_sizes is not None:
-            on_cudnn = _packed.packed_path(spec, s.weights[0].tensor) == "cudnn"
-            s.plan += ("; variable lengths (a packed batch): " +
-                       ("one cuDNN call in packed mode" if on_cudnn else
-                        "one C++ loop per layer and direction over each sequence's valid steps"))
+            path = _packed.packed_path(spec, s.weights[0].tensor, trains(s))
+            s.plan += "; variable lengths (a packed batch): " + _PACKED_PLANS[path]
         if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
             s.plan += planned_kernels(s)
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,

@@ -29,6 +29,8 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ``packed_layer_py.py``            its Python forward kernel (the C++ one's bits; ``WFPASS_NATIVE=0``)
                                   and the mode tables and checks the op shares with it
 ``packed_layer_py_backward.py``   its Python backward kernel
+``packed_lstm_runs.py``           the ``wfpass::packed_lstm_runs`` op (a packed LSTM layer without
+                                  grad as oneDNN's LSTM layer over each run of equal batch size)
 ``cudnn_packed.py``               the ``wfpass::cudnn_packed_rnn`` op (cuDNN's packed mode)
 ``cudnn_grads.py``                the weights' gradients as views of cuDNN's gradient buffer
 ``auto.py``                       ``seq_threshold="auto"``: the paths timed once per shape

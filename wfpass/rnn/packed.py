@@ -179,7 +179,7 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     ``wfpass::packed_layer`` per layer and direction (eager's layer and
     direction structure, dropout between layers in training). Returns
     ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
-    from . import packed_layer  # noqa: F401  (registers wfpass::packed_layer)
+    from . import packed_layer, packed_lstm_runs  # noqa: F401  (register the layer ops)
 
     dirs = 2 if bidirectional else 1
     per = (4 if has_biases else 2) + (1 if proj_size > 0 else 0)
@@ -188,6 +188,8 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     c0 = hx[1] if lstm and len(hx) > 1 else None
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights))
     op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
+    if packed_lstm_runs.usable(mode, proj_size, data, need_grad):  # oneDNN's LSTM layer, run by run
+        op = functools.partial(_runs_call, torch.ops.wfpass.packed_lstm_runs_fw.default)
     layer_in = data
     hs: List[torch.Tensor] = []
     cs: List[torch.Tensor] = []
@@ -213,14 +215,26 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     return layer_in, h_n, c_n
 
 
+def _runs_call(op, data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
+    """``wfpass::packed_lstm_runs`` called as ``wfpass::packed_layer`` is (no projection, an LSTM)."""
+    return op(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train)
+
+
 #: The graph targets ``fuse_rnn`` matches (Dynamo records the op as called).
 PACKED_RNN = (torch.ops.wfpass.packed_rnn, torch.ops.wfpass.packed_rnn.default)
 
 
-def packed_path(spec, x: torch.Tensor) -> str:
+def packed_path(spec, x: torch.Tensor, need_grad: bool) -> str:
     """The kernel of a packed batch: cuDNN's packed mode on CUDA where
-    ``rnn={"cuda": "cudnn"}``, else the C++ layer loop (``packed``)."""
-    return "cudnn" if x.device.type == "cuda" and spec.options.cuda == "cudnn" else "packed"
+    ``rnn={"cuda": "cudnn"}``; on the CPU without grad oneDNN's LSTM layer
+    over each run of equal batch size (``packed_onednn``: LSTMs without a
+    projection, in a dtype oneDNN runs here; ``packed_rnn_kernel`` asks the
+    same), else the C++ layer loop (``packed``)."""
+    if x.device.type == "cuda" and spec.options.cuda == "cudnn":
+        return "cudnn"
+    from .packed_lstm_runs import usable
+
+    return "packed_onednn" if usable(spec.mode, spec.proj_size, x, need_grad) else "packed"
 
 
 class PackedRnnForward:

@@ -233,6 +233,8 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
         return "cuDNN", "cudnn_calls"
     if path == "packed":
         return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
+    if path == "packed_onednn":
+        return "oneDNN LSTM over each run of equal batch size (each sequence's valid steps)", "packed_onednn_calls"
     if path == "loop":
         return "per-step path", "per_step_calls"
     if path == "native":

@@ -29,7 +29,7 @@ from .packed import PackedRnnForward, packed_path
 from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
-__all__ = ["rewrite_call", "new_group", "note_kernel", "planned_kernels"]
+__all__ = ["rewrite_call", "new_group", "note_kernel", "planned_kernels", "trains"]
 
 
 def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
@@ -111,7 +111,7 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     batch on the CPU, cuDNN's packed mode on CUDA."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
-    path = packed_path(spec, s.weights[0].tensor)
+    path = packed_path(spec, s.weights[0].tensor, trains(s))
     record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")
     _count_at_site(ctx, site, w_nodes, "fused_calls", spec, path, s.weights[0].tensor, "T=variable")
@@ -161,7 +161,7 @@ def planned_kernels(s: RnnCall) -> str:
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
     if s.batch_sizes is not None:
-        return f"; T=variable: {kernel_words(spec, packed_path(spec, ref), ref)[0]}"
+        return f"; T=variable: {kernel_words(spec, packed_path(spec, ref, trains(s)), ref)[0]}"
     steps = _static_steps(s)
     if spec.threshold == "auto":
         return "; threshold N measured when compiled (seq_threshold='auto')"
@@ -228,6 +228,13 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
     # until the inner compiler has run on the examples Dynamo fakified
     # (their storage offsets are those of before).
     return open_site(ctx, site, existing, ws, move="later" if why is None else "never")
+
+
+def trains(s: RnnCall) -> bool:
+    """Whether the call's output takes a gradient in this graph (a training graph)."""
+    out = meta_value(s.node)
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    return isinstance(first, torch.Tensor) and first.requires_grad
 
 
 def _must_specialize(s: RnnCall, spec: RnnSpec, v: Any) -> bool:
