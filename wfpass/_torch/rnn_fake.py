@@ -77,10 +77,10 @@ def _cudnn_example(op, input, hx, params, has_biases, num_layers, dropout, train
 
 
 def _wrap(op, original: Callable) -> Callable:
-    def kernel(input, hx, params, *flags):
-        if _in_dynamo_fake_prop(input):
-            return _cudnn_example(op, input, hx, params, *flags)
-        return original(input, hx, params, *flags)
+    def kernel(*args, **kwargs):
+        if not kwargs and len(args) == 9 and _in_dynamo_fake_prop(args[0]):
+            return _cudnn_example(op, *args)
+        return original(*args, **kwargs)
 
     kernel.__name__ = f"wfpass_cuda_{op.name().split('::')[-1].replace('.', '_')}"
     return kernel
