@@ -4,6 +4,8 @@ the functional linear and conv kernels, BatchNorm's base class and FX's op
 types. Imports nothing from wfpass."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 #: ``torch._C._nn.linear`` is what ``F.linear`` calls and what Dynamo
@@ -273,3 +275,17 @@ def pad_packed(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool,
                total_length: int):
     """``(padded, lengths)``: the kernel ``pad_packed_sequence`` runs."""
     return torch._VF._pad_packed_sequence(data, batch_sizes, batch_first, padding_value, total_length)
+
+
+def onednn_linear_available() -> bool:
+    """oneDNN is built in and switched on (``torch.backends.mkldnn.enabled``,
+    read through ``torch._C._get_mkldnn_enabled``, private) and its linear op
+    ``mkldnn::_linear_pointwise`` (private: the op Inductor's CPU linears
+    call) is registered; torch 2.11.0-2.15.0."""
+    return (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ w.T (+ b)`` by ``mkldnn::_linear_pointwise`` on dense contiguous tensors."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

@@ -40,6 +40,9 @@ How (the Python kernels, ``packed_layer_py.py`` and
 ``packed_layer_py_backward.py``; ``_torch/native/packed_rnn.cpp`` has the
 same steps in C++, registered for the CPU key, which comes first):
 
+* the GEMMs over all N rows (the input projection, the weight gradients)
+  on oneDNN's linear in fp32 (``mkldnn::_linear_pointwise``: ATen's ``mm``,
+  MKL on this AMD CPU, ran them 2-4x slower), ATen's ``mm`` otherwise;
 * the input projection of every step as ONE GEMM over the N packed rows,
   written straight into the workspace, with both biases folded into it
   (the recurrent bias of the gates that only ever add it, GRU's r and z,

@@ -23,6 +23,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .._torch import kernels as _kernels
+
 __all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "LayerCall", "layer_call"]
 
 #: The cells this op runs.
@@ -132,9 +134,24 @@ def _bias_sum(a, b, lo: int, hi: int):
     return a if a is not None else b
 
 
+def _use_onednn(x) -> bool:
+    """Whether the big GEMMs over all N rows (the input projection, the
+    weight gradients) run on oneDNN's linear instead of ATen's mm: fp32 with
+    oneDNN on. On this AMD CPU ATen's mm (MKL) ran them 2-4x slower; the C++
+    kernels (``use_onednn``) take the same rule, so both give the same bits."""
+    return x.dtype == torch.float32 and _kernels.onednn_linear_available()
+
+
+def onednn_linear(x, w, b=None):
+    """``x @ w.T (+ b)`` on oneDNN (``mkldnn::_linear_pointwise``), from contiguous copies where needed."""
+    return _kernels.onednn_linear(x.contiguous(), w.contiguous(), b)
+
+
 def _project(out, bias, data, w) -> None:
     """``out = data @ w.T (+ bias)``, over all N rows, written into ``out`` (a column block of the workspace)."""
-    if bias is not None:
+    if _use_onednn(data):
+        out.copy_(onednn_linear(data, w, bias))
+    elif bias is not None:
         torch.addmm(bias, data, w.t(), out=out)
     else:
         torch.mm(data, w.t(), out=out)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .packed_layer_py import LayerCall, layer_call
+from .packed_layer_py import LayerCall, _use_onednn, layer_call, onednn_linear
 
 __all__: list[str] = []  # nothing public: packed_layer.py registers the kernel
 
@@ -81,9 +81,14 @@ def _weight_grads(dg, data, h_prev, w_ih, b_ih, b_hh):
     """``(d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh)`` where ``dg`` ``[N, G*H]``
     is dL/d(every gate's pre-activation) on both sides (LSTM, RNN): each
     one GEMM (or sum) over the N rows."""
-    d_data = torch.mm(dg, w_ih)
-    d_w_ih = torch.mm(dg.t(), data)
-    d_w_hh = torch.mm(dg.t(), h_prev)
+    if _use_onednn(data):  # as the C++ kernels' weight_grads
+        dg_t = dg.t().contiguous()
+        d_data = onednn_linear(dg, w_ih.t())
+        d_w_ih, d_w_hh = onednn_linear(dg_t, data.t()), onednn_linear(dg_t, h_prev.t())
+    else:
+        d_data = torch.mm(dg, w_ih)
+        d_w_ih = torch.mm(dg.t(), data)
+        d_w_hh = torch.mm(dg.t(), h_prev)
     d_b_ih, d_b_hh = _bias_grads(dg, b_ih, b_hh, data)
     return d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh
 
@@ -236,11 +241,17 @@ def _gru_weight_grads(L: LayerCall, data, dg2, dgi_n, h_prev, w_ih, b_ih, b_hh):
     input side's n (its r and z are dg2's)."""
     H = L.H
     dg_rz = dg2[:, :2 * H]
-    d_data = torch.mm(dg_rz, w_ih[:2 * H]).addmm_(dgi_n, w_ih[2 * H:])
-    d_w_ih = data.new_empty(w_ih.shape)
-    torch.mm(dg_rz.t(), data, out=d_w_ih[:2 * H])
-    torch.mm(dgi_n.t(), data, out=d_w_ih[2 * H:])
-    d_w_hh = torch.mm(dg2.t(), h_prev)
+    if _use_onednn(data):  # as the C++ kernel's GRU branch
+        d_data = onednn_linear(dg_rz, w_ih[:2 * H].t()).add_(onednn_linear(dgi_n, w_ih[2 * H:].t()))
+        dg_t, data_t = dg2.t().contiguous(), data.t()
+        d_w_ih = torch.cat([onednn_linear(dg_t[:2 * H], data_t), onednn_linear(dgi_n.t(), data_t)])
+        d_w_hh = onednn_linear(dg_t, h_prev.t())
+    else:
+        d_data = torch.mm(dg_rz, w_ih[:2 * H]).addmm_(dgi_n, w_ih[2 * H:])
+        d_w_ih = data.new_empty(w_ih.shape)
+        torch.mm(dg_rz.t(), data, out=d_w_ih[:2 * H])
+        torch.mm(dgi_n.t(), data, out=d_w_ih[2 * H:])
+        d_w_hh = torch.mm(dg2.t(), h_prev)
     d_b_ih = data.new_empty(0)
     if b_ih is not None:
         d_b_ih = data.new_empty(3 * H)

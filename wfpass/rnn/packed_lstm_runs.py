@@ -4,14 +4,14 @@ the kernel eager runs on a padded batch) over each run of steps with the
 same batch size.
 
 Why: the per-step loop (``wfpass::packed_layer``) makes ~10 ATen calls a
-step; one layer's forward without grad took 4.46 ms at hidden 128, batch
+step; one layer's forward without grad took 3.83 ms at hidden 128, batch
 16, T = 100, lengths 20-100 (911 rows), where oneDNN's fused kernel runs the
-whole padded batch (1600 rows) in 2.21 ms (docs/packed_layer.md).
+whole padded batch (1600 rows) in 2.17 ms (docs/packed_layer.md).
 Sorted longest first, a packed batch is a few runs of steps whose batch
 size does not change (at most one per distinct length, 14 here): within a
 run the rows of its steps are one ``[steps, n, I]`` block of ``data``, and
 oneDNN's layer runs it from the state the run before left in the first
-``n`` sequences. The same layer's forward: 2.70 ms. wformat runs it for inference
+``n`` sequences. The same layer's forward: 2.59 ms. wformat runs it for inference
 (``usable``); a training step keeps the per-step loop, whose backward is
 faster than this op's.
 
@@ -33,7 +33,7 @@ so ``train=True`` keeps instead each run's initial ``h`` and ``c``
 reruns each run's forward with ``train=True`` before
 ``aten.mkldnn_rnn_layer_backward``, runs in the opposite order, carrying
 dL/dh and dL/dc of the first ``n`` sequences from one run to the next.
-Forward and backward together: 11.98 ms against the loop's 11.55 ms for
+Forward and backward together: 12.85 ms against the loop's 10.49 ms for
 that layer (docs/packed_layer.md): the recompute and oneDNN's backward cost
 more than the faster forward saves.
 
@@ -59,9 +59,9 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     """Whether a packed RNN's layers run here: CPU LSTMs without a
     projection, in a dtype oneDNN's LSTM runs on this machine, without
     grad. With grad the per-step loop stays: its own backward beat this
-    op's recompute (11.55 ms against 11.98 ms for a layer's training step,
-    docs/packed_layer.md), while the forward alone is 1.65x the loop's
-    speed (2.70 ms against 4.46 ms)."""
+    op's recompute (10.49 ms against 12.85 ms for a layer's training step,
+    docs/packed_layer.md), while the forward alone is 1.48x the loop's
+    speed (2.59 ms against 3.83 ms)."""
     from .._torch import kernels as _kernels
 
     return (not need_grad and mode == "LSTM" and proj_size == 0 and x.device.type == "cpu"

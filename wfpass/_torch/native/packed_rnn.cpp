@@ -17,6 +17,9 @@
 //
 // Checked on torch 2.13.0.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
@@ -171,12 +174,51 @@ Tensor bias_sum(const Opt& a, const Opt& b, int64_t lo, int64_t len) {
   return Tensor();
 }
 
+// oneDNN's linear (mkldnn::_linear_pointwise, what Inductor's CPU linears
+// call), for the big GEMMs over all N rows: on this AMD CPU ATen's mm (MKL)
+// ran them 2-4x slower (packed_layer_py.py, _use_onednn, says the same
+// rule: fp32, oneDNN on). Private op name, checked on torch 2.11.0-2.15.0.
+const c10::OperatorHandle* onednn_linear_op() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  return op.has_value() ? &*op : nullptr;
+}
+
+bool use_onednn(const Tensor& x) {
+  return x.scalar_type() == at::kFloat && at::globalContext().userEnabledMkldnn() && onednn_linear_op() != nullptr;
+}
+
+// x @ w.T (+ b): x [M, K], w [N, K], contiguous copies where they are not.
+Tensor onednn_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  torch::jit::Stack stack;
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(w.contiguous());
+  stack.emplace_back(b.defined() ? c10::IValue(b) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<c10::Scalar>>());
+  stack.emplace_back(std::string(""));
+  onednn_linear_op()->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // out = data @ w.T (+ bias), over all N rows, into a column block of the workspace.
 void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w) {
-  if (bias.defined())
+  if (use_onednn(data))
+    out.copy_(onednn_linear(data, w, bias));
+  else if (bias.defined())
     at::addmm_out(out, bias, data, w.t());
   else
     at::mm_out(out, data, w.t());
+}
+
+// d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
+// GEMM over the N rows (LSTM, RNN).
+std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
+                                                const Tensor& w_ih) {
+  if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
+  const Tensor dg_t = dg.t().contiguous();
+  return {onednn_linear(dg, w_ih.t(), Tensor()), onednn_linear(dg_t, data.t(), Tensor()),
+          onednn_linear(dg_t, h_prev.t(), Tensor())};
 }
 
 using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -369,9 +411,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     }
     if (proj) d_w_hr = at::mm(dh_all.t(), at::mul_out(k_c, o, tc));  // k_c's buffer is free now
     if (c0.has_value()) d_c0 = ccar.unsqueeze(0);
-    d_data = at::mm(dg2, w_ih);
-    d_w_ih = at::mm(dg2.t(), data);
-    d_w_hh = at::mm(dg2.t(), h_prev);
+    std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dg2, data, h_prev, w_ih);
     // The same gradient for both biases: two tensors (outputs may not alias).
     if (b_ih.has_value() || b_hh.has_value()) {
       const Tensor d_b = dg2.sum(0);
@@ -404,12 +444,21 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     // The input side differs from dg only in n's third (not scaled by r):
     // its gradients as GEMMs over dg's r | z columns and this one.
     const Tensor dgi_n = a_n.mul_(dh_all), dg_rz = dg2.narrow(1, 0, 2 * H);
-    d_data = at::mm(dg_rz, w_ih.narrow(0, 0, 2 * H)).addmm_(dgi_n, w_ih.narrow(0, 2 * H, H));
-    d_w_ih = at::empty(w_ih.sizes(), opts);
-    Tensor d_w_rz = d_w_ih.narrow(0, 0, 2 * H), d_w_n = d_w_ih.narrow(0, 2 * H, H);
-    at::mm_out(d_w_rz, dg_rz.t(), data);
-    at::mm_out(d_w_n, dgi_n.t(), data);
-    d_w_hh = at::mm(dg2.t(), h_prev);
+    if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
+      d_data = onednn_linear(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
+                   .add_(onednn_linear(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
+      const Tensor dg_t = dg2.t().contiguous(), data_t = data.t();
+      d_w_ih = at::cat({onednn_linear(dg_t.narrow(0, 0, 2 * H), data_t, Tensor()),
+                        onednn_linear(dgi_n.t(), data_t, Tensor())});
+      d_w_hh = onednn_linear(dg_t, h_prev.t(), Tensor());
+    } else {
+      d_data = at::mm(dg_rz, w_ih.narrow(0, 0, 2 * H)).addmm_(dgi_n, w_ih.narrow(0, 2 * H, H));
+      d_w_ih = at::empty(w_ih.sizes(), opts);
+      Tensor d_w_rz = d_w_ih.narrow(0, 0, 2 * H), d_w_n = d_w_ih.narrow(0, 2 * H, H);
+      at::mm_out(d_w_rz, dg_rz.t(), data);
+      at::mm_out(d_w_n, dgi_n.t(), data);
+      d_w_hh = at::mm(dg2.t(), h_prev);
+    }
     if (b_ih.has_value()) {
       d_b_ih = at::empty({3 * H}, opts);
       Tensor d_b_rz = d_b_ih.narrow(0, 0, 2 * H), d_b_n = d_b_ih.narrow(0, 2 * H, H);
@@ -429,9 +478,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
       Tensor hc = hcar.narrow(0, 0, n);
       at::mm_out(hc, dpre.narrow(0, r0, n).mul_(dh), w_hh);
     }
-    d_data = at::mm(dpre, w_ih);
-    d_w_ih = at::mm(dpre.t(), data);
-    d_w_hh = at::mm(dpre.t(), h_prev);
+    std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dpre, data, h_prev, w_ih);
     if (b_ih.has_value() || b_hh.has_value()) {
       const Tensor d_b = dpre.sum(0);
       if (b_ih.has_value()) d_b_ih = d_b;
