@@ -133,9 +133,20 @@ def test_rnn_rows_name_the_kernel_per_length_with_its_calls():
 
 
 def test_packed_rnn_row_names_its_kernel():
+    """Without grad a packed LSTM runs oneDNN's LSTM layer run by run; a
+    training call (a second graph) the C++ loop: the row names both, each
+    with its count."""
+    from wfpass._torch.kernels import mkldnn_rnn_dtype
+
     m = PackedEncoder()
     f = torch.compile(m, backend=wfpass.backend(inner="aot_eager"))
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 4])
     with torch.no_grad():
-        f(torch.randn(3, 5, 4), torch.tensor([5, 2, 4]))
+        f(x, lengths)
     (row,) = [r for r in wfpass.report(m).find("rnn", "rewritten") if r.params[0].startswith("lstm")]
-    assert "T=variable: C++ packed-batch loop" in row.reason and row.stats["packed_loop_calls"] == 1
+    if mkldnn_rnn_dtype(torch.float32):
+        assert "T=variable: oneDNN LSTM over each run of equal batch size" in row.reason, row.reason
+        assert row.stats["packed_onednn_calls"] == 1, row.stats
+    f(x.requires_grad_(), lengths)
+    (row,) = [r for r in wfpass.report(m).find("rnn", "rewritten") if r.params[0].startswith("lstm")]
+    assert "T=variable: C++ packed-batch loop" in row.reason and row.stats["packed_loop_calls"] == 1, row.stats
