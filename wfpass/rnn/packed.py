@@ -85,7 +85,9 @@ def _pack_padded_fake(input, lengths, batch_first):
 
 
 def _pack_padded_backward(grad, batch_sizes, input_size, batch_first):
-    return torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first)
+    # Contiguous, as the fake says: ATen's returns a batch-first gradient as
+    # a transposed view of a time-major buffer (Inductor checks strides).
+    return torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first).contiguous()
 
 
 def _pack_padded_backward_fake(grad, batch_sizes, input_size, batch_first):

@@ -12,7 +12,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .bench_models import BnCNN, CellLoop, Decoder, PackedLSTM, RnnLM, SpeechEncoder, bn_fp32_by_hand, hand_fused_decoder
+from .bench_models import (BnCNN, CellLoop, Decoder, PackedLSTM, PackedSpeechEncoder, RnnLM, SpeechEncoder,
+                           bn_fp32_by_hand, hand_fused_decoder)
 from .bench_report import VARIANTS
 
 __all__ = ["Sizes", "QUICK", "FULL", "PARTS", "Case", "cases"]
@@ -43,6 +44,7 @@ class Sizes:
     vocab: int = 1000
     packed: dict = dataclasses.field(default_factory=lambda: dict(inp=40, hidden=128, layers=2))
     packed_input: tuple = (100, 16, 20)  # T, batch, shortest length (the longest is T)
+    packed_speech_input: tuple = (16, 40, 160, 80)  # batch, mel bins, frames, shortest utterance
 
 
 QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode_tokens=1, prefill_tokens=32,
@@ -50,7 +52,8 @@ QUICK = Sizes(decoder=dict(d=64, layers=2, heads=4, kv_heads=2, ffn=172), decode
               cnn=dict(width=8, blocks=1), cnn_input=(4, 3, 16, 16), bn_steps=20, rounds=3, min_s=0.01,
               cells=dict(inp=16, hidden=32), cell_steps=8, cell_batch=2, train_tokens=8,
               speech=dict(mels=16, hidden=32), speech_input=(2, 16, 16), new_tokens=4, vocab=100,
-              packed=dict(inp=8, hidden=16, layers=2), packed_input=(12, 4, 3))
+              packed=dict(inp=8, hidden=16, layers=2), packed_input=(12, 4, 3),
+              packed_speech_input=(4, 16, 16, 8))
 FULL = Sizes(decoder=dict(d=256, layers=4, heads=8, kv_heads=2, ffn=1376), decode_tokens=1, prefill_tokens=256,
              rnn=dict(vocab=500, hidden=128, layers=2), rnn_batch=8, rnn_steps=64,
              cnn=dict(width=32, blocks=3), cnn_input=(8, 3, 32, 32), bn_steps=100, rounds=7, min_s=0.05)
@@ -252,6 +255,13 @@ def _speech_case(s: Sizes, train: bool) -> Case:
                 variants=("eager", "inductor", "wformat"))
 
 
+def _packed_build(base: nn.Module, inputs: tuple, train: bool, v: str):
+    """A variable-length model as ``v`` runs it; ``hand-fused`` is eager on
+    the padded batch (the same weights, no packing)."""
+    m = base.padded() if v == "hand-fused" else _variant(base, v)
+    return m, _step(m, inputs, train, sgd=train), None
+
+
 def _packed_case(s: Sizes, train: bool) -> Case:
     def build(v):
         torch.manual_seed(0)
@@ -259,12 +269,7 @@ def _packed_case(s: Sizes, train: bool) -> Case:
         T, B, shortest = s.packed_input
         lengths = torch.randint(shortest, T + 1, (B,))
         lengths[0] = T
-        x = torch.randn(T, B, s.packed["inp"])
-        if v == "hand-fused":  # eager on the padded batch: the same weights, no packing
-            m = base.padded()
-            return m, _step(m, (x, lengths), train, sgd=train), None
-        m = _variant(base, v)
-        return m, _step(m, (x, lengths), train, sgd=train), None
+        return _packed_build(base, (torch.randn(T, B, s.packed["inp"]), lengths), train, v)
 
     T, B, shortest = s.packed_input
     p = s.packed
@@ -272,6 +277,23 @@ def _packed_case(s: Sizes, train: bool) -> Case:
                 f"T={T}, batch {B}, lengths {shortest}-{T}", build, 1e-4,
                 f"Linear -> pack_padded_sequence -> {p['layers']}-layer bidirectional LSTM {p['hidden']} -> "
                 "pad_packed_sequence -> Linear; hand-fused: eager on the padded batch (no packing)",
+                unchecked=("hand-fused",))
+
+
+def _packed_speech_case(s: Sizes, train: bool) -> Case:
+    def build(v):
+        torch.manual_seed(0)
+        base = PackedSpeechEncoder(**s.speech)
+        B, mels, frames, shortest = s.packed_speech_input
+        lengths = torch.randint(shortest, frames + 1, (B,))
+        lengths[0] = frames
+        return _packed_build(base, (torch.randn(B, mels, frames), lengths), train, v)
+
+    B, mels, frames, shortest = s.packed_speech_input
+    return Case("speech encoder (variable lengths)", "training step" if train else "inference",
+                f"{shortest}-{frames} frames, batch {B}", build, 1e-4,
+                f"two Conv1d over {mels} mel bins -> pack_padded_sequence -> 2-layer LSTM {s.speech['hidden']} -> "
+                "pad_packed_sequence -> LayerNorm -> Linear; hand-fused: eager on the padded batch (no packing)",
                 unchecked=("hand-fused",))
 
 
@@ -324,7 +346,8 @@ def cases(sizes: Sizes, parts: Sequence[str] = PARTS) -> List[Case]:
     if "speech" in parts:
         out += [_speech_case(sizes, True), _speech_case(sizes, False)]
     if "packed" in parts:
-        out += [_packed_case(sizes, True), _packed_case(sizes, False)]
+        out += [_packed_case(sizes, True), _packed_case(sizes, False), _packed_speech_case(sizes, True),
+                _packed_speech_case(sizes, False)]
     if "cnn" in parts:
         out += [_cnn_case(sizes, True), _cnn_case(sizes, False)]
     if "cells" in parts:

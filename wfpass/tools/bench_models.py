@@ -162,6 +162,35 @@ class SpeechEncoder(nn.Module):
         return self.proj(self.norm(self.rnn(h)[0]))
 
 
+class PackedSpeechEncoder(SpeechEncoder):
+    """The speech encoder fed a variable-length batch, as speech models
+    train: the convolutions over the padded batch, then
+    pack_padded_sequence (unsorted lengths) -> LSTM -> pad_packed_sequence
+    -> LayerNorm -> Linear; input [batch, mels, frames] and each
+    utterance's frames."""
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        h = self.conv(x).transpose(1, 2)
+        packed = pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+        y = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=h.shape[1])[0]
+        return self.proj(self.norm(y))
+
+    def padded(self) -> nn.Module:
+        """The same weights on the padded batch, without packing."""
+        return _PaddedSpeech(self)
+
+
+class _PaddedSpeech(nn.Module):
+    def __init__(self, enc: PackedSpeechEncoder) -> None:
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, x, lengths):
+        return SpeechEncoder.forward(self.enc, x)
+
+
 class PackedLSTM(nn.Module):
     """A variable-length batch through a bidirectional LSTM, as RNNs are
     trained: Linear -> pack_padded_sequence (unsorted lengths) -> LSTM ->
