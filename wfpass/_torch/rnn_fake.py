@@ -28,12 +28,14 @@ from typing import Callable, List
 import torch
 
 from .dynamo import compiler_fn_of, current_tx
+from .kernels import CUDNN_MODES
 
 __all__ = ["install_cuda_rnn_example_values"]
 
 _aten = torch.ops.aten
 #: the overload -> cuDNN's mode number (``cudnnRNNMode_t``).
-_MODES = {_aten.rnn_relu.input: 0, _aten.rnn_tanh.input: 1, _aten.lstm.input: 2, _aten.gru.input: 3}
+_MODES = {_aten.rnn_relu.input: CUDNN_MODES["RNN_RELU"], _aten.rnn_tanh.input: CUDNN_MODES["RNN_TANH"],
+          _aten.lstm.input: CUDNN_MODES["LSTM"], _aten.gru.input: CUDNN_MODES["GRU"]}
 _KEYS = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Meta)
 
 #: ``policy(compiler_fn) -> bool``: does this backend put CUDA RNNs on cuDNN?

@@ -25,7 +25,8 @@ import torch
 
 from .._torch import kernels as _kernels
 
-__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "LayerCall", "layer_call"]
+__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "LayerCall", "layer_call",
+           "use_onednn", "onednn_linear"]
 
 #: The cells this op runs.
 MODES = ("LSTM", "GRU", "RNN_TANH", "RNN_RELU")
@@ -134,7 +135,7 @@ def _bias_sum(a, b, lo: int, hi: int):
     return a if a is not None else b
 
 
-def _use_onednn(x) -> bool:
+def use_onednn(x) -> bool:
     """Whether the big GEMMs over all N rows (the input projection, the
     weight gradients) run on oneDNN's linear instead of ATen's mm: fp32 with
     oneDNN on. On this AMD CPU ATen's mm (MKL) ran them 2-4x slower; the C++
@@ -149,7 +150,7 @@ def onednn_linear(x, w, b=None):
 
 def _project(out, bias, data, w) -> None:
     """``out = data @ w.T (+ bias)``, over all N rows, written into ``out`` (a column block of the workspace)."""
-    if _use_onednn(data):
+    if use_onednn(data):
         out.copy_(onednn_linear(data, w, bias))
     elif bias is not None:
         torch.addmm(bias, data, w.t(), out=out)

@@ -11,9 +11,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .packed_layer_py import LayerCall, _use_onednn, layer_call, onednn_linear
+from .packed_layer_py import LayerCall, use_onednn, layer_call, onednn_linear
 
-__all__: list[str] = []  # nothing public: packed_layer.py registers the kernel
+__all__ = ["carry"]  # packed_layer.py registers the kernel; carry serves packed_lstm_runs.py too
 
 
 def _prev_index(batch_sizes: torch.Tensor, B: int, N: int, reverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +52,7 @@ def _one_minus(x, out):
     return torch.neg(x, out=out).add_(1)
 
 
-def _carry(grad, data, B: int, W: int):
+def carry(grad, data, B: int, W: int):
     """A carry of the backward loop: the gradient of each sequence's final
     state, ``[B, W]``, contiguous and its own (the loop overwrites it), zeros where there is none."""
     if grad is None:
@@ -81,7 +81,7 @@ def _weight_grads(dg, data, h_prev, w_ih, b_ih, b_hh):
     """``(d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh)`` where ``dg`` ``[N, G*H]``
     is dL/d(every gate's pre-activation) on both sides (LSTM, RNN): each
     one GEMM (or sum) over the N rows."""
-    if _use_onednn(data):  # as the C++ kernels' weight_grads
+    if use_onednn(data):  # as the C++ kernels' weight_grads
         dg_t = dg.t().contiguous()
         d_data = onednn_linear(dg, w_ih.t())
         d_w_ih, d_w_hh = onednn_linear(dg_t, data.t()), onednn_linear(dg_t, h_prev.t())
@@ -132,7 +132,7 @@ def _backward_start(L: LayerCall, data, batch_sizes, out, grad_out, grad_hn) -> 
     h_prev = _gather(out, L.h_init, index, first)  # [N, H_out]: the state each row read
     # The carries: dL/dh (dL/dc) of each sequence's state, starting from
     # the gradient of its final state; after the loop, dL/dh0 (dL/dc0).
-    hcar = _carry(grad_hn, data, L.B, L.Hout)
+    hcar = carry(grad_hn, data, L.B, L.Hout)
     # The backward runs the steps in the opposite order of the forward.
     order = [(L.off[t], L.bs[t]) for t in range(len(L.bs))]
     if not L.reverse:
@@ -146,7 +146,7 @@ def _lstm_backward(L: LayerCall, data, workspace, bw: _Back, grad_cn, w_ih, w_hh
     d_w_hr, d_c0 = data.new_empty(0), data.new_empty(0)
     H = L.H
     dg, k_c = _lstm_factors(L, data, workspace, bw)
-    ccar = _carry(grad_cn, data, L.B, H)
+    ccar = carry(grad_cn, data, L.B, H)
     dh_all = _lstm_loop(L, data, workspace, dg, k_c, ccar, bw, w_hh, w_hr)
     if w_hr is not None:
         o, tc = workspace[:, 3 * H:4 * H], workspace[:, 5 * H:]
@@ -241,7 +241,7 @@ def _gru_weight_grads(L: LayerCall, data, dg2, dgi_n, h_prev, w_ih, b_ih, b_hh):
     input side's n (its r and z are dg2's)."""
     H = L.H
     dg_rz = dg2[:, :2 * H]
-    if _use_onednn(data):  # as the C++ kernel's GRU branch
+    if use_onednn(data):  # as the C++ kernel's GRU branch
         d_data = onednn_linear(dg_rz, w_ih[:2 * H].t()).add_(onednn_linear(dgi_n, w_ih[2 * H:].t()))
         dg_t, data_t = dg2.t().contiguous(), data.t()
         d_w_ih = torch.cat([onednn_linear(dg_t[:2 * H], data_t), onednn_linear(dgi_n.t(), data_t)])

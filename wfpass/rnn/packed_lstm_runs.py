@@ -46,6 +46,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .ops import define_rnn_op
+from .packed_layer_py_backward import carry
 from .packed_meta import batch_of
 
 __all__ = ["runs", "usable"]
@@ -82,11 +83,6 @@ def runs(batch_sizes: torch.Tensor, reverse: bool) -> List[Tuple[int, int, int]]
     return out[::-1] if reverse else out
 
 
-def _state(s: Optional[torch.Tensor], data: torch.Tensor, B: int, H: int) -> torch.Tensor:
-    """``[B, H]``, contiguous, to be overwritten (zeros where None)."""
-    return data.new_zeros((B, H)) if s is None else s[0].clone(memory_format=torch.contiguous_format)
-
-
 def _bias(b: Optional[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
     return b if b is not None else w.new_zeros(w.shape[0])
 
@@ -96,7 +92,7 @@ def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
     b_ih, b_hh = _bias(b_ih, w_ih), _bias(b_hh, w_ih)
     out = data.new_empty((data.shape[0], H))
     ws = data.new_empty((data.shape[0], 2 * H)) if train else data.new_empty(0)
-    h, c = _state(h0, data, B, H), _state(c0, data, B, H)
+    h, c = carry(h0, data, B, H), carry(c0, data, B, H)  # running states, overwritten run by run
     with torch.no_grad():
         for row, steps, n in runs(batch_sizes, reverse):
             x = data.narrow(0, row, steps * n).view(steps, n, -1)
@@ -114,7 +110,7 @@ def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
 def _backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, workspace, grad_out, grad_hn, grad_cn, reverse):
     H, B = w_hh.shape[1], int(batch_sizes[0])
     bi, bh = _bias(b_ih, w_ih), _bias(b_hh, w_ih)
-    dh, dc = _state(grad_hn, data, B, H), _state(grad_cn, data, B, H)
+    dh, dc = carry(grad_hn, data, B, H), carry(grad_cn, data, B, H)
     d_data = data.new_empty(data.shape)
     dw = [torch.zeros_like(w) for w in (w_ih, w_hh, bi, bh)]
     # oneDNN's layer keeps its workspace only with grad mode on (this kernel

@@ -243,9 +243,7 @@ def _must_specialize(s: RnnCall, spec: RnnSpec, v: Any) -> bool:
     that refuses sizes known only at run time."""
     if not isinstance(v, torch.Tensor) or all(static_int(d) is not None for d in v.shape):
         return False
-    out = meta_value(s.node)
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
-    if not (isinstance(first, torch.Tensor) and first.requires_grad):
+    if not trains(s):
         return False
     if choose_path(spec, v, None, 0) not in ("mkldnn", "cudnn"):
         return False

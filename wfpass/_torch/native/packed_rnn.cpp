@@ -176,7 +176,7 @@ Tensor bias_sum(const Opt& a, const Opt& b, int64_t lo, int64_t len) {
 
 // oneDNN's linear (mkldnn::_linear_pointwise, what Inductor's CPU linears
 // call), for the big GEMMs over all N rows: on this AMD CPU ATen's mm (MKL)
-// ran them 2-4x slower (packed_layer_py.py, _use_onednn, says the same
+// ran them 2-4x slower (packed_layer_py.py, use_onednn, says the same
 // rule: fp32, oneDNN on). Private op name, checked on torch 2.11.0-2.15.0.
 const c10::OperatorHandle* onednn_linear_op() {
   static const std::optional<c10::OperatorHandle> op =
