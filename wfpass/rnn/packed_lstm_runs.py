@@ -59,14 +59,20 @@ _LSTM = 2  # oneDNN's mode number for an LSTM (aten/src/ATen/native/mkldnn/RNN.c
 def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     """Whether a packed RNN's layers run here: CPU LSTMs without a
     projection, in a dtype oneDNN's LSTM runs on this machine, without
-    grad. With grad the per-step loop stays: its own backward beat this
-    op's recompute (10.49 ms against 12.85 ms for a layer's training step,
-    docs/packed_layer.md), while the forward alone is 1.48x the loop's
-    speed (2.59 ms against 3.83 ms)."""
+    grad, where the per-step loop has no raw-pointer path for the dtype
+    (``native.fast_loop``: fp32 on an AVX-512 CPU). Measured on one layer
+    (docs/packed_layer.md): the loop's ATen path 3.83 ms, this op 2.59 ms,
+    the raw-pointer loop 1.40 ms. With grad the loop always stays: its own
+    backward beat this op's recompute (10.49 ms against 12.85 ms for a
+    layer's training step on the ATen path)."""
     from .._torch import kernels as _kernels
+    from .._torch import native
 
-    return (not need_grad and mode == "LSTM" and proj_size == 0 and x.device.type == "cpu"
-            and _kernels.mkldnn_rnn_dtype(x.dtype))
+    if need_grad or mode != "LSTM" or proj_size != 0 or x.device.type != "cpu":
+        return False
+    if x.dtype == torch.float32 and native.fast_loop():
+        return False
+    return _kernels.mkldnn_rnn_dtype(x.dtype)
 
 
 def runs(batch_sizes: torch.Tensor, reverse: bool) -> List[Tuple[int, int, int]]:

@@ -37,13 +37,17 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "build_seconds", "cxx_standard", "library_path"]
+__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp")
+_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp")
+#: Included by the sources: part of the cache key, not compiled alone.
+_HEADERS = ("fast_rnn.h",)
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]
+# native.fast_loop()'s answer, asked once (it cannot change in a process).
+_FAST: list = [None]
 #: Seconds this process spent building the library (0.0 when it was cached).
 BUILD_S: list = [0.0]
 
@@ -65,6 +69,16 @@ def status() -> str:
     if why is None:
         return "C++ kernels (wfpass/_torch/native, built with this machine's compiler)"
     return f"Python kernels ({why})"
+
+
+def fast_loop() -> bool:
+    """Do the packed RNN kernels run their fp32 steps on the raw-pointer
+    loop (``fast_rnn.cpp``: oneDNN's small-GEMM ukernel and AVX-512 gate
+    math)? False without the C++ kernels, on a CPU without AVX-512, or with
+    ``WFPASS_FAST_LOOP=0``."""
+    if _FAST[0] is None:
+        _FAST[0] = loaded() and bool(torch.ops.wfpass.native_fast_loop())
+    return _FAST[0]
 
 
 def build_seconds() -> float:
@@ -122,7 +136,7 @@ _LIBS = ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 def _digest() -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         h.update((_HERE / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())

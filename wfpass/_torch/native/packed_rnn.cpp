@@ -23,6 +23,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include "fast_rnn.h"
+
 #include <tuple>
 #include <vector>
 
@@ -96,9 +98,7 @@ Tensor initial_state(const Opt& s, const Tensor& data, int64_t B, int64_t W, con
 // One step in processing order: its rows r0 : r0 + n; the first m rows of
 // the state it reads are rows p0 : p0 + m of the step before it, the rest
 // rows m : n of the initial state (packed_layer.py, _schedule).
-struct Step {
-  int64_t r0, n, p0, m;
-};
+using Step = wfpass_fast::Step;
 
 std::vector<Step> schedule(const Steps& s, bool reverse) {
   std::vector<Step> out;
@@ -201,9 +201,23 @@ Tensor onednn_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return stack[0].toTensor();
 }
 
+// The raw-pointer loop (fast_rnn.cpp) for fp32 where the CPU and oneDNN's
+// ukernel allow; the ATen calls below otherwise (bf16, other CPUs).
+bool fast(const Tensor& data) {
+  return data.scalar_type() == at::kFloat && wfpass_fast::fast_loop();
+}
+
+float* fp(const Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
 // out = data @ w.T (+ bias), over all N rows, into a column block of the workspace.
 void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w) {
-  if (use_onednn(data))
+  if (fast(data)) {
+    const Tensor x = data.contiguous(), b = bias.defined() ? bias.contiguous() : bias;
+    wfpass_fast::gemm_rows(x.size(0), out.size(1), x.size(1), fp(x), x.stride(0), fp(w.t().contiguous()),
+                           out.size(1), fp(b), fp(out), out.stride(0), false);
+  } else if (use_onednn(data))
     out.copy_(onednn_linear(data, w, bias));
   else if (bias.defined())
     at::addmm_out(out, bias, data, w.t());
@@ -213,8 +227,23 @@ void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w
 
 // d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
 // GEMM over the N rows (LSTM, RNN).
+// a @ w over all rows with the fast loop's GEMM (a [N, K] with unit column
+// stride, w [K, M]), into out when given (adding to it), else a new tensor.
+Tensor rows_times(const Tensor& a, const Tensor& w, Tensor out = Tensor()) {
+  const bool add = out.defined();
+  if (!add) out = at::empty({a.size(0), w.size(1)}, a.options());
+  const Tensor x = a.stride(1) == 1 ? a : a.contiguous(), wc = w.contiguous();
+  wfpass_fast::gemm_rows(x.size(0), wc.size(1), x.size(1), fp(x), x.stride(0), fp(wc), wc.size(1), nullptr, fp(out),
+                         out.size(1), add);
+  return out;
+}
+
 std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
                                                 const Tensor& w_ih) {
+  if (fast(data)) {
+    const Tensor dg_t = dg.t().contiguous();
+    return {rows_times(dg, w_ih), onednn_linear(dg_t, data.t(), Tensor()), onednn_linear(dg_t, h_prev.t(), Tensor())};
+  }
   if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
   const Tensor dg_t = dg.t().contiguous();
   return {onednn_linear(dg, w_ih.t(), Tensor()), onednn_linear(dg_t, data.t(), Tensor()),
@@ -252,6 +281,11 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
     const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
     const Tensor hpre = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
+    if (fast(data)) {
+      const Tensor hi = h_init.contiguous(), ci = c_init.contiguous();
+      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), fp(hi), Hout, fp(ci), H, fp(w_hh_t.contiguous()),
+                                w_hr.has_value() ? fp(w_hr_t.contiguous()) : nullptr, fp(hbuf), fp(cbuf), fp(hpre));
+    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st), cp = prev_state(c_all, c_init, cbuf, st);
       const Tensor o = o_all.narrow(0, st.r0, st.n), g = g_all.narrow(0, st.r0, st.n);
@@ -272,6 +306,7 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
         at::mul_out(h, o, t_c);
       }
     }
+    }
     c_n = final_state(c_all, s, reverse);
   } else if (mode == Mode::GRU) {
     ws = at::empty({N, 4 * H}, opts);
@@ -287,6 +322,10 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     else
       hn_all.zero_();
     out = at::empty({N, H}, opts);
+    if (fast(data)) {
+      const Tensor hi = h_init.contiguous();
+      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), fp(hi), H, fp(w_hh_t.contiguous()), fp(hbuf));
+    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
       rzh_all.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
@@ -296,12 +335,17 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
       Tensor h = out.narrow(0, st.r0, st.n);
       at::lerp_out(h, nt, hp, z_all.narrow(0, st.r0, st.n));  // (1 - z) * n + z * h
     }
+    }
     c_n = at::empty({0}, opts);
   } else {
     ws = at::empty({N, 0}, opts);
     out = at::empty({N, H}, opts);
     project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih);
     const bool relu = mode == Mode::RNN_RELU;
+    if (fast(data)) {
+      const Tensor hi = h_init.contiguous();
+      wfpass_fast::rnn_forward(steps, H, fp(out), fp(hi), H, fp(w_hh_t.contiguous()), fp(hbuf), relu);
+    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
       Tensor h = out.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
@@ -309,6 +353,7 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
         h.relu_();
       else
         h.tanh_();
+    }
     }
     c_n = at::empty({0}, opts);
   }
@@ -365,6 +410,11 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
   // The backward runs the steps in the opposite order of the forward.
   std::vector<int64_t> order(s.T);
   for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
+  wfpass_fast::Rows rows;
+  const bool quick = fast(data);
+  if (quick)
+    for (const int64_t t : order) rows.emplace_back(s.off[t], s.bs[t]);
+  const Tensor gout = quick && grad_out.has_value() ? grad_out->contiguous() : Tensor();
   Tensor d_data, d_w_ih, d_w_hh, d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
   Tensor d_w_hr = at::empty({0}, opts), d_c0 = at::empty({0}, opts);
   if (mode == Mode::LSTM) {
@@ -392,6 +442,11 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     // With a projection, d_w_hr needs every row's dL/dh.
     const Tensor dh_all = at::empty({proj ? N : B, Hout}, opts);
     const Tensor dhp = proj ? at::empty({B, H}, opts) : Tensor();
+    if (quick) {
+      const Tensor ws = workspace.contiguous();
+      wfpass_fast::lstm_backward(rows, H, Hout, fp(gout), fp(hcar), fp(ccar), fp(k_c), fp(ws), fp(dg),
+                                 fp(w_hh.contiguous()), proj ? fp(w_hr->contiguous()) : nullptr, fp(dh_all), fp(dhp));
+    } else {
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
       Tensor dh = dh_all.narrow(0, proj ? r0 : 0, n);
@@ -408,6 +463,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
       dc.mul_(f.narrow(0, r0, n));  // dL/dc_prev
       Tensor hc = hcar.narrow(0, 0, n);
       at::mm_out(hc, dg2.narrow(0, r0, n), w_hh);  // dL/dh_prev
+    }
     }
     if (proj) d_w_hr = at::mm(dh_all.t(), at::mul_out(k_c, o, tc));  // k_c's buffer is free now
     if (c0.has_value()) d_c0 = ccar.unsqueeze(0);
@@ -432,6 +488,10 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     at::mul_out(dg_n, a_n, r);  // the recurrent side of n is scaled by r
     const Tensor dg2 = dg.view({N, 3 * H});
     const Tensor dh_all = at::empty({N, H}, opts);
+    if (quick) {
+      const Tensor ws = workspace.contiguous();
+      wfpass_fast::gru_backward(rows, H, fp(gout), fp(hcar), fp(ws), fp(dg), fp(w_hh.contiguous()), fp(dh_all));
+    } else {
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
       Tensor dh = dh_all.narrow(0, r0, n);
@@ -441,12 +501,16 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
       at::mul_out(hc, dh, z.narrow(0, r0, n));
       hc.addmm_(dg2.narrow(0, r0, n), w_hh);  // dL/dh_prev = dh * z + dgh @ W_hh
     }
+    }
     // The input side differs from dg only in n's third (not scaled by r):
     // its gradients as GEMMs over dg's r | z columns and this one.
     const Tensor dgi_n = a_n.mul_(dh_all), dg_rz = dg2.narrow(1, 0, 2 * H);
     if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
-      d_data = onednn_linear(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
-                   .add_(onednn_linear(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
+      if (quick)
+        d_data = rows_times(dgi_n, w_ih.narrow(0, 2 * H, H), rows_times(dg_rz, w_ih.narrow(0, 0, 2 * H)));
+      else
+        d_data = onednn_linear(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
+                     .add_(onednn_linear(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
       const Tensor dg_t = dg2.t().contiguous(), data_t = data.t();
       d_w_ih = at::cat({onednn_linear(dg_t.narrow(0, 0, 2 * H), data_t, Tensor()),
                         onednn_linear(dgi_n.t(), data_t, Tensor())});
@@ -471,12 +535,16 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     const Tensor dpre =
         mode == Mode::RNN_RELU ? at::gt(out, 0).to(out.scalar_type()) : at::mul(out, out).neg_().add_(1);
     const Tensor dh_buf = at::empty({B, H}, opts);
+    if (quick) {
+      wfpass_fast::rnn_backward(rows, H, fp(gout), fp(hcar), fp(dpre), fp(w_hh.contiguous()), fp(dh_buf));
+    } else {
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
       Tensor dh = dh_buf.narrow(0, 0, n);
       incoming(dh, grad_out, hcar, r0, n);
       Tensor hc = hcar.narrow(0, 0, n);
       at::mm_out(hc, dpre.narrow(0, r0, n).mul_(dh), w_hh);
+    }
     }
     std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dpre, data, h_prev, w_ih);
     if (b_ih.has_value() || b_hh.has_value()) {
@@ -495,4 +563,10 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("packed_layer", packed_layer);
   m.impl("packed_layer_fw", packed_layer);
   m.impl("packed_layer_backward", packed_layer_backward);
+}
+
+// Whether the raw-pointer loop (fast_rnn.cpp) serves fp32 calls in this
+// process: for the report and the tests (wfpass/_torch/native, fast_loop).
+TORCH_LIBRARY_FRAGMENT(wfpass, m) {
+  m.def("native_fast_loop() -> bool", []() { return wfpass_fast::fast_loop(); });
 }

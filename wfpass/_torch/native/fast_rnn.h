@@ -1,0 +1,64 @@
+// Raw-pointer pieces of the packed RNN loop (fast_rnn.cpp): the per-step
+// recurrent GEMM on oneDNN's small-GEMM ukernel, and each cell's gate math
+// as one AVX-512 pass over the step's rows. packed_rnn.cpp calls them where
+// fast_loop() says yes (fp32, an AVX-512 CPU, the ukernel answering), and
+// keeps its ATen calls otherwise.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace wfpass_fast {
+
+// Can the step functions below run here? Asked once per process: the CPU
+// has AVX-512F, oneDNN's fp32 ukernel answers a probe, and WFPASS_FAST_LOOP
+// is not "0".
+bool fast_loop();
+
+// C[M, N] = A[M, K] . B[K, N] (+ bias[N] on every row, where given), in
+// blocks of rows: the big GEMMs over all packed rows, written straight into
+// a column block of the workspace (no temporary, no copy).
+void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+               const float* bias, float* C, int64_t ldc, bool add);
+
+// One step in processing order (packed_rnn.cpp, schedule): its rows
+// r0 : r0 + n; the first m rows of the state it reads are rows p0 : p0 + m
+// of the step before it, the rest rows m : n of the initial state.
+struct Step {
+  int64_t r0, n, p0, m;
+};
+
+// The recurrent half of wfpass::packed_layer's forward, after the input
+// projection (already in ws's gate columns, or in out for a plain RNN).
+// Row-major, contiguous: ws [N, 6H] (LSTM) / [N, 4H] (GRU), out [N, Hout],
+// the initial states with leading dims ldh / ldc, whh_t = W_hh^T
+// [Hout, G*H], whr_t = W_hr^T [H, Hout] or null; hbuf, cbuf, hpre: [B, *]
+// scratch rows.
+void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, const float* h0,
+                  int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t, float* hbuf,
+                  float* cbuf, float* hpre);
+void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, const float* h0, int64_t ldh,
+                 const float* whh_t, float* hbuf);
+void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, const float* h0, int64_t ldh,
+                 const float* whh_t, float* hbuf, bool relu);
+
+// The backward loops over (r0, n) in the backward's order. g: grad_out
+// [N, Hout] or null; hcar [B, Hout] / ccar [B, H]: the carried gradients
+// (in: of the final states; out: of the initial ones); kc = (1 - tanh(c)^2) o
+// and dg [N, 4H] holding the gates' factors (packed_rnn.cpp), scaled here;
+// w_hh [G*H, Hout], w_hr [Hout, H] or null as the module holds them; dh:
+// [N, Hout] with a projection (every row's dL/dh is kept), else [B, Hout];
+// dhp [B, H] scratch.
+using Rows = std::vector<std::pair<int64_t, int64_t>>;
+void lstm_backward(const Rows& rows, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
+                   const float* kc, const float* ws, float* dg, const float* w_hh, const float* w_hr, float* dh,
+                   float* dhp);
+// GRU: dg [N, 3H] holding (k_r, k_z, a_n r), ws [N, 4H]; dh [N, H] gets every row's dL/dh.
+void gru_backward(const Rows& rows, int64_t H, const float* g, float* hcar, const float* ws, float* dg,
+                  const float* w_hh, float* dh);
+// Plain RNN: dpre [N, H] holding act'(pre), scaled by dL/dh; dh [B, H] scratch.
+void rnn_backward(const Rows& rows, int64_t H, const float* g, float* hcar, float* dpre, const float* w_hh,
+                  float* dh);
+
+}  // namespace wfpass_fast
