@@ -200,20 +200,26 @@ WF_F static void incoming(int64_t n, int64_t W, const float* g, int64_t ldg, con
     }
 }
 
-WF_F static void lstm_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh, const float* kc, int64_t ldk,
-                             const float* f, int64_t ldf, float* dg, float* ccar) {
+// dc = ccar + dh o (1 - tanh(c)^2); the pre-activations' gradients
+// dc g i (1 - i), dc c_prev f (1 - f), dc i (1 - g^2), dh tanh(c) o (1 - o)
+// into dg; ccar = dc f (dL/dc_prev).
+WF_F static void lstm_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh, const float* ws,
+                                    const float* cp, int64_t ldcp, float* dg, float* ccar) {
+  const __m512 one = splat(1.f);
   for (int64_t r = 0; r < n; ++r) {
+    const float* w = ws + r * 6 * H;
     float* d = dg + r * 4 * H;
     float* cc = ccar + r * H;
     for (int64_t j = 0; j < H; j += 16) {
       const __mmask16 m = lanes(j, H);
-      const __m512 h = ld(m, dh + r * lddh + j);
-      const __m512 dc = _mm512_fmadd_ps(h, ld(m, kc + r * ldk + j), ld(m, cc + j));
-      st(m, d + j, _mm512_mul_ps(ld(m, d + j), dc));
-      st(m, d + H + j, _mm512_mul_ps(ld(m, d + H + j), dc));
-      st(m, d + 2 * H + j, _mm512_mul_ps(ld(m, d + 2 * H + j), dc));
-      st(m, d + 3 * H + j, _mm512_mul_ps(ld(m, d + 3 * H + j), h));
-      st(m, cc + j, _mm512_mul_ps(dc, ld(m, f + r * ldf + j)));
+      const __m512 h = ld(m, dh + r * lddh + j), i = ld(m, w + j), f = ld(m, w + H + j);
+      const __m512 g = ld(m, w + 2 * H + j), o = ld(m, w + 3 * H + j), tc = ld(m, w + 5 * H + j);
+      const __m512 dc = _mm512_fmadd_ps(_mm512_mul_ps(h, o), _mm512_fnmadd_ps(tc, tc, one), ld(m, cc + j));
+      st(m, d + j, _mm512_mul_ps(_mm512_mul_ps(dc, g), _mm512_fnmadd_ps(i, i, i)));
+      st(m, d + H + j, _mm512_mul_ps(_mm512_mul_ps(dc, ld(m, cp + r * ldcp + j)), _mm512_fnmadd_ps(f, f, f)));
+      st(m, d + 2 * H + j, _mm512_mul_ps(_mm512_mul_ps(dc, i), _mm512_fnmadd_ps(g, g, one)));
+      st(m, d + 3 * H + j, _mm512_mul_ps(_mm512_mul_ps(h, tc), _mm512_fnmadd_ps(o, o, o)));
+      st(m, cc + j, _mm512_mul_ps(dc, f));
     }
   }
 }
@@ -305,11 +311,12 @@ void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, const fl
   }
 }
 
-void lstm_backward(const Rows& rows, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
-                   const float* kc, const float* ws, float* dg, const float* w_hh, const float* w_hr, float* dh,
-                   float* dhp) {
+void lstm_backward(const std::vector<Step>& steps, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
+                   const float* ws, const float* c0, int64_t ldc, float* cbuf, float* dg, const float* w_hh,
+                   const float* w_hr, float* dh, float* dhp) {
   const int64_t G = 4 * H;
-  for (const auto& [r0, n] : rows) {
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {  // the forward's steps, last first
+    const int64_t r0 = it->r0, n = it->n;
     float* d = dh + (w_hr != nullptr ? r0 * Hout : 0);
     incoming(n, Hout, g != nullptr ? g + r0 * Hout : nullptr, Hout, hcar, Hout, d, Hout);
     const float* x = d;
@@ -319,7 +326,9 @@ void lstm_backward(const Rows& rows, int64_t H, int64_t Hout, const float* g, fl
       x = dhp;
       lx = H;
     }
-    lstm_step_backward(n, H, x, lx, kc + r0 * H, H, ws + r0 * 6 * H + H, 6 * H, dg + r0 * G, ccar);
+    int64_t lc = 0;
+    const float* cp = prev_rows(ws + 4 * H, 6 * H, c0, ldc, cbuf, H, *it, lc);
+    lstm_step_backward(n, H, x, lx, ws + r0 * 6 * H, cp, lc, dg + r0 * G, ccar);
     gemm(n, Hout, G, dg + r0 * G, G, w_hh, Hout, hcar, Hout, false);  // dL/dh_prev
   }
 }
@@ -355,8 +364,8 @@ void gru_forward(const std::vector<Step>&, int64_t, float*, float*, const float*
 void rnn_forward(const std::vector<Step>&, int64_t, float*, const float*, int64_t, const float*, float*, bool) {
   TORCH_CHECK(false, "wfpass: no fast loop on this CPU");
 }
-void lstm_backward(const Rows&, int64_t, int64_t, const float*, float*, float*, const float*, const float*, float*,
-                   const float*, const float*, float*, float*) {
+void lstm_backward(const std::vector<Step>&, int64_t, int64_t, const float*, float*, float*, const float*,
+                   const float*, int64_t, float*, float*, const float*, const float*, float*, float*) {
   TORCH_CHECK(false, "wfpass: no fast loop on this CPU");
 }
 void gru_backward(const Rows&, int64_t, const float*, float*, const float*, float*, const float*, float*) {

@@ -43,17 +43,20 @@ void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* ou
 void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, const float* h0, int64_t ldh,
                  const float* whh_t, float* hbuf, bool relu);
 
-// The backward loops over (r0, n) in the backward's order. g: grad_out
-// [N, Hout] or null; hcar [B, Hout] / ccar [B, H]: the carried gradients
-// (in: of the final states; out: of the initial ones); kc = (1 - tanh(c)^2) o
-// and dg [N, 4H] holding the gates' factors (packed_rnn.cpp), scaled here;
-// w_hh [G*H, Hout], w_hr [Hout, H] or null as the module holds them; dh:
-// [N, Hout] with a projection (every row's dL/dh is kept), else [B, Hout];
-// dhp [B, H] scratch.
+// The backward loops. g: grad_out [N, Hout] or null; hcar [B, Hout] / ccar
+// [B, H]: the carried gradients (in: of the final states; out: of the
+// initial ones); w_hh [G*H, Hout], w_hr [Hout, H] or null as the module
+// holds them.
+// LSTM: over the forward's steps in reverse, the gates' gradients into dg
+// [N, 4H] from the workspace ws [N, 6H] (i|f|g|o|c|tanh c) and each step's
+// c_prev (rows of ws's c, or of c0 with leading dim ldc; cbuf [B, H]
+// scratch); dh: [N, Hout] with a projection (every row's dL/dh is kept),
+// else [B, Hout]; dhp [B, H] scratch.
+void lstm_backward(const std::vector<Step>& steps, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
+                   const float* ws, const float* c0, int64_t ldc, float* cbuf, float* dg, const float* w_hh,
+                   const float* w_hr, float* dh, float* dhp);
 using Rows = std::vector<std::pair<int64_t, int64_t>>;
-void lstm_backward(const Rows& rows, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
-                   const float* kc, const float* ws, float* dg, const float* w_hh, const float* w_hr, float* dh,
-                   float* dhp);
+// GRU and plain RNN: over (r0, n) in the backward's order.
 // GRU: dg [N, 3H] holding (k_r, k_z, a_n r), ws [N, 4H]; dh [N, H] gets every row's dL/dh.
 void gru_backward(const Rows& rows, int64_t H, const float* g, float* hcar, const float* ws, float* dg,
                   const float* w_hh, float* dh);
