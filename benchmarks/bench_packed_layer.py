@@ -2,7 +2,8 @@
 PackedSequence, eager on the padded batch, ``wfpass::packed_layer`` (the
 per-step loop) and, for the LSTM, ``wfpass::packed_lstm_runs`` (oneDNN's
 LSTM layer over each run of equal batch size: what wformat runs for a
-packed CPU LSTM without a projection).
+packed CPU LSTM without a projection and without grad where the loop has
+no raw-pointer path for the dtype).
 
     python benchmarks/bench_packed_layer.py [--rounds 7] [--iters 5] [--threads 1] [--inference]
 
@@ -15,7 +16,9 @@ grad); the table gives the median over rounds of the
 time per step, the variants interleaved inside every round so machine noise
 hits them alike. Eager's padded LSTM is oneDNN's kernel; its padded GRU is
 ATen's per-step loop. The op runs on its C++ kernel (``wfpass/_torch/native``)
-when it builds, else on its Python kernel: the first line says which.
+when it builds, else on its Python kernel, and its fp32 steps on the
+raw-pointer loop on an AVX-512 CPU (``WFPASS_FAST_LOOP=0``: ATen calls):
+the first line says which.
 """
 from __future__ import annotations
 
@@ -104,7 +107,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, T + 1, (B,), generator=g).sort(descending=True).values
-    print(f"torch {torch.__version__}, {args.threads} thread(s); op kernel: {native.status()}")
+    loop = "raw-pointer loop (fp32, AVX-512)" if native.fast_loop() else "ATen calls"
+    print(f"torch {torch.__version__}, {args.threads} thread(s); op kernel: {native.status()}; the loop's steps: {loop}")
     print(f"I = {I}, H = {H}, B = {B}, T = {T}, lengths {lengths.tolist()} "
           f"({int(lengths.sum())} of {int(lengths[0]) * B} padded steps valid); "
           f"{'forward without grad, ms per call' if args.inference else 'forward + backward, ms per training step'}, "
@@ -128,8 +132,11 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in times.items()}
         a, b, c = med["eager, PackedSequence"], med["eager, padded"], med["wfpass::packed_layer"]
         r = med.get("wfpass::packed_lstm_runs")
-        # The kernel wformat picks: oneDNN run by run for an LSTM without grad, else the loop.
-        w = r if args.inference and r is not None else c
+        # The kernel wformat picks (packed_lstm_runs.usable): oneDNN run by
+        # run for an LSTM without grad where the loop has no raw-pointer
+        # path for the dtype, else the loop.
+        x = torch.empty(0)
+        w = r if packed_lstm_runs.usable(kind, 0, x, not args.inference) else c
         runs_cell = f"{r:.2f}" if r is not None else "-"
         print(f"| {kind} | {a:.2f} | {b:.2f} | {c:.2f} | {runs_cell} | {a / w:.2f}x | {b / w:.2f}x |")
 

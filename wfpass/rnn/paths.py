@@ -232,6 +232,11 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
     if path == "cudnn":
         return "cuDNN", "cudnn_calls"
     if path == "packed":
+        from .._torch import native as _native
+
+        if x.device.type == "cpu" and x.dtype == torch.float32 and _native.fast_loop():
+            return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
+                    "AVX-512 gate math)"), "packed_loop_calls"
         return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
     if path == "packed_onednn":
         return "oneDNN LSTM over each run of equal batch size (each sequence's valid steps)", "packed_onednn_calls"
