@@ -250,6 +250,47 @@ std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& 
           onednn_linear(dg_t, h_prev.t(), Tensor())};
 }
 
+// Temporaries that never leave a call (the backward's gates' gradients,
+// gathered states and the transposes its weight GEMMs read; an inference
+// call's workspace), carved from one
+// buffer each thread keeps between calls: fresh blocks of megabytes cost
+// page faults on every call, as glibc hands them back to the system (the
+// bench's packed LSTM training step: 2,900 faults a step, 31.8 ms against
+// 26.8 ms with glibc keeping its memory). Up to 64 MiB is kept; a larger
+// call takes a fresh block.
+class Scratch {
+ public:
+  Scratch(int64_t numel, const at::TensorOptions& opts) {
+    constexpr int64_t kKeep = (int64_t{64} << 20) / 4;
+    thread_local Tensor kept;
+    if (numel > kKeep) {
+      buf_ = at::empty({numel}, opts);
+      return;
+    }
+    if (!kept.defined() || kept.numel() < numel || kept.scalar_type() != opts.dtype().toScalarType())
+      kept = at::empty({numel}, opts);
+    buf_ = kept;
+  }
+  Tensor take(at::IntArrayRef sizes) {
+    const int64_t n = c10::multiply_integers(sizes);
+    TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer_backward: scratch overrun");
+    Tensor t = buf_.narrow(0, used_, n).view(sizes);
+    used_ += n;
+    return t;
+  }
+
+ private:
+  Tensor buf_;
+  int64_t used_ = 0;
+};
+
+// The forward's workspace: an output in training (the backward reads it),
+// else a temporary, from the scratch buffer on the raw-pointer path.
+Tensor work(int64_t N, int64_t K, const Tensor& data, bool train) {
+  if (train || !fast(data)) return at::empty({N, K}, data.options());
+  return Scratch(N * K, data.options()).take({N, K});
+}
+
 using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
 Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
@@ -271,7 +312,7 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
   Tensor out, ws, c_n;
   if (mode == Mode::LSTM) {
     const Tensor c_init = initial_state(c0, data, B, H, "c0");
-    ws = at::empty({N, 6 * H}, opts);
+    ws = work(N, 6 * H, data, train);
     // Column blocks of the workspace, made once: i | f | g | o | c | tanh(c).
     const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H), tc_all = ws.narrow(1, 5 * H, H);
     const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
@@ -309,7 +350,7 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     }
     c_n = final_state(c_all, s, reverse);
   } else if (mode == Mode::GRU) {
-    ws = at::empty({N, 4 * H}, opts);
+    ws = work(N, 4 * H, data, train);
     // r | z | hn | n: one recurrent GEMM a step accumulates into r | z | hn.
     const Tensor rz_all = ws.narrow(1, 0, 2 * H), rzh_all = ws.narrow(1, 0, 3 * H);
     const Tensor r_all = ws.narrow(1, 0, H), z_all = ws.narrow(1, H, H);
@@ -382,39 +423,6 @@ Tensor carry_from(const Opt& grad, const Tensor& data, int64_t B, int64_t W) {
   if (!grad.has_value()) return at::zeros({B, W}, data.options());
   return grad->select(0, 0).clone(at::MemoryFormat::Contiguous);
 }
-
-// Temporaries that never leave a backward call (the gates' gradients, the
-// gathered states, the transposes the weight GEMMs read), carved from one
-// buffer each thread keeps between calls: fresh blocks of megabytes cost
-// page faults on every call, as glibc hands them back to the system (the
-// bench's packed LSTM training step: 2,900 faults a step, 31.8 ms against
-// 26.8 ms with glibc keeping its memory). Up to 64 MiB is kept; a larger
-// call takes a fresh block.
-class Scratch {
- public:
-  Scratch(int64_t numel, const at::TensorOptions& opts) {
-    constexpr int64_t kKeep = (int64_t{64} << 20) / 4;
-    thread_local Tensor kept;
-    if (numel > kKeep) {
-      buf_ = at::empty({numel}, opts);
-      return;
-    }
-    if (!kept.defined() || kept.numel() < numel || kept.scalar_type() != opts.dtype().toScalarType())
-      kept = at::empty({numel}, opts);
-    buf_ = kept;
-  }
-  Tensor take(at::IntArrayRef sizes) {
-    const int64_t n = c10::multiply_integers(sizes);
-    TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer_backward: scratch overrun");
-    Tensor t = buf_.narrow(0, used_, n).view(sizes);
-    used_ += n;
-    return t;
-  }
-
- private:
-  Tensor buf_;
-  int64_t used_ = 0;
-};
 
 // The LSTM backward on the raw-pointer loop (fast_rnn.cpp, lstm_backward):
 // the gates' gradients computed in the loop from the workspace, so none of
