@@ -109,6 +109,9 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
     assert "oneDNN float32: LSTM kernel yes, packed linear yes" in out or "oneDNN: not in this torch build" in out
     assert "C++ kernels: " in out
     assert ("in use" in out) == native.is_loaded()
+    if native.is_loaded():
+        line = next(ln for ln in out.splitlines() if ln.startswith("packed RNN loop on raw pointers"))
+        assert line.split(": ", 1)[1].startswith("yes" if native.fast_loop() else "no"), line
 
 
 def test_a_cpu_user_of_a_cuda_build_sees_no_cuda_warning():

@@ -1,7 +1,7 @@
 """The Python kernel of ``wfpass::packed_layer_backward``, with its
 helpers: the backward ``packed_layer.py`` describes, bit for bit the C++
-kernel's (``_torch/native/packed_rnn.cpp``; ``packed_layer_py.py`` says
-why). Each mode's backward in named steps: the factors that do not depend
+kernel's ATen loop (``_torch/native/packed_rnn.cpp``; ``packed_layer_py.py``
+says where the raw-pointer loop runs instead). Each mode's backward in named steps: the factors that do not depend
 on the incoming gradient (for all N rows at once), the loop over the steps
 in backward order, the weight gradients (one GEMM each over the N rows).
 """

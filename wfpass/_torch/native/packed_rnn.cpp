@@ -2,9 +2,13 @@
 // one layer and one direction of an LSTM / GRU / plain RNN over a packed
 // batch (PackedSequence layout). The op, its fakes, its autograd formula and
 // its Python kernels are in wfpass/rnn/packed_layer_py.py and packed_layer_py_backward.py, which says what it
-// computes and lays out the workspace; these are the same steps, the same
-// ATen calls in the same order (the same numbers, bit for bit, checked in
-// tests/test_packed_layer.py), without Python's few microseconds per call:
+// computes and lays out the workspace. For fp32 on an AVX-512 CPU the
+// steps run on raw pointers (fast_rnn.cpp: oneDNN's small-GEMM ukernel and
+// vectorized gate math; 2.3x faster on the bench's LSTM layer, training),
+// which agree with the Python kernels to rounding. Elsewhere (bf16, fp16,
+// other CPUs, WFPASS_FAST_LOOP=0) these are the Python kernels' steps, the
+// same ATen calls in the same order (the same numbers, bit for bit, checked
+// in tests/test_packed_layer.py), without Python's few microseconds per call:
 // ~10 calls a step, so the C++ kernels take 0.55-0.6x the Python ones'
 // time at hidden 16, batch 4, and 0.85-0.9x at hidden 128, batch 16, where
 // the GEMMs dominate (T = 100, one thread, benchmarks/bench_packed_layer.py's
