@@ -61,8 +61,8 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     projection, in a dtype oneDNN's LSTM runs on this machine, without
     grad, where the per-step loop has no raw-pointer path for the dtype
     (``native.fast_loop``: fp32 on an AVX-512 CPU). Measured on one layer
-    (docs/packed_layer.md): the loop's ATen path 3.83 ms, this op 2.59 ms,
-    the raw-pointer loop 1.40 ms. With grad the loop always stays: its own
+    (docs/packed_layer.md): the loop's ATen path 3.97 ms, this op 2.65 ms,
+    the raw-pointer loop 1.59 ms. With grad the loop always stays: its own
     backward beat this op's recompute (10.49 ms against 12.85 ms for a
     layer's training step on the ATen path)."""
     from .._torch import kernels as _kernels

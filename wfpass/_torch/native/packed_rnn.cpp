@@ -4,7 +4,7 @@
 // its Python kernels are in wfpass/rnn/packed_layer_py.py and packed_layer_py_backward.py, which says what it
 // computes and lays out the workspace. For fp32 on an AVX-512 CPU the
 // steps run on raw pointers (fast_rnn.cpp: oneDNN's small-GEMM ukernel and
-// vectorized gate math; 2.3x faster on the bench's LSTM layer, training),
+// vectorized gate math; 2.0x faster on the bench's LSTM layer, training),
 // which agree with the Python kernels to rounding. Elsewhere (bf16, fp16,
 // other CPUs, WFPASS_FAST_LOOP=0) these are the Python kernels' steps, the
 // same ATen calls in the same order (the same numbers, bit for bit, checked
