@@ -21,7 +21,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cctype>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -39,8 +41,14 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const fl
 }
 
 bool probe() {
-  const char* env = std::getenv("WFPASS_FAST_LOOP");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  // Off as WFPASS_NATIVE is (wfpass/_torch/native/__init__.py): 0, false, no, off.
+  if (const char* env = std::getenv("WFPASS_FAST_LOOP")) {
+    std::string v(env);
+    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    v.erase(0, v.find_first_not_of(" \t"));
+    v.erase(v.find_last_not_of(" \t") + 1);
+    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  }
 #ifdef WFPASS_X86
   if (!__builtin_cpu_supports("avx512f")) return false;
   // The ukernel refuses (throws) where oneDNN's ukernel API is not built in

@@ -13,7 +13,7 @@ namespace wfpass_fast {
 
 // Can the step functions below run here? Asked once per process: the CPU
 // has AVX-512F, oneDNN's fp32 ukernel answers a probe, and WFPASS_FAST_LOOP
-// is not "0".
+// is not 0 / false / no / off.
 bool fast_loop();
 
 // C[M, N] = A[M, K] . B[K, N] (+ bias[N] on every row, where given), in
