@@ -26,8 +26,9 @@ and ``wfpass/passes/fold_cells.py``, which run these steps):
 ``packed_meta.py``                a packed batch's number of sequences while it is traced
 ``packed_layer.py``               the ``wfpass::packed_layer`` op (one layer and direction over a
                                   packed batch: a C++ loop over each sequence's valid steps)
-``packed_layer_py.py``            its Python forward kernel (the C++ one's bits; ``WFPASS_NATIVE=0``)
-                                  and the mode tables and checks the op shares with it
+``packed_layer_py.py``            its Python forward kernel (the bits of the C++ one's ATen loop;
+                                  ``WFPASS_NATIVE=0``) and the mode tables and checks the op
+                                  shares with it
 ``packed_layer_py_backward.py``   its Python backward kernel
 ``packed_lstm_runs.py``           the ``wfpass::packed_lstm_runs`` op (a packed LSTM layer without
                                   grad as oneDNN's LSTM layer over each run of equal batch size)
