@@ -48,3 +48,17 @@ def test_gpu_benchmark_check_compiles_every_model_to_the_expected_graph():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "every model compiles to the expected graph" in out.stdout
     assert out.stdout.count("ok   ") == 12, out.stdout  # 6 models, training and inference
+
+
+def test_packed_threads_profile_runs():
+    """``profile_packed_threads.py`` (docs/rnn.md cites it): it runs, and
+    says which kernels and both timings."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_packed_threads.py"), "--calls", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"one after the other: [\d.]+ ms per pair; two threads at once: [\d.]+ ms per pair",
+                     out.stdout), out.stdout
