@@ -60,7 +60,7 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     """Whether a packed RNN's layers run here: CPU LSTMs without a
     projection, in a dtype oneDNN's LSTM runs on this machine, without
     grad, where the per-step loop has no raw-pointer path for the dtype
-    (``native.fast_loop``: fp32 on an AVX-512 CPU). Measured on one layer
+    (``native.serves``: fp32 on an AVX-512 CPU, oneDNN on). Measured on one layer
     (docs/packed_layer.md): the loop's ATen path 3.97 ms, this op 2.65 ms,
     the raw-pointer loop 1.59 ms. With grad the loop always stays: its own
     backward beat this op's recompute (10.49 ms against 12.85 ms for a
@@ -70,7 +70,7 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
 
     if need_grad or mode != "LSTM" or proj_size != 0 or x.device.type != "cpu":
         return False
-    if x.dtype == torch.float32 and native.fast_loop():
+    if native.serves(x):
         return False
     return _kernels.mkldnn_rnn_dtype(x.dtype)
 

@@ -234,10 +234,7 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
     if path == "packed":
         from .._torch import native as _native
 
-        # The C++ kernel's rule (packed_rnn.cpp, fast): float32, the raw-pointer
-        # loop available, oneDNN not switched off.
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled
-                and _native.fast_loop()):
+        if _native.serves(x):
             return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
                     "AVX-512 gate math)"), "packed_loop_calls"
         return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"

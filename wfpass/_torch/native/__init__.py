@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "build_seconds", "cxx_standard", "library_path"]
+__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "serves", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp")
@@ -79,6 +79,15 @@ def fast_loop() -> bool:
     if _FAST[0] is None:
         _FAST[0] = loaded() and bool(torch.ops.wfpass.native_fast_loop())
     return _FAST[0]
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Does the packed RNN kernel run ``x``'s steps on the raw-pointer
+    loop? The C++ kernel's rule (``packed_rnn.cpp``, ``fast``): a float32
+    CPU tensor, oneDNN switched on (``torch.backends.mkldnn.enabled``), and
+    :func:`fast_loop`."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled
+            and fast_loop())
 
 
 def build_seconds() -> float:

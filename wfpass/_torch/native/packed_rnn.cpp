@@ -229,8 +229,6 @@ void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w
     at::mm_out(out, data, w.t());
 }
 
-// d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
-// GEMM over the N rows (LSTM, RNN).
 // a @ w over all rows with the fast loop's GEMM (a [N, K] with unit column
 // stride, w [K, M]), into out when given (adding to it), else a new tensor.
 Tensor rows_times(const Tensor& a, const Tensor& w, Tensor out = Tensor()) {
@@ -240,18 +238,6 @@ Tensor rows_times(const Tensor& a, const Tensor& w, Tensor out = Tensor()) {
   wfpass_fast::gemm_rows(x.size(0), wc.size(1), x.size(1), fp(x), x.stride(0), fp(wc), wc.size(1), nullptr, fp(out),
                          out.size(1), add);
   return out;
-}
-
-std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
-                                                const Tensor& w_ih) {
-  if (fast(data)) {
-    const Tensor dg_t = dg.t().contiguous();
-    return {rows_times(dg, w_ih), onednn_linear(dg_t, data.t(), Tensor()), onednn_linear(dg_t, h_prev.t(), Tensor())};
-  }
-  if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
-  const Tensor dg_t = dg.t().contiguous();
-  return {onednn_linear(dg, w_ih.t(), Tensor()), onednn_linear(dg_t, data.t(), Tensor()),
-          onednn_linear(dg_t, h_prev.t(), Tensor())};
 }
 
 // Temporaries that never leave a call (the backward's gates' gradients,
@@ -277,7 +263,7 @@ class Scratch {
   }
   Tensor take(at::IntArrayRef sizes) {
     const int64_t n = c10::multiply_integers(sizes);
-    TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer_backward: scratch overrun");
+    TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer: scratch overrun");
     Tensor t = buf_.narrow(0, used_, n).view(sizes);
     used_ += n;
     return t;
@@ -287,6 +273,30 @@ class Scratch {
   Tensor buf_;
   int64_t used_ = 0;
 };
+
+// t.T, contiguous: in the scratch buffer where one is given, else fresh.
+Tensor transposed(const Tensor& t, Scratch* sc) {
+  if (sc == nullptr) return t.t().contiguous();
+  Tensor out = sc->take({t.size(1), t.size(0)});
+  out.copy_(t.t());
+  return out;
+}
+
+// d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
+// GEMM over the N rows (LSTM, RNN). On the raw-pointer path the transposed
+// copies the weight GEMMs read come from sc where given.
+std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
+                                                const Tensor& w_ih, Scratch* sc = nullptr) {
+  if (fast(data)) {
+    const Tensor dg_t = transposed(dg, sc);
+    return {rows_times(dg, w_ih), onednn_linear(dg_t, transposed(data, sc), Tensor()),
+            onednn_linear(dg_t, transposed(h_prev, sc), Tensor())};
+  }
+  if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
+  const Tensor dg_t = dg.t().contiguous();
+  return {onednn_linear(dg, w_ih.t(), Tensor()), onednn_linear(dg_t, data.t(), Tensor()),
+          onednn_linear(dg_t, h_prev.t(), Tensor())};
+}
 
 // The forward's workspace: an output in training (the backward reads it),
 // else a temporary, from the scratch buffer on the raw-pointer path.
@@ -428,6 +438,18 @@ Tensor carry_from(const Opt& grad, const Tensor& data, int64_t B, int64_t W) {
   return grad->select(0, 0).clone(at::MemoryFormat::Contiguous);
 }
 
+// The biases' gradients: the column sums of dg, the same for both biases
+// (two tensors where both are given: outputs may not alias).
+std::pair<Tensor, Tensor> bias_grads(const Tensor& dg, const Opt& b_ih, const Opt& b_hh) {
+  Tensor d_b_ih = at::empty({0}, dg.options()), d_b_hh = at::empty({0}, dg.options());
+  if (b_ih.has_value() || b_hh.has_value()) {
+    const Tensor d_b = dg.sum(0);
+    if (b_ih.has_value()) d_b_ih = d_b;
+    if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
+  }
+  return {d_b_ih, d_b_hh};
+}
+
 // The LSTM backward on the raw-pointer loop (fast_rnn.cpp, lstm_backward):
 // the gates' gradients computed in the loop from the workspace, so none of
 // the ATen path's factor passes over [N, 4H] or its gathered c_prev; the
@@ -458,20 +480,9 @@ Bw lstm_backward_fast(const Steps& s, bool reverse, const Tensor& data, const Te
     at::mul_out(oc, ws.narrow(1, 3 * H, H), ws.narrow(1, 5 * H, H));  // o * tanh(c)
     d_w_hr = at::mm(dh.t(), oc);
   }
-  // The weight GEMMs contract over the N rows: oneDNN's linear on
-  // transposed copies (as weight_grads), the copies in scratch.
-  Tensor dg_t = sc.take({4 * H, N}), x_t = sc.take({I, N}), hp_t = sc.take({Hout, N});
-  dg_t.copy_(dg.t());
-  x_t.copy_(data.t());
-  hp_t.copy_(h_prev.t());
-  Tensor d_data = rows_times(dg, w_ih), d_w_ih = onednn_linear(dg_t, x_t, Tensor());
-  Tensor d_w_hh = onednn_linear(dg_t, hp_t, Tensor());
-  Tensor d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
-  if (b_ih.has_value() || b_hh.has_value()) {
-    const Tensor d_b = dg.sum(0);
-    if (b_ih.has_value()) d_b_ih = d_b;
-    if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
-  }
+  Tensor d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh;
+  std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dg, data, h_prev, w_ih, &sc);
+  std::tie(d_b_ih, d_b_hh) = bias_grads(dg, b_ih, b_hh);
   Tensor d_h0 = h0.has_value() ? hcar.unsqueeze(0) : at::empty({0}, opts);
   Tensor d_c0 = c0.has_value() ? ccar.unsqueeze(0) : at::empty({0}, opts);
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
@@ -559,12 +570,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     if (proj) d_w_hr = at::mm(dh_all.t(), at::mul_out(k_c, o, tc));  // k_c's buffer is free now
     if (c0.has_value()) d_c0 = ccar.unsqueeze(0);
     std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dg2, data, h_prev, w_ih);
-    // The same gradient for both biases: two tensors (outputs may not alias).
-    if (b_ih.has_value() || b_hh.has_value()) {
-      const Tensor d_b = dg2.sum(0);
-      if (b_ih.has_value()) d_b_ih = d_b;
-      if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
-    }
+    std::tie(d_b_ih, d_b_hh) = bias_grads(dg2, b_ih, b_hh);
   } else if (mode == Mode::GRU) {
     const Tensor r = workspace.narrow(1, 0, H), z = workspace.narrow(1, H, H);
     const Tensor hn = workspace.narrow(1, 2 * H, H), nn = workspace.narrow(1, 3 * H, H);
@@ -638,11 +644,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     }
     }
     std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dpre, data, h_prev, w_ih);
-    if (b_ih.has_value() || b_hh.has_value()) {
-      const Tensor d_b = dpre.sum(0);
-      if (b_ih.has_value()) d_b_ih = d_b;
-      if (b_hh.has_value()) d_b_hh = b_ih.has_value() ? d_b.clone() : d_b;
-    }
+    std::tie(d_b_ih, d_b_hh) = bias_grads(dpre, b_ih, b_hh);
   }
   Tensor d_h0 = h0.has_value() ? hcar.unsqueeze(0) : at::empty({0}, opts);
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
