@@ -26,7 +26,7 @@ Without ``--check``, in this order, the page written after every step:
    model at T 16, batch 16 and 64; then at T 128 and 512; then the
    inference points and the rest of the grid. ``allow_rnn=True`` +
    Inductor is measured at each model's first point only (it unrolls the
-   RNN: slow to compile and to run).
+   RNN: slow to compile and to run; ``--no-allow-rnn`` leaves it out).
 
 Points are measured in a worker process (the same script, ``--serve``), so
 a point still compiling when the budget or its own limit is reached is
@@ -199,6 +199,19 @@ def check() -> int:
 # -- a point: every variant of one model at one (T, batch, mode) -----------------------------------
 
 
+def fresh_copy(base: nn.Module) -> nn.Module:
+    """A deep copy with each RNN's weights back in cuDNN's flat buffer:
+    ``Parameter.__deepcopy__`` clones each weight on its own, so a copied
+    ``nn.LSTM`` would compact its weights on every call (cuDNN's "not part
+    of single contiguous chunk of memory" warning), which a user's model,
+    moved with ``.cuda()``, does not do. Every variant starts from one."""
+    m = copy.deepcopy(base)
+    for mod in m.modules():
+        if isinstance(mod, nn.RNNBase):
+            mod.flatten_parameters()
+    return m
+
+
 def own_code(model: nn.Module) -> nn.Module:
     """A forward with a code object of its own (Dynamo's cache is per code object)."""
     f = type(model).forward
@@ -234,9 +247,9 @@ def _variant(base: nn.Module, variant: str) -> Tuple[Callable, nn.Module]:
     import torch._inductor.config as inductor_config
 
     if variant == "eager":
-        m = copy.deepcopy(base)
+        m = fresh_copy(base)
         return m, m
-    m = own_code(copy.deepcopy(base))
+    m = own_code(fresh_copy(base))
     if variant == "Inductor":
         return torch.compile(m), m
     if variant == "allow_rnn + Inductor":
@@ -326,8 +339,8 @@ def bn_stats_error(dev, steps: int = 30) -> List[str]:
     torch.manual_seed(0)
     ref = CRNN().to(dev).train()
     variants = {"eager bf16": copy.deepcopy(ref).to(torch.bfloat16)}
-    variants["Inductor bf16"] = own_code(copy.deepcopy(variants["eager bf16"]))
-    variants["wformat bf16"] = own_code(copy.deepcopy(variants["eager bf16"]))
+    variants["Inductor bf16"] = own_code(fresh_copy(variants["eager bf16"]))
+    variants["wformat bf16"] = own_code(fresh_copy(variants["eager bf16"]))
     fns = {"eager bf16": variants["eager bf16"], "Inductor bf16": torch.compile(variants["Inductor bf16"]),
            "wformat bf16": torch.compile(variants["wformat bf16"], backend=wfpass.backend(rnn=CUDNN))}
     xs = [torch.randn(16, 1, 32, 64, device=dev) * 3 + 1 for _ in range(steps)]
@@ -537,7 +550,7 @@ def _points_table(rs: list) -> str:
 
 
 def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only: str = "",
-            tests_s: float = 240.0, point_s: float = 200.0) -> int:
+            tests_s: float = 240.0, point_s: float = 200.0, allow_rnn: bool = True) -> int:
     """The page, on ``dev`` (``--device cpu`` runs the same code on the CPU
     with no GPU figure: a dry run of this script before a GPU is at hand).
     Nothing is started after ``budget_s`` seconds, and whatever runs then
@@ -598,7 +611,7 @@ def measure(out_path: str, rounds: int, budget_s: float, dev: torch.device, only
         jobs = plan()
 
     worker: Optional[Worker] = None
-    allow_rnn_done = set()
+    allow_rnn_done = set() if allow_rnn else set(RNN_MODELS)  # its compile alone can take minutes
     not_run: List[str] = []
     try:
         for job in jobs:
@@ -656,6 +669,8 @@ def main() -> int:
     ap.add_argument("--point-timeout", type=float, default=200.0, help="at most this long for one point")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the measuring code, no GPU figure")
     ap.add_argument("--only", default="", help='these points alone, e.g. "decoder bf16:8x1,LSTM LM:128x64"')
+    ap.add_argument("--no-allow-rnn", action="store_true",
+                    help="leave out allow_rnn + Inductor (measured once per model otherwise; it compiles for minutes)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the worker that measures points
     args = ap.parse_args()
     if args.check:
@@ -663,7 +678,7 @@ def main() -> int:
     if args.serve:
         return serve(torch.device(args.device), args.rounds)
     return measure(args.out, args.rounds, args.budget, torch.device(args.device), args.only, args.tests_timeout,
-                   args.point_timeout)
+                   args.point_timeout, not args.no_allow_rnn)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ are then CPU time).
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import torch
 
 import wfpass
 from _out import emit  # beside this script
-from bench_gpu import CUDNN, _call, _inputs, _model, own_code  # noqa: E402 - the same models and inputs
+from bench_gpu import CUDNN, _call, _inputs, _model, fresh_copy, own_code  # noqa: E402 - the same models and inputs
 from wfpass.tools.tables import markdown_table
 
 
@@ -54,9 +53,9 @@ def main() -> int:
     torch.manual_seed(0)
     base = _model(a.model).to(dev).train()
     x = _inputs(a.model, a.T, a.B, dev)
-    variants = {"eager": copy.deepcopy(base)}
-    variants["Inductor"] = torch.compile(own_code(copy.deepcopy(base)))
-    m = own_code(copy.deepcopy(base))
+    variants = {"eager": fresh_copy(base)}
+    variants["Inductor"] = torch.compile(own_code(fresh_copy(base)))
+    m = own_code(fresh_copy(base))
     variants["wformat"] = torch.compile(m, backend=wfpass.backend(rnn=CUDNN))
     activity = torch.profiler.ProfilerActivity.CUDA if dev.type == "cuda" else torch.profiler.ProfilerActivity.CPU
     rows, tops = [], []

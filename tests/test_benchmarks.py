@@ -62,3 +62,18 @@ def test_packed_threads_profile_runs():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"one after the other: [\d.]+ ms per pair; two threads at once: [\d.]+ ms per pair",
                      out.stdout), out.stdout
+
+
+def test_gpu_summary_reads_the_committed_pages():
+    """``gpu_summary.py`` made docs/gpu_grid_h100.md's summary from the two
+    pages beside it: the same table comes out of them again, and a page's
+    ratios are the baseline's time / wformat's."""
+    mod = _load("gpu_summary")
+    pages = [str(ROOT / "docs" / f"gpu_grid_h100_run{i}.md") for i in (1, 2)]
+    rows = mod.read_pages(pages)
+    lm = rows[("LSTM LM", "inference")]
+    assert len({(r["T"], r["batch"]) for r in lm}) == 12
+    r = next(r for r in lm if (r["T"], r["batch"]) == ("1", "1"))
+    assert float(r["eager"]) / float(r["wformat"]) == pytest.approx(float(r["x faster than eager"]), abs=0.006)
+    table = mod.summary(rows)
+    assert table in (ROOT / "docs" / "gpu_grid_h100.md").read_text()
