@@ -16,10 +16,10 @@ User code::
 Dynamo's graph (before ``fuse_rnn``)::
 
     lengths, sorted_idx = sort(lengths, descending=True)
-    data, batch_sizes = wfpass.pack_padded(x.index_select(1, sorted_idx), lengths, False)
+    data, batch_sizes = wfpass.pack_padded(x, lengths, False, sorted_idx)   # the sort folded in
     out, h_n, c_n = wfpass.packed_rnn(data, batch_sizes, [], [w_ih_l0, ...], "LSTM", ...)
-    y, lens = wfpass.pad_packed(out, batch_sizes, True, 0.0, -1)
-    y = y.index_select(0, unsorted_idx); h_n = h_n.index_select(1, unsorted_idx)
+    y, lens = wfpass.pad_packed(out, batch_sizes, True, 0.0, -1, unsorted_idx)
+    h_n = h_n.index_select(1, unsorted_idx)
 
 After ``fuse_rnn``, ``packed_rnn`` is ``rnn_packed(data, batch_sizes, hx,
 *weights)`` in the group of its weights (one flat block), and AOTAutograd
@@ -60,20 +60,34 @@ _LIB = torch.library.Library("wfpass", "FRAGMENT")
 
 # -- pack_padded / pad_packed: eager's ATen kernels as ops with fakes ----------------------------
 
-_LIB.define("pack_padded(Tensor input, Tensor lengths, bool batch_first) -> (Tensor, Tensor)")
-_LIB.define("pack_padded_backward(Tensor grad, Tensor batch_sizes, SymInt[] input_size, bool batch_first) -> Tensor")
-_LIB.define("pad_packed(Tensor data, Tensor batch_sizes, bool batch_first, float padding_value, SymInt total_length)"
-            " -> (Tensor, Tensor)")
-_LIB.define("pad_packed_backward(Tensor grad, Tensor batch_sizes, SymInt rows, bool batch_first) -> Tensor")
+# ``order``: the batch's reordering, folded into the copy (the index_select
+# eager runs around packing an unsorted batch): packing reads column
+# ``order[b]`` into slot b (``sorted_indices``); padding writes slot
+# ``order[j]`` into column j (``unsorted_indices``). On the CPU the C++
+# kernels (``_torch/native/sequence.cpp``) copy each row once; these Python
+# kernels, used elsewhere, run eager's index_select and ATen's kernel.
+_LIB.define("pack_padded(Tensor input, Tensor lengths, bool batch_first, Tensor? order=None) -> (Tensor, Tensor)")
+_LIB.define("pack_padded_backward(Tensor grad, Tensor batch_sizes, SymInt[] input_size, bool batch_first, "
+            "Tensor? order=None) -> Tensor")
+_LIB.define("pad_packed(Tensor data, Tensor batch_sizes, bool batch_first, float padding_value, SymInt total_length, "
+            "Tensor? order=None) -> (Tensor, Tensor)")
+_LIB.define("pad_packed_backward(Tensor grad, Tensor batch_sizes, SymInt rows, bool batch_first, "
+            "Tensor? order=None) -> Tensor")
 
 
-def _pack_padded(input, lengths, batch_first):
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def _pack_padded(input, lengths, batch_first, order=None):
+    if order is not None:
+        input = input.index_select(0 if batch_first else 1, order.to(input.device))
     data, batch_sizes = _kernels.pack_padded(input, lengths, batch_first)
     # Fresh outputs (torch.library's rule: no output aliases an input).
     return data.clone() if data._base is not None or data.data_ptr() == input.data_ptr() else data, batch_sizes
 
 
-def _pack_padded_fake(input, lengths, batch_first):
+def _pack_padded_fake(input, lengths, batch_first, order=None):
     if lengths.dim() != 1 or lengths.dtype != torch.int64 or lengths.device.type != "cpu":
         raise RuntimeError("'lengths' argument should be a 1D CPU int64 tensor, "
                            f"but got {lengths.dim()}D {lengths.device.type} {lengths.dtype} tensor")
@@ -84,13 +98,16 @@ def _pack_padded_fake(input, lengths, batch_first):
     return input.new_empty((rows, *input.shape[2:])), batch_sizes
 
 
-def _pack_padded_backward(grad, batch_sizes, input_size, batch_first):
+def _pack_padded_backward(grad, batch_sizes, input_size, batch_first, order=None):
     # Contiguous, as the fake says: ATen's returns a batch-first gradient as
     # a transposed view of a time-major buffer (Inductor checks strides).
-    return torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first).contiguous()
+    g = torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first)
+    if order is not None:
+        g = g.index_select(0 if batch_first else 1, _inverse(order.to(g.device)))
+    return g.contiguous()
 
 
-def _pack_padded_backward_fake(grad, batch_sizes, input_size, batch_first):
+def _pack_padded_backward_fake(grad, batch_sizes, input_size, batch_first, order=None):
     return grad.new_empty(input_size)
 
 
@@ -100,31 +117,35 @@ def _lengths_of(batch_sizes: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(steps.flip(0), (batch_sizes - torch.cat([batch_sizes[1:], batch_sizes.new_zeros(1)])).flip(0))
 
 
-def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length):
+def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length, order=None):
     steps = batch_sizes.numel()
     if total_length >= 0 and total_length < steps:
         raise ValueError("Expected total_length to be at least the length of the longest sequence in input, but got "
                          f"total_length={total_length} and max sequence length being {steps}")
     out, lengths = _kernels.pad_packed(data, batch_sizes, batch_first, padding_value,
                                        total_length if total_length >= 0 else steps)
+    if order is not None:
+        out = out.index_select(0 if batch_first else 1, order.to(out.device))
     return out.contiguous(), lengths
 
 
-def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length):
+def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length, order=None):
     B = batch_of(batch_sizes)
     T = batch_sizes.shape[0] if (isinstance(total_length, int) and total_length < 0) else total_length
     shape = (B, T) if batch_first else (T, B)  # contiguous, as the kernel returns it
     return data.new_empty((*shape, *data.shape[1:])), torch.empty((B,), dtype=torch.int64, device="cpu")
 
 
-def _pad_packed_backward(grad, batch_sizes, rows, batch_first):
+def _pad_packed_backward(grad, batch_sizes, rows, batch_first, order=None):
     steps = batch_sizes.numel()
     g = grad.narrow(1 if batch_first else 0, 0, steps)
+    if order is not None:
+        g = g.index_select(0 if batch_first else 1, _inverse(order.to(g.device)))
     data, _ = _kernels.pack_padded(g, _lengths_of(batch_sizes), batch_first)
     return data.contiguous()
 
 
-def _pad_packed_backward_fake(grad, batch_sizes, rows, batch_first):
+def _pad_packed_backward_fake(grad, batch_sizes, rows, batch_first, order=None):
     return grad.new_empty((rows, *grad.shape[2:]))
 
 
@@ -137,32 +158,34 @@ for _name, _kernel, _fake in (("pack_padded", _pack_padded, _pack_padded_fake),
 
 
 def _pack_setup(ctx, inputs, output):
-    input, _lengths, batch_first = inputs
+    input, _lengths, batch_first, order = inputs
     ctx.input_size = tuple(input.shape)
     ctx.batch_first = batch_first
-    ctx.save_for_backward(output[1])
+    ctx.save_for_backward(output[1], order)
 
 
 def _pack_grad(ctx, g_data, _g_sizes):
-    (batch_sizes,) = ctx.saved_tensors
+    batch_sizes, order = ctx.saved_tensors
     if g_data is None:
-        return None, None, None
-    return torch.ops.wfpass.pack_padded_backward(g_data, batch_sizes, ctx.input_size, ctx.batch_first), None, None
+        return None, None, None, None
+    return (torch.ops.wfpass.pack_padded_backward(g_data, batch_sizes, ctx.input_size, ctx.batch_first, order),
+            None, None, None)
 
 
 def _pad_setup(ctx, inputs, output):
-    data, batch_sizes, batch_first, _value, _total = inputs
+    data, batch_sizes, batch_first, _value, _total, order = inputs
     ctx.rows = data.shape[0]
     ctx.batch_first = batch_first
-    ctx.save_for_backward(batch_sizes)
+    ctx.save_for_backward(batch_sizes, order)
 
 
 def _pad_grad(ctx, g_out, _g_lengths):
-    (batch_sizes,) = ctx.saved_tensors
+    batch_sizes, order = ctx.saved_tensors
     if g_out is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     # The padded positions' gradient goes nowhere, as in eager.
-    return torch.ops.wfpass.pad_packed_backward(g_out, batch_sizes, ctx.rows, ctx.batch_first), None, None, None, None
+    return (torch.ops.wfpass.pad_packed_backward(g_out, batch_sizes, ctx.rows, ctx.batch_first, order),
+            None, None, None, None, None)
 
 
 torch.library.register_autograd("wfpass::pack_padded", _pack_grad, setup_context=_pack_setup, lib=_LIB)
@@ -298,8 +321,8 @@ def pack_padded_sequence(input, lengths, batch_first=False, enforce_sorted=True)
     else:
         lengths, sorted_indices = torch.sort(lengths, descending=True)
         sorted_indices = sorted_indices.to(input.device)
-        input = input.index_select(0 if batch_first else 1, sorted_indices)
-    data, batch_sizes = torch.ops.wfpass.pack_padded(input, lengths, batch_first)
+    # The sort's index_select is folded into the op (one copy of each row).
+    data, batch_sizes = torch.ops.wfpass.pack_padded(input, lengths, batch_first, sorted_indices)
     return PackedSequence(data, batch_sizes, sorted_indices, invert_permutation(sorted_indices))
 
 
@@ -310,11 +333,13 @@ def pad_packed_sequence(sequence, batch_first=False, padding_value=0.0, total_le
     the op makes it when it runs, with eager's ``ValueError``."""
     if not _hooks.packed_capture_wanted():
         _hooks.graph_break(_NOT_CAPTURED)
-    padded, lengths = torch.ops.wfpass.pad_packed(sequence.data, sequence.batch_sizes, batch_first,
-                                                  float(padding_value), -1 if total_length is None else total_length)
     unsorted_indices = sequence.unsorted_indices
+    # Unsorting (eager's index_select) is folded into the op.
+    padded, lengths = torch.ops.wfpass.pad_packed(sequence.data, sequence.batch_sizes, batch_first,
+                                                  float(padding_value), -1 if total_length is None else total_length,
+                                                  unsorted_indices)
     if unsorted_indices is not None:
-        return padded.index_select(0 if batch_first else 1, unsorted_indices), lengths[unsorted_indices.cpu()]
+        return padded, lengths[unsorted_indices.cpu()]
     return padded, lengths
 
 

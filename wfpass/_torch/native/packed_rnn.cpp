@@ -215,12 +215,14 @@ float* fp(const Tensor& t) {
   return t.defined() ? t.data_ptr<float>() : nullptr;
 }
 
-// out = data @ w.T (+ bias), over all N rows, into a column block of the workspace.
-void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w) {
+// out = data @ w.T (+ bias), over all N rows, into a column block of the
+// workspace. On the raw-pointer path w_t is w.T, made by the caller (a
+// column block of a contiguous [K, M] buffer: its row stride is the ldb).
+void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w, const Tensor& w_t) {
   if (fast(data)) {
     const Tensor x = data.contiguous(), b = bias.defined() ? bias.contiguous() : bias;
-    wfpass_fast::gemm_rows(x.size(0), out.size(1), x.size(1), fp(x), x.stride(0), fp(w.t().contiguous()),
-                           out.size(1), fp(b), fp(out), out.stride(0), false);
+    wfpass_fast::gemm_rows(x.size(0), out.size(1), x.size(1), fp(x), x.stride(0), fp(w_t), w_t.stride(0), fp(b),
+                           fp(out), out.stride(0), false);
   } else if (use_onednn(data))
     out.copy_(onednn_linear(data, w, bias));
   else if (bias.defined())
@@ -298,12 +300,28 @@ std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& 
           onednn_linear(dg_t, h_prev.t(), Tensor())};
 }
 
-// The forward's workspace: an output in training (the backward reads it),
-// else a temporary, from the scratch buffer on the raw-pointer path.
-Tensor work(int64_t N, int64_t K, const Tensor& data, bool train) {
-  if (train || !fast(data)) return at::empty({N, K}, data.options());
-  return Scratch(N * K, data.options()).take({N, K});
-}
+// A forward call's buffers: its workspace (an output in training, where the
+// backward reads it; else a temporary) and, on the raw-pointer path, the
+// transposed weights its GEMMs read. On that path the temporaries come from
+// the thread's scratch buffer: fresh blocks of this size page-fault on every
+// call (8 weight transposes of 256-512 KB a call for the bench's 2-layer
+// bidirectional LSTM).
+struct FwBuffers {
+  Tensor ws, w_ih_t, w_hh_t, w_hr_t;
+  FwBuffers(int64_t N, int64_t K, const Tensor& data, bool train, const Tensor& w_ih, const Tensor& w_hh,
+            const Opt& w_hr) {
+    if (!fast(data)) {
+      ws = at::empty({N, K}, data.options());
+      return;
+    }
+    const int64_t temp = (train ? 0 : N * K) + w_ih.numel() + w_hh.numel() + (w_hr.has_value() ? w_hr->numel() : 0);
+    Scratch sc(temp, data.options());
+    ws = train ? at::empty({N, K}, data.options()) : sc.take({N, K});
+    w_ih_t = transposed(w_ih, &sc);
+    w_hh_t = transposed(w_hh, &sc);
+    if (w_hr.has_value()) w_hr_t = transposed(*w_hr, &sc);
+  }
+};
 
 using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
@@ -323,23 +341,24 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
   const Tensor hbuf = reverse ? at::empty({B, Hout}, opts) : Tensor();
   const Tensor w_hh_t = w_hh.t();
   const std::vector<Step> steps = schedule(s, reverse);
-  Tensor out, ws, c_n;
+  const FwBuffers buf(N, mode == Mode::LSTM ? 6 * H : mode == Mode::GRU ? 4 * H : 0, data, train, w_ih, w_hh, w_hr);
+  const Tensor ws = buf.ws;
+  Tensor out, c_n;
   if (mode == Mode::LSTM) {
     const Tensor c_init = initial_state(c0, data, B, H, "c0");
-    ws = work(N, 6 * H, data, train);
     // Column blocks of the workspace, made once: i | f | g | o | c | tanh(c).
     const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H), tc_all = ws.narrow(1, 5 * H, H);
     const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
     const Tensor g_all = ws.narrow(1, 2 * H, H), o_all = ws.narrow(1, 3 * H, H);
-    project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih);
+    project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih, buf.w_ih_t);
     out = at::empty({N, Hout}, opts);
     const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
     const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
     const Tensor hpre = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
     if (fast(data)) {
       const Tensor hi = h_init.contiguous(), ci = c_init.contiguous();
-      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), fp(hi), Hout, fp(ci), H, fp(w_hh_t.contiguous()),
-                                w_hr.has_value() ? fp(w_hr_t.contiguous()) : nullptr, fp(hbuf), fp(cbuf), fp(hpre));
+      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), fp(hi), Hout, fp(ci), H, fp(buf.w_hh_t),
+                                fp(buf.w_hr_t), fp(hbuf), fp(cbuf), fp(hpre));
     } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st), cp = prev_state(c_all, c_init, cbuf, st);
@@ -364,13 +383,15 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     }
     c_n = final_state(c_all, s, reverse);
   } else if (mode == Mode::GRU) {
-    ws = work(N, 4 * H, data, train);
     // r | z | hn | n: one recurrent GEMM a step accumulates into r | z | hn.
     const Tensor rz_all = ws.narrow(1, 0, 2 * H), rzh_all = ws.narrow(1, 0, 3 * H);
     const Tensor r_all = ws.narrow(1, 0, H), z_all = ws.narrow(1, H, H);
     const Tensor hn_all = ws.narrow(1, 2 * H, H), n_all = ws.narrow(1, 3 * H, H);
-    project(rz_all, bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih.narrow(0, 0, 2 * H));
-    project(n_all, b_ih.has_value() ? b_ih->narrow(0, 2 * H, H) : Tensor(), data, w_ih.narrow(0, 2 * H, H));
+    const Tensor w_ih_t = buf.w_ih_t;  // [K, 3H] on the raw-pointer path: column blocks r|z, then n
+    project(rz_all, bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih.narrow(0, 0, 2 * H),
+            w_ih_t.defined() ? w_ih_t.narrow(1, 0, 2 * H) : w_ih_t);
+    project(n_all, b_ih.has_value() ? b_ih->narrow(0, 2 * H, H) : Tensor(), data, w_ih.narrow(0, 2 * H, H),
+            w_ih_t.defined() ? w_ih_t.narrow(1, 2 * H, H) : w_ih_t);
     // hn starts as b_hn, so the step's GEMM leaves W_hn h + b_hn there.
     if (b_hh.has_value())
       hn_all.copy_(b_hh->narrow(0, 2 * H, H));
@@ -379,7 +400,7 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     out = at::empty({N, H}, opts);
     if (fast(data)) {
       const Tensor hi = h_init.contiguous();
-      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), fp(hi), H, fp(w_hh_t.contiguous()), fp(hbuf));
+      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), fp(hi), H, fp(buf.w_hh_t), fp(hbuf));
     } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
@@ -393,13 +414,12 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     }
     c_n = at::empty({0}, opts);
   } else {
-    ws = at::empty({N, 0}, opts);
     out = at::empty({N, H}, opts);
-    project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih);
+    project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih, buf.w_ih_t);
     const bool relu = mode == Mode::RNN_RELU;
     if (fast(data)) {
       const Tensor hi = h_init.contiguous();
-      wfpass_fast::rnn_forward(steps, H, fp(out), fp(hi), H, fp(w_hh_t.contiguous()), fp(hbuf), relu);
+      wfpass_fast::rnn_forward(steps, H, fp(out), fp(hi), H, fp(buf.w_hh_t), fp(hbuf), relu);
     } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
