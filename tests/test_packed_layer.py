@@ -382,3 +382,32 @@ def test_bad_arguments_are_named():
         OP(args[0], torch.tensor([1, 2, 3]), *args[2:])
     with pytest.raises(ValueError, match="LSTM arguments"):
         OP(*args[:8], torch.zeros(1, 6, H), *args[9:])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bilayer_gives_the_two_directions_bits(dtype, threads):
+    """``wfpass::packed_bilayer_fw`` (both directions of a layer without
+    grad, into one output; on the raw-pointer path each direction writes
+    its half in place, on two threads where torch has them) gives the bits
+    of the two ``packed_layer_fw`` calls it replaces, concatenated: outputs
+    and final states, every cell, with and without biases and states."""
+    torch.set_num_threads(threads)  # the fixture puts 1 back
+    for lengths in (LENGTHS["repeats"], LENGTHS["one_of_length_1"]):
+        for cell in CELLS:
+            for bias, states in ((True, True), (False, False)):
+                case = Case(cell, lengths, bias, states, True, dtype=dtype, sizes=(33, 40, 24))
+                m = case.module
+                names = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+                         if getattr(m, f"{n}_l0", None) is not None]
+                weights = [getattr(m, f"{n}_l0{sfx}").detach().to(dtype) for sfx in ("", "_reverse") for n in names]
+                h0 = case.h0_all.detach().to(dtype) if states else None
+                c0 = case.c0_all.detach().to(dtype) if states and case.lstm else None
+                data = case.data.detach().to(dtype)
+                args = (data, case.batch_sizes, weights, h0, c0, case.mode, bias, "weight_hr" in names)
+                got = torch.ops.wfpass.packed_bilayer_fw(*args)
+                want = pl._bilayer(*args)  # the two packed_layer_fw calls, concatenated
+                for a, b in zip(got, want):
+                    assert a.shape == b.shape and torch.equal(a, b), (cell, bias, states)
+                fake = pl._bilayer_fake(*args)
+                assert [t.shape for t in fake] == [t.shape for t in got]

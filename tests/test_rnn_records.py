@@ -154,6 +154,8 @@ def test_packed_rnn_row_names_its_kernel():
         assert row.stats["packed_loop_calls"] == 1, row.stats
     if native.fast_loop():
         assert "oneDNN's small-GEMM kernel and AVX-512 gate math" in row.reason, row.reason
+    # a bidirectional LSTM: packed_bilayer_fw runs both directions at once where it can
+    assert ("two directions at once" in row.reason) == native.parallel_directions(), row.reason
     f(x.requires_grad_(), lengths)
     (row,) = [r for r in wfpass.report(m).find("rnn", "rewritten") if r.params[0].startswith("lstm")]
     assert "T=variable: C++ packed-batch loop" in row.reason, row.reason

@@ -215,10 +215,21 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
     if packed_lstm_runs.usable(mode, proj_size, data, need_grad):  # oneDNN's LSTM layer, run by run
         op = functools.partial(_runs_call, torch.ops.wfpass.packed_lstm_runs_fw.default)
+    # Both directions of a layer in one call where no gradient is wanted
+    # (``packed_bilayer_fw``: one output, the directions at once on two threads).
+    pair = bidirectional and not need_grad and not isinstance(op, functools.partial)
     layer_in = data
     hs: List[torch.Tensor] = []
     cs: List[torch.Tensor] = []
     for layer in range(num_layers):
+        if pair:
+            k = 2 * layer
+            layer_in, h, c = torch.ops.wfpass.packed_bilayer_fw.default(
+                layer_in, batch_sizes, list(weights[k * per:(k + 2) * per]), None if h0 is None else h0[k:k + 2],
+                None if c0 is None else c0[k:k + 2], mode, has_biases, proj_size > 0)
+            hs.append(h)
+            cs.append(c)
+            continue
         outs = []
         for d in range(dirs):
             k = layer * dirs + d

@@ -150,3 +150,46 @@ def _grad(ctx, g_out, g_hn, g_cn, _g_ws):
 _LIB = define_rnn_op("packed_layer", _ARGS, _RETURNS, _BACKWARD, forward=_packed_layer,
                      forward_fake=_packed_layer_fake, backward=_packed_layer_backward,
                      backward_fake=_packed_layer_backward_fake, setup=_setup, grad=_grad)
+
+
+# -- both directions of a bidirectional layer without grad --------------------------------------
+
+_LIB.define("packed_bilayer_fw(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, str mode, "
+            "bool has_biases, bool has_proj) -> (Tensor, Tensor, Tensor)")
+
+
+def _directions(weights, has_biases: bool, has_proj: bool):
+    """Each direction's ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` from the forward
+    direction's weights followed by the reverse direction's."""
+    per = 2 + (2 if has_biases else 0) + (1 if has_proj else 0)
+    if len(weights) != 2 * per:
+        raise RuntimeError(f"wfpass::packed_bilayer_fw: expected {2 * per} weights (both directions), "
+                           f"got {len(weights)}")
+    for d in (0, 1):
+        w = weights[d * per:(d + 1) * per]
+        yield (w[0], w[1], w[2] if has_biases else None, w[3] if has_biases else None,
+               w[-1] if has_proj else None)
+
+
+def _bilayer(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj):
+    """Where the C++ kernel is not registered: the two directions one after
+    the other, concatenated (what the C++ kernel gives, bit for bit)."""
+    outs = [torch.ops.wfpass.packed_layer_fw.default(
+        data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, None if h0 is None else h0[d:d + 1],
+        None if c0 is None else c0[d:d + 1], mode, d == 1, False)
+        for d, (w_ih, w_hh, b_ih, b_hh, w_hr) in enumerate(_directions(weights, has_biases, has_proj))]
+    c_n = torch.cat([o[2] for o in outs], 0) if mode == "LSTM" else data.new_empty(0)
+    return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0), c_n
+
+
+def _bilayer_fake(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj):
+    w_ih, _w_hh, _b_ih, _b_hh, w_hr = next(_directions(weights, has_biases, has_proj))
+    check_args(mode, w_hr, c0)
+    H, Hout = hidden_sizes(mode, w_ih, w_hr)
+    B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
+    c_n = data.new_empty((2, B, H)) if mode == "LSTM" else data.new_empty(0)
+    return data.new_empty((data.shape[0], 2 * Hout)), data.new_empty((2, B, Hout)), c_n
+
+
+_LIB.impl("packed_bilayer_fw", _bilayer, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::packed_bilayer_fw", _bilayer_fake, lib=_LIB)

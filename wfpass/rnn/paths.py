@@ -235,8 +235,10 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
         from .._torch import native as _native
 
         if _native.serves(x):
+            both = ("; without grad a layer's two directions at once where torch has 2+ threads"
+                    if spec.bidirectional and _native.parallel_directions() else "")
             return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
-                    "AVX-512 gate math)"), "packed_loop_calls"
+                    f"AVX-512 gate math{both})"), "packed_loop_calls"
         return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
     if path == "packed_onednn":
         return "oneDNN LSTM over each run of equal batch size (each sequence's valid steps)", "packed_onednn_calls"

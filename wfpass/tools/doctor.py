@@ -67,6 +67,9 @@ def lines() -> List[str]:
         fast = ("yes (oneDNN's small-GEMM kernel, AVX-512 gate math)" if native.fast_loop()
                 else "no (a CPU without AVX-512, oneDNN's small-GEMM kernel not answering, or WFPASS_FAST_LOOP=0)")
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
+        both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
+                else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")
+        out.append(f"bidirectional packed layers without grad, both directions at once: {both}")
     else:
         out.append(f"C++ kernels: not in use, the Python kernels run instead ({why})")
     if torch.version.cuda:

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "serves", "build_seconds", "cxx_standard", "library_path"]
+__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp")
@@ -79,6 +79,14 @@ def fast_loop() -> bool:
     if _FAST[0] is None:
         _FAST[0] = loaded() and bool(torch.ops.wfpass.native_fast_loop())
     return _FAST[0]
+
+
+def parallel_directions() -> bool:
+    """Can a bidirectional packed layer without grad run its two directions
+    at once (``wfpass::packed_bilayer_fw`` on the raw-pointer loop, one
+    direction per OpenMP thread when torch has two or more)? True where the
+    C++ kernels were built with OpenMP and the loop runs."""
+    return fast_loop() and bool(torch.ops.wfpass.native_openmp())
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -136,7 +144,17 @@ def _flags() -> list:
     libdir = _TORCH_DIR / "lib"
     return ["-O2", f"-std={cxx_standard()}", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}",
-            f"-L{libdir}", f"-Wl,-rpath,{libdir}"]
+            f"-L{libdir}", f"-Wl,-rpath,{libdir}"] + _openmp()
+
+
+def _openmp() -> list:
+    """``-fopenmp`` where torch runs on OpenMP: ``at::parallel_for`` in our
+    kernels then uses torch's own OpenMP threads (the library is linked
+    against ``libgomp.so.1``, the name of the copy torch loads from its own
+    ``lib`` folder, so there is one OpenMP runtime in the process). Without
+    it ``at::parallel_for`` runs serially here. A compiler without OpenMP
+    gets a build without it (``_build``)."""
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
 #: Linked after the sources (the linker resolves left to right).
@@ -177,7 +195,8 @@ def _build(target: Path) -> None:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
-    cmd = [cxx] + _flags() + [str(_HERE / s) for s in _SOURCES] + _LIBS
+    flags = _flags()
+    cmd = [cxx] + flags + [str(_HERE / s) for s in _SOURCES] + _LIBS
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two processes building at once
     # (benchmark workers) each finish with a whole file.
@@ -185,6 +204,8 @@ def _build(target: Path) -> None:
     os.close(fd)
     try:
         r = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
+        if r.returncode != 0 and "-fopenmp" in flags:  # a compiler without OpenMP: build serial kernels
+            r = subprocess.run([c for c in cmd if c != "-fopenmp"] + ["-o", tmp], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{Path(cxx).name} -std={cxx_standard()} failed: {_first_error(r.stderr)}")
         os.replace(tmp, target)

@@ -277,45 +277,45 @@ const float* prev_rows(const float* states, int64_t lds, const float* init, int6
 
 }  // namespace
 
-void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, const float* h0,
-                  int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t, float* hbuf,
-                  float* cbuf, float* hpre) {
+void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
+                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
+                  float* hbuf, float* cbuf, float* hpre) {
   const int64_t G = 4 * H, L = 6 * H;
   for (const Step& st : steps) {
     int64_t lh = 0, lc = 0;
-    const float* hp = prev_rows(out, Hout, h0, ldh, hbuf, Hout, st, lh);
+    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, Hout, st, lh);
     const float* cp = prev_rows(ws + 4 * H, L, c0, ldc, cbuf, H, st, lc);
     float* w = ws + st.r0 * L;
-    float* h = out + st.r0 * Hout;
+    float* h = out + st.r0 * ldo;
     gemm(st.n, G, Hout, hp, lh, whh_t, G, w, L, true);
     if (whr_t != nullptr) {
       lstm_step(st.n, H, w, cp, lc, hpre, H);
-      gemm(st.n, Hout, H, hpre, H, whr_t, Hout, h, Hout, false);
+      gemm(st.n, Hout, H, hpre, H, whr_t, Hout, h, ldo, false);
     } else {
-      lstm_step(st.n, H, w, cp, lc, h, Hout);
+      lstm_step(st.n, H, w, cp, lc, h, ldo);
     }
   }
 }
 
-void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, const float* h0, int64_t ldh,
-                 const float* whh_t, float* hbuf) {
+void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
+                 int64_t ldh, const float* whh_t, float* hbuf) {
   for (const Step& st : steps) {
     int64_t lh = 0;
-    const float* hp = prev_rows(out, H, h0, ldh, hbuf, H, st, lh);
+    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
     float* w = ws + st.r0 * 4 * H;
     gemm(st.n, 3 * H, H, hp, lh, whh_t, 3 * H, w, 4 * H, true);  // into r | z | hn
-    gru_step(st.n, H, w, hp, lh, out + st.r0 * H, H);
+    gru_step(st.n, H, w, hp, lh, out + st.r0 * ldo, ldo);
   }
 }
 
-void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, const float* h0, int64_t ldh,
+void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
                  const float* whh_t, float* hbuf, bool relu) {
   for (const Step& st : steps) {
     int64_t lh = 0;
-    const float* hp = prev_rows(out, H, h0, ldh, hbuf, H, st, lh);
-    float* h = out + st.r0 * H;
-    gemm(st.n, H, H, hp, lh, whh_t, H, h, H, true);
-    rnn_step(st.n, H, h, H, relu);
+    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
+    float* h = out + st.r0 * ldo;
+    gemm(st.n, H, H, hp, lh, whh_t, H, h, ldo, true);
+    rnn_step(st.n, H, h, ldo, relu);
   }
 }
 

@@ -31,16 +31,17 @@ struct Step {
 
 // The recurrent half of wfpass::packed_layer's forward, after the input
 // projection (already in ws's gate columns, or in out for a plain RNN).
-// Row-major, contiguous: ws [N, 6H] (LSTM) / [N, 4H] (GRU), out [N, Hout],
-// the initial states with leading dims ldh / ldc, whh_t = W_hh^T
+// Row-major: ws [N, 6H] (LSTM) / [N, 4H] (GRU), contiguous; out [N, Hout]
+// with leading dim ldo (2 Hout: one direction's half of a bidirectional
+// layer's output); the initial states with leading dims ldh / ldc, whh_t = W_hh^T
 // [Hout, G*H], whr_t = W_hr^T [H, Hout] or null; hbuf, cbuf, hpre: [B, *]
 // scratch rows.
-void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, const float* h0,
-                  int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t, float* hbuf,
-                  float* cbuf, float* hpre);
-void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, const float* h0, int64_t ldh,
-                 const float* whh_t, float* hbuf);
-void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, const float* h0, int64_t ldh,
+void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
+                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
+                  float* hbuf, float* cbuf, float* hpre);
+void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
+                 int64_t ldh, const float* whh_t, float* hbuf);
+void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
                  const float* whh_t, float* hbuf, bool relu);
 
 // The backward loops. g: grad_out [N, Hout] or null; hcar [B, Hout] / ccar

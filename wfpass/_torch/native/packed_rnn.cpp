@@ -22,6 +22,7 @@
 // Checked on torch 2.13.0.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
@@ -325,9 +326,11 @@ struct FwBuffers {
 
 using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
-                const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
-                c10::string_view mode_name, bool reverse, bool train) {
+// One layer and direction. `into`, where given (the raw-pointer path only),
+// is the output: a column block of a bidirectional layer's [N, 2 Hout].
+Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+                 const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                 c10::string_view mode_name, bool reverse, bool train, const Tensor& into) {
   const Mode mode = parse_mode(mode_name);
   check_args(mode, w_hr, c0);
   const Steps s = read_steps(batch_sizes, data.size(0));
@@ -351,13 +354,13 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
     const Tensor g_all = ws.narrow(1, 2 * H, H), o_all = ws.narrow(1, 3 * H, H);
     project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih, buf.w_ih_t);
-    out = at::empty({N, Hout}, opts);
+    out = into.defined() ? into : at::empty({N, Hout}, opts);
     const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
     const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
     const Tensor hpre = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
     if (fast(data)) {
       const Tensor hi = h_init.contiguous(), ci = c_init.contiguous();
-      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), fp(hi), Hout, fp(ci), H, fp(buf.w_hh_t),
+      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), out.stride(0), fp(hi), Hout, fp(ci), H, fp(buf.w_hh_t),
                                 fp(buf.w_hr_t), fp(hbuf), fp(cbuf), fp(hpre));
     } else {
     for (const Step& st : steps) {
@@ -397,10 +400,10 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
       hn_all.copy_(b_hh->narrow(0, 2 * H, H));
     else
       hn_all.zero_();
-    out = at::empty({N, H}, opts);
+    out = into.defined() ? into : at::empty({N, H}, opts);
     if (fast(data)) {
       const Tensor hi = h_init.contiguous();
-      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), fp(hi), H, fp(buf.w_hh_t), fp(hbuf));
+      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), out.stride(0), fp(hi), H, fp(buf.w_hh_t), fp(hbuf));
     } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
@@ -414,12 +417,12 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
     }
     c_n = at::empty({0}, opts);
   } else {
-    out = at::empty({N, H}, opts);
+    out = into.defined() ? into : at::empty({N, H}, opts);
     project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih, buf.w_ih_t);
     const bool relu = mode == Mode::RNN_RELU;
     if (fast(data)) {
       const Tensor hi = h_init.contiguous();
-      wfpass_fast::rnn_forward(steps, H, fp(out), fp(hi), H, fp(buf.w_hh_t), fp(hbuf), relu);
+      wfpass_fast::rnn_forward(steps, H, fp(out), out.stride(0), fp(hi), H, fp(buf.w_hh_t), fp(hbuf), relu);
     } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
@@ -434,6 +437,55 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
   }
   Tensor h_n = final_state(out, s, reverse);
   return {out, h_n, c_n, train ? ws : at::empty({0}, opts)};
+}
+
+Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+                const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                c10::string_view mode_name, bool reverse, bool train) {
+  return layer_forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode_name, reverse, train, Tensor());
+}
+
+// wfpass::packed_bilayer_fw: both directions of a bidirectional layer without
+// grad, into one [N, 2 Hout] output (packed_layer.py). On the raw-pointer
+// path each direction writes its column half in place (no concatenation of
+// two fresh outputs), and where torch has two or more threads the two
+// directions run at once, one per OpenMP thread (each step's GEMMs are too
+// small to split; the directions are independent). Elsewhere: the two
+// packed_layer calls and a concatenation, as before.
+using Bi = std::tuple<Tensor, Tensor, Tensor>;
+
+Bi packed_bilayer_fw(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0,
+                     const Opt& c0, c10::string_view mode_name, bool has_biases, bool has_proj) {
+  const int64_t per = 2 + (has_biases ? 2 : 0) + (has_proj ? 1 : 0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 2 * per, "wfpass::packed_bilayer_fw: expected ", 2 * per,
+              " weights (both directions), got ", weights.size());
+  auto w = [&](int64_t d, int64_t i) { return weights[d * per + i]; };
+  auto opt = [&](int64_t d, int64_t i, bool has) { return has ? Opt(w(d, i)) : Opt(); };
+  auto state = [](const Opt& t, int64_t d) { return t.has_value() ? Opt(t->narrow(0, d, 1)) : Opt(); };
+  const int64_t Hout = has_proj ? w(0, per - 1).size(0) : w(0, 1).size(1);
+  const bool in_place = fast(data);
+  const Tensor out = in_place ? at::empty({data.size(0), 2 * Hout}, data.options()) : Tensor();
+  Fw r[2];
+  auto run = [&](int64_t d) {
+    r[d] = layer_forward(data, batch_sizes, w(d, 0), w(d, 1), opt(d, 2, has_biases), opt(d, 3, has_biases),
+                         opt(d, per - 1, has_proj), state(h0, d), state(c0, d), mode_name, d == 1, false,
+                         in_place ? out.narrow(1, d * Hout, Hout) : Tensor());
+  };
+#ifdef _OPENMP
+  if (in_place && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t d = begin; d < end; ++d) run(d);
+    });
+  } else
+#endif
+  {
+    run(0);
+    run(1);
+  }
+  const bool lstm = parse_mode(mode_name) == Mode::LSTM;
+  return {in_place ? out : at::cat({std::get<0>(r[0]), std::get<0>(r[1])}, 1),
+          at::cat({std::get<1>(r[0]), std::get<1>(r[1])}, 0),
+          lstm ? at::cat({std::get<2>(r[0]), std::get<2>(r[1])}, 0) : at::empty({0}, data.options())};
 }
 
 using Bw = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
@@ -675,11 +727,21 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("packed_layer", packed_layer);
   m.impl("packed_layer_fw", packed_layer);
+  m.impl("packed_bilayer_fw", packed_bilayer_fw);
   m.impl("packed_layer_backward", packed_layer_backward);
 }
 
 // Whether the raw-pointer loop (fast_rnn.cpp) serves fp32 calls in this
 // process: for the report and the tests (wfpass/_torch/native, fast_loop).
+// And whether packed_bilayer_fw can run its two directions at once (built
+// with OpenMP: wfpass/_torch/native, parallel_directions).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def("native_fast_loop() -> bool", []() { return wfpass_fast::fast_loop(); });
+  m.def("native_openmp() -> bool", []() {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  });
 }
