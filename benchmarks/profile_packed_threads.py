@@ -1,12 +1,14 @@
-"""Could a bidirectional packed layer's two directions run at once? One
-layer (input and hidden 128, batch 16, T = 100, lengths 20-100), forward
-without grad: ``wfpass::packed_layer_fw`` for the forward and the reverse
-direction one after the other, against the two calls made from two Python
-threads at the same time (torch at 1 thread each).
+"""A bidirectional packed layer's two directions at once. One layer (input
+and hidden 128, batch 16, T = 100, lengths 20-100), forward without grad:
+``wfpass::packed_layer_fw`` for the forward and the reverse direction one
+after the other; the two calls made from two Python threads at the same
+time (torch at 1 thread each); and ``wfpass::packed_bilayer_fw``, the op
+wformat runs (both directions in one call, one per OpenMP thread), with
+torch at 1 and at 2 threads.
 
     python benchmarks/profile_packed_threads.py [--calls 20]
 
-Prints ms per pair of calls, each way.
+Prints ms per pair of directions, each way.
 """
 from __future__ import annotations
 
@@ -53,8 +55,18 @@ def main() -> None:
     for th in threads:
         th.join()
     par = (time.perf_counter() - t) / args.calls * 1e3
-    print(f"{native.status()}; fast loop: {native.fast_loop()}")
+    pair = {}
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        for k in range(args.calls + 3):
+            if k == 3:  # after 3 calls to warm up
+                t = time.perf_counter()
+            torch.ops.wfpass.packed_bilayer_fw(packed.data, packed.batch_sizes, w, None, None, "LSTM", True, False)
+        pair[n] = (time.perf_counter() - t) / args.calls * 1e3
+    print(f"{native.status()}; fast loop: {native.fast_loop()}; both directions at once: "
+          f"{native.parallel_directions()}")
     print(f"one after the other: {seq:.2f} ms per pair; two threads at once: {par:.2f} ms per pair")
+    print(f"packed_bilayer_fw: {pair[1]:.2f} ms at 1 torch thread, {pair[2]:.2f} ms at 2")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def test_packed_threads_profile_runs():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"one after the other: [\d.]+ ms per pair; two threads at once: [\d.]+ ms per pair",
                      out.stdout), out.stdout
+    assert re.search(r"packed_bilayer_fw: [\d.]+ ms at 1 torch thread, [\d.]+ ms at 2", out.stdout), out.stdout
 
 
 def test_gpu_summary_reads_the_committed_pages():
