@@ -61,7 +61,8 @@ def main() -> None:
         for k in range(args.calls + 3):
             if k == 3:  # after 3 calls to warm up
                 t = time.perf_counter()
-            torch.ops.wfpass.packed_bilayer_fw(packed.data, packed.batch_sizes, w, None, None, "LSTM", True, False)
+            torch.ops.wfpass.packed_bilayer_fw(packed.data, packed.batch_sizes, w, None, None, "LSTM", True, False,
+                                                 False)
         pair[n] = (time.perf_counter() - t) / args.calls * 1e3
     print(f"{native.status()}; fast loop: {native.fast_loop()}; both directions at once: "
           f"{native.parallel_directions()}")

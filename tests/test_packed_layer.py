@@ -360,6 +360,20 @@ def test_opcheck(cell, bias):
     torch.library.opcheck(OP_BACKWARD, bargs, test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("cell,bias", [("lstm_proj", True), ("gru", False)])
+def test_bilayer_opcheck(cell, bias):
+    """torch.library's checker on ``wfpass::packed_bilayer`` (a Tensor[] of
+    both directions' weights, whose gradients come back as a list)."""
+    case = Case(cell, LENGTHS["decreasing"], bias, True, True)
+    m = case.module
+    names = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr") if getattr(m, f"{n}_l0", None)
+             is not None]
+    weights = [getattr(m, f"{n}_l0{sfx}") for sfx in ("", "_reverse") for n in names]
+    args = (case.data, case.batch_sizes, weights, case.h0_all, case.c0_all, case.mode, bias, "weight_hr" in names,
+            True)
+    torch.library.opcheck(torch.ops.wfpass.packed_bilayer.default, args)
+
+
 def test_backward_of_a_call_without_train_raises():
     case = Case("gru", LENGTHS["repeats"], True, True, False)
     out, h_n, _, ws = OP(*case.op_args(train=False))
@@ -387,11 +401,13 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bilayer_gives_the_two_directions_bits(dtype, threads):
-    """``wfpass::packed_bilayer_fw`` (both directions of a layer without
-    grad, into one output; on the raw-pointer path each direction writes
-    its half in place, on two threads where torch has them) gives the bits
-    of the two ``packed_layer_fw`` calls it replaces, concatenated: outputs
-    and final states, every cell, with and without biases and states."""
+    """``wfpass::packed_bilayer`` (both directions of a layer, into one
+    output; on the raw-pointer path each direction writes its half in place,
+    on two threads where torch has them) gives the bits of the two
+    ``packed_layer`` calls it replaces, concatenated: outputs, final states
+    and workspaces, with and without grad, and its backward the bits of the
+    two ``packed_layer_backward`` calls; every cell, with and without biases
+    and states."""
     torch.set_num_threads(threads)  # the fixture puts 1 back
     for lengths in (LENGTHS["repeats"], LENGTHS["one_of_length_1"]):
         for cell in CELLS:
@@ -404,10 +420,20 @@ def test_bilayer_gives_the_two_directions_bits(dtype, threads):
                 h0 = case.h0_all.detach().to(dtype) if states else None
                 c0 = case.c0_all.detach().to(dtype) if states and case.lstm else None
                 data = case.data.detach().to(dtype)
-                args = (data, case.batch_sizes, weights, h0, c0, case.mode, bias, "weight_hr" in names)
-                got = torch.ops.wfpass.packed_bilayer_fw(*args)
-                want = pl._bilayer(*args)  # the two packed_layer_fw calls, concatenated
-                for a, b in zip(got, want):
-                    assert a.shape == b.shape and torch.equal(a, b), (cell, bias, states)
-                fake = pl._bilayer_fake(*args)
-                assert [t.shape for t in fake] == [t.shape for t in got]
+                for train in (False, True):
+                    args = (data, case.batch_sizes, weights, h0, c0, case.mode, bias, "weight_hr" in names, train)
+                    got = torch.ops.wfpass.packed_bilayer_fw(*args)
+                    want = pl._bilayer(*args)  # the two packed_layer(_fw) calls, concatenated
+                    for a, b in zip(got, want):
+                        assert a.shape == b.shape and torch.equal(a, b), (cell, bias, states, train)
+                    fake = pl._bilayer_fake(*args)
+                    assert [t.shape for t in fake] == [t.shape for t in got]
+                # the backward: each direction's packed_layer_backward, the data gradients summed
+                g = [torch.randn_like(t) for t in got[:3]]
+                bargs = (*args[:5], *got, g[0], g[1], g[2] if case.lstm else None, case.mode, bias,
+                         "weight_hr" in names)
+                got_b = torch.ops.wfpass.packed_bilayer_backward(*bargs)
+                want_b = pl._bilayer_backward(*bargs)
+                assert torch.equal(got_b[0], want_b[0]) and torch.equal(got_b[2], want_b[2])
+                assert torch.equal(got_b[3], want_b[3])
+                assert len(got_b[1]) == len(weights) and all(torch.equal(a, b) for a, b in zip(got_b[1], want_b[1]))

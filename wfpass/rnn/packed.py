@@ -215,18 +215,21 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
     if packed_lstm_runs.usable(mode, proj_size, data, need_grad):  # oneDNN's LSTM layer, run by run
         op = functools.partial(_runs_call, torch.ops.wfpass.packed_lstm_runs_fw.default)
-    # Both directions of a layer in one call where no gradient is wanted
-    # (``packed_bilayer_fw``: one output, the directions at once on two threads).
-    pair = bidirectional and not need_grad and not isinstance(op, functools.partial)
+    # Both directions of a layer in one call (``packed_bilayer``: one output,
+    # the directions at once on two threads).
+    pair = bidirectional and not isinstance(op, functools.partial)
+    pair_op = torch.ops.wfpass.packed_bilayer.default if need_grad else torch.ops.wfpass.packed_bilayer_fw.default
     layer_in = data
     hs: List[torch.Tensor] = []
     cs: List[torch.Tensor] = []
     for layer in range(num_layers):
         if pair:
             k = 2 * layer
-            layer_in, h, c = torch.ops.wfpass.packed_bilayer_fw.default(
+            layer_in, h, c, _ws_f, _ws_b = pair_op(
                 layer_in, batch_sizes, list(weights[k * per:(k + 2) * per]), None if h0 is None else h0[k:k + 2],
-                None if c0 is None else c0[k:k + 2], mode, has_biases, proj_size > 0)
+                None if c0 is None else c0[k:k + 2], mode, has_biases, proj_size > 0, need_grad)
+            if dropout > 0 and train and layer < num_layers - 1:
+                layer_in = F.dropout(layer_in, dropout, True)
             hs.append(h)
             cs.append(c)
             continue

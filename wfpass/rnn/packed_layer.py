@@ -152,10 +152,14 @@ _LIB = define_rnn_op("packed_layer", _ARGS, _RETURNS, _BACKWARD, forward=_packed
                      backward_fake=_packed_layer_backward_fake, setup=_setup, grad=_grad)
 
 
-# -- both directions of a bidirectional layer without grad --------------------------------------
+# -- both directions of a bidirectional layer in one call ---------------------------------------
 
-_LIB.define("packed_bilayer_fw(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, str mode, "
-            "bool has_biases, bool has_proj) -> (Tensor, Tensor, Tensor)")
+_BI_ARGS = ("Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, str mode, bool has_biases, "
+            "bool has_proj, bool train")
+_BI_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+_BI_BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, Tensor out, Tensor h_n, "
+                "Tensor c_n, Tensor ws_f, Tensor ws_b, Tensor? grad_out, Tensor? grad_hn, Tensor? grad_cn, str mode, "
+                "bool has_biases, bool has_proj) -> (Tensor d_data, Tensor[] d_weights, Tensor d_h0, Tensor d_c0)")
 
 
 def _directions(weights, has_biases: bool, has_proj: bool):
@@ -163,33 +167,89 @@ def _directions(weights, has_biases: bool, has_proj: bool):
     direction's weights followed by the reverse direction's."""
     per = 2 + (2 if has_biases else 0) + (1 if has_proj else 0)
     if len(weights) != 2 * per:
-        raise RuntimeError(f"wfpass::packed_bilayer_fw: expected {2 * per} weights (both directions), "
+        raise RuntimeError(f"wfpass::packed_bilayer: expected {2 * per} weights (both directions), "
                            f"got {len(weights)}")
-    for d in (0, 1):
-        w = weights[d * per:(d + 1) * per]
-        yield (w[0], w[1], w[2] if has_biases else None, w[3] if has_biases else None,
-               w[-1] if has_proj else None)
+    return [tuple(weights[d * per:d * per + 2]) + ((weights[d * per + 2], weights[d * per + 3]) if has_biases
+                                                   else (None, None)) + ((weights[d * per + per - 1],) if has_proj
+                                                                         else (None,)) for d in (0, 1)]
 
 
-def _bilayer(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj):
+def _half(t, d):
+    return None if t is None else t[d:d + 1]
+
+
+def _bilayer(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, train):
     """Where the C++ kernel is not registered: the two directions one after
     the other, concatenated (what the C++ kernel gives, bit for bit)."""
-    outs = [torch.ops.wfpass.packed_layer_fw.default(
-        data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, None if h0 is None else h0[d:d + 1],
-        None if c0 is None else c0[d:d + 1], mode, d == 1, False)
-        for d, (w_ih, w_hh, b_ih, b_hh, w_hr) in enumerate(_directions(weights, has_biases, has_proj))]
-    c_n = torch.cat([o[2] for o in outs], 0) if mode == "LSTM" else data.new_empty(0)
-    return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0), c_n
+    op = torch.ops.wfpass.packed_layer.default if train else torch.ops.wfpass.packed_layer_fw.default
+    r = [op(data, batch_sizes, *w, _half(h0, d), _half(c0, d), mode, d == 1, train)
+         for d, w in enumerate(_directions(weights, has_biases, has_proj))]
+    c_n = torch.cat([r[0][2], r[1][2]], 0) if mode == "LSTM" else data.new_empty(0)
+    return torch.cat([r[0][0], r[1][0]], 1), torch.cat([r[0][1], r[1][1]], 0), c_n, r[0][3], r[1][3]
 
 
-def _bilayer_fake(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj):
-    w_ih, _w_hh, _b_ih, _b_hh, w_hr = next(_directions(weights, has_biases, has_proj))
+def _bilayer_fake(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, train):
+    (w_ih, _w_hh, _b_ih, _b_hh, w_hr), _ = _directions(weights, has_biases, has_proj)
     check_args(mode, w_hr, c0)
     H, Hout = hidden_sizes(mode, w_ih, w_hr)
+    N = data.shape[0]
     B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
     c_n = data.new_empty((2, B, H)) if mode == "LSTM" else data.new_empty(0)
-    return data.new_empty((data.shape[0], 2 * Hout)), data.new_empty((2, B, Hout)), c_n
+    ws = [data.new_empty((N, workspace_width(mode, H))) if train else data.new_empty(0) for _ in (0, 1)]
+    return data.new_empty((N, 2 * Hout)), data.new_empty((2, B, Hout)), c_n, *ws
 
 
-_LIB.impl("packed_bilayer_fw", _bilayer, "CompositeExplicitAutograd")
-torch.library.register_fake("wfpass::packed_bilayer_fw", _bilayer_fake, lib=_LIB)
+def _bilayer_backward(data, batch_sizes, weights, h0, c0, out, h_n, c_n, ws_f, ws_b, grad_out, grad_hn, grad_cn,
+                      mode, has_biases, has_proj):
+    dirs = _directions(weights, has_biases, has_proj)
+    Hout = out.shape[1] // 2
+    r = []
+    for d, w in enumerate(dirs):
+        r.append(torch.ops.wfpass.packed_layer_backward.default(
+            data, batch_sizes, *w, _half(h0, d), _half(c0, d), out[:, d * Hout:(d + 1) * Hout], h_n[d:d + 1],
+            c_n[d:d + 1] if mode == "LSTM" else c_n, (ws_f, ws_b)[d],
+            None if grad_out is None else grad_out[:, d * Hout:(d + 1) * Hout], _half(grad_hn, d),
+            _half(grad_cn, d) if mode == "LSTM" else None, mode, d == 1))
+    d_w = [g for d in (0, 1) for g, t in zip(r[d][1:6], dirs[d]) if t is not None]
+    empty = data.new_empty(0)
+    d_h0 = torch.cat([r[0][6], r[1][6]], 0) if h0 is not None else empty
+    d_c0 = torch.cat([r[0][7], r[1][7]], 0) if mode == "LSTM" and c0 is not None else empty
+    return r[0][0] + r[1][0], d_w, d_h0, d_c0
+
+
+def _bilayer_backward_fake(data, batch_sizes, weights, h0, c0, out, h_n, c_n, ws_f, ws_b, grad_out, grad_hn,
+                           grad_cn, mode, has_biases, has_proj):
+    empty = data.new_empty(0)
+    return (data.new_empty(data.shape), [w.new_empty(w.shape) for w in weights],
+            h0.new_empty(h0.shape) if h0 is not None else empty,
+            c0.new_empty(c0.shape) if mode == "LSTM" and c0 is not None else empty)
+
+
+def _bi_setup(ctx, inputs, output):
+    data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, train = inputs
+    out, h_n, c_n, ws_f, ws_b = output
+    ctx.save_for_backward(data, batch_sizes, h0, c0, out, h_n, c_n, ws_f, ws_b, *weights)
+    ctx.static = (mode, has_biases, has_proj, train)
+    ctx.set_materialize_grads(False)
+
+
+def _bi_grad(ctx, g_out, g_hn, g_cn, _g_wf, _g_wb):
+    mode, has_biases, has_proj, train = ctx.static
+    if not train:
+        raise RuntimeError("wfpass::packed_bilayer: backward through a call made with train=False (it keeps no "
+                           "workspace); call it with train=True to differentiate it")
+    data, batch_sizes, h0, c0, out, h_n, c_n, ws_f, ws_b, *weights = ctx.saved_tensors
+    d_data, d_w, d_h0, d_c0 = torch.ops.wfpass.packed_bilayer_backward.default(
+        data, batch_sizes, weights, h0, c0, out, h_n, c_n, ws_f, ws_b, g_out, g_hn,
+        g_cn if mode == "LSTM" else None, mode, has_biases, has_proj)
+    return (d_data, None, list(d_w), d_h0 if h0 is not None else None,
+            d_c0 if (mode == "LSTM" and c0 is not None) else None, None, None, None, None)
+
+
+# ``wfpass::packed_bilayer``: both directions of a bidirectional layer in one
+# call, into one [N, 2 H_out] output; ``_fw`` its twin without an autograd
+# kernel. The C++ kernels (``_torch/native/packed_rnn.cpp``) run the two
+# directions at once where torch has two or more threads.
+_BI_LIB = define_rnn_op("packed_bilayer", _BI_ARGS, _BI_RETURNS, _BI_BACKWARD, forward=_bilayer,
+                        forward_fake=_bilayer_fake, backward=_bilayer_backward,
+                        backward_fake=_bilayer_backward_fake, setup=_bi_setup, grad=_bi_grad)

@@ -445,49 +445,6 @@ Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_i
   return layer_forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode_name, reverse, train, Tensor());
 }
 
-// wfpass::packed_bilayer_fw: both directions of a bidirectional layer without
-// grad, into one [N, 2 Hout] output (packed_layer.py). On the raw-pointer
-// path each direction writes its column half in place (no concatenation of
-// two fresh outputs), and where torch has two or more threads the two
-// directions run at once, one per OpenMP thread (each step's GEMMs are too
-// small to split; the directions are independent). Elsewhere: the two
-// packed_layer calls and a concatenation, as before.
-using Bi = std::tuple<Tensor, Tensor, Tensor>;
-
-Bi packed_bilayer_fw(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0,
-                     const Opt& c0, c10::string_view mode_name, bool has_biases, bool has_proj) {
-  const int64_t per = 2 + (has_biases ? 2 : 0) + (has_proj ? 1 : 0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 2 * per, "wfpass::packed_bilayer_fw: expected ", 2 * per,
-              " weights (both directions), got ", weights.size());
-  auto w = [&](int64_t d, int64_t i) { return weights[d * per + i]; };
-  auto opt = [&](int64_t d, int64_t i, bool has) { return has ? Opt(w(d, i)) : Opt(); };
-  auto state = [](const Opt& t, int64_t d) { return t.has_value() ? Opt(t->narrow(0, d, 1)) : Opt(); };
-  const int64_t Hout = has_proj ? w(0, per - 1).size(0) : w(0, 1).size(1);
-  const bool in_place = fast(data);
-  const Tensor out = in_place ? at::empty({data.size(0), 2 * Hout}, data.options()) : Tensor();
-  Fw r[2];
-  auto run = [&](int64_t d) {
-    r[d] = layer_forward(data, batch_sizes, w(d, 0), w(d, 1), opt(d, 2, has_biases), opt(d, 3, has_biases),
-                         opt(d, per - 1, has_proj), state(h0, d), state(c0, d), mode_name, d == 1, false,
-                         in_place ? out.narrow(1, d * Hout, Hout) : Tensor());
-  };
-#ifdef _OPENMP
-  if (in_place && at::get_num_threads() > 1 && !at::in_parallel_region()) {
-    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t d = begin; d < end; ++d) run(d);
-    });
-  } else
-#endif
-  {
-    run(0);
-    run(1);
-  }
-  const bool lstm = parse_mode(mode_name) == Mode::LSTM;
-  return {in_place ? out : at::cat({std::get<0>(r[0]), std::get<0>(r[1])}, 1),
-          at::cat({std::get<1>(r[0]), std::get<1>(r[1])}, 0),
-          lstm ? at::cat({std::get<2>(r[0]), std::get<2>(r[1])}, 0) : at::empty({0}, data.options())};
-}
-
 using Bw = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // dh = grad_out[rows] + carry[:n] (or the carry alone), written into dst.
@@ -722,12 +679,113 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
+// wfpass::packed_bilayer (and its twin packed_bilayer_fw, the same without
+// an autograd kernel): both directions of a bidirectional layer in one call,
+// into one [N, 2 Hout] output (packed_layer.py), and its backward. On the
+// raw-pointer path each direction writes its column half in place (no
+// concatenation of two fresh outputs) and, where torch has two or more
+// threads, the two directions run at once, one per OpenMP thread: each
+// step's GEMMs are too small to split, but the directions are independent,
+// forward and backward. Elsewhere: the two packed_layer calls one after the
+// other and a concatenation, as before.
+struct Pair {
+  at::TensorList weights;
+  int64_t per;
+  bool has_biases, has_proj;
+  Pair(at::TensorList w, bool biases, bool proj)
+      : weights(w), per(2 + (biases ? 2 : 0) + (proj ? 1 : 0)), has_biases(biases), has_proj(proj) {
+    TORCH_CHECK(static_cast<int64_t>(w.size()) == 2 * per, "wfpass::packed_bilayer: expected ", 2 * per,
+                " weights (both directions), got ", w.size());
+  }
+  const Tensor& w(int64_t d, int64_t i) const { return weights[d * per + i]; }
+  Opt opt(int64_t d, int64_t i, bool has) const { return has ? Opt(w(d, i)) : Opt(); }
+  Opt b_ih(int64_t d) const { return opt(d, 2, has_biases); }
+  Opt b_hh(int64_t d) const { return opt(d, 3, has_biases); }
+  Opt w_hr(int64_t d) const { return opt(d, per - 1, has_proj); }
+  int64_t hout() const { return has_proj ? w(0, per - 1).size(0) : w(0, 1).size(1); }
+};
+
+Opt half(const Opt& t, int64_t dim, int64_t d, int64_t size) {
+  return t.has_value() && t->numel() > 0 ? Opt(t->narrow(dim, d * size, size)) : Opt();
+}
+
+// run(0) and run(1): at once on two OpenMP threads where `together` and
+// torch has them, else one after the other.
+template <typename F>
+void both(bool together, const F& run) {
+#ifdef _OPENMP
+  if (together && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t d = begin; d < end; ++d) run(d);
+    });
+    return;
+  }
+#endif
+  run(0);
+  run(1);
+}
+
+using Bi = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+Bi packed_bilayer(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0,
+                  const Opt& c0, c10::string_view mode_name, bool has_biases, bool has_proj, bool train) {
+  const Pair p(weights, has_biases, has_proj);
+  const int64_t Hout = p.hout();
+  const bool in_place = fast(data);
+  const Tensor out = in_place ? at::empty({data.size(0), 2 * Hout}, data.options()) : Tensor();
+  Fw r[2];
+  both(in_place, [&](int64_t d) {
+    r[d] = layer_forward(data, batch_sizes, p.w(d, 0), p.w(d, 1), p.b_ih(d), p.b_hh(d), p.w_hr(d), half(h0, 0, d, 1),
+                         half(c0, 0, d, 1), mode_name, d == 1, train, in_place ? out.narrow(1, d * Hout, Hout) : Tensor());
+  });
+  const bool lstm = parse_mode(mode_name) == Mode::LSTM;
+  return {in_place ? out : at::cat({std::get<0>(r[0]), std::get<0>(r[1])}, 1),
+          at::cat({std::get<1>(r[0]), std::get<1>(r[1])}, 0),
+          lstm ? at::cat({std::get<2>(r[0]), std::get<2>(r[1])}, 0) : at::empty({0}, data.options()),
+          std::get<3>(r[0]), std::get<3>(r[1])};
+}
+
+// Each direction's packed_layer_backward, the two data gradients summed.
+std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
+    const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0, const Opt& c0,
+    const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& ws_f, const Tensor& ws_b,
+    const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name, bool has_biases,
+    bool has_proj) {
+  const Pair p(weights, has_biases, has_proj);
+  const int64_t Hout = p.hout();
+  const bool lstm = parse_mode(mode_name) == Mode::LSTM;
+  Bw r[2];
+  both(fast(data), [&](int64_t d) {
+    r[d] = packed_layer_backward(data, batch_sizes, p.w(d, 0), p.w(d, 1), p.b_ih(d), p.b_hh(d), p.w_hr(d),
+                                 half(h0, 0, d, 1), half(c0, 0, d, 1), out.narrow(1, d * Hout, Hout),
+                                 h_n.narrow(0, d, 1), lstm ? c_n.narrow(0, d, 1) : c_n, d == 0 ? ws_f : ws_b,
+                                 half(grad_out, 1, d, Hout), half(grad_hn, 0, d, 1),
+                                 lstm ? half(grad_cn, 0, d, 1) : Opt(), mode_name, d == 1);
+  });
+  std::vector<Tensor> d_w;
+  for (int64_t d = 0; d < 2; ++d) {
+    d_w.push_back(std::get<1>(r[d]));
+    d_w.push_back(std::get<2>(r[d]));
+    if (has_biases) {
+      d_w.push_back(std::get<3>(r[d]));
+      d_w.push_back(std::get<4>(r[d]));
+    }
+    if (has_proj) d_w.push_back(std::get<5>(r[d]));
+  }
+  const auto empty = at::empty({0}, data.options());
+  return {at::add(std::get<0>(r[0]), std::get<0>(r[1])), d_w,
+          h0.has_value() ? at::cat({std::get<6>(r[0]), std::get<6>(r[1])}, 0) : empty,
+          lstm && c0.has_value() ? at::cat({std::get<7>(r[0]), std::get<7>(r[1])}, 0) : empty};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("packed_layer", packed_layer);
   m.impl("packed_layer_fw", packed_layer);
-  m.impl("packed_bilayer_fw", packed_bilayer_fw);
+  m.impl("packed_bilayer", packed_bilayer);
+  m.impl("packed_bilayer_fw", packed_bilayer);
+  m.impl("packed_bilayer_backward", packed_bilayer_backward);
   m.impl("packed_layer_backward", packed_layer_backward);
 }
 
