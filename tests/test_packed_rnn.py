@@ -473,3 +473,29 @@ def test_the_captured_rnns_forward_survives_copies_and_goes_with_restore():
             torch.testing.assert_close(a, b)
     wfpass.restore(model)
     assert "forward" not in model.rnn.__dict__ and "check_forward_args" not in model.rnn.__dict__
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training_step", "no_grad"])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_dropout_between_layers_in_training_mode(bidirectional, grad):
+    """Dropout between layers runs where the module is in training mode,
+    with or without grad (a bidirectional layer's two directions run as one
+    op, ``wfpass.packed_bilayer``). With p = 1 it is deterministic: the second
+    layer sees zeros, in eager and compiled alike; so every output and
+    gradient must equal eager's (the first layer's weights get no gradient
+    through the output, only through h_n / c_n)."""
+    model = PackedModel(layers=2, bidirectional=bidirectional).train()
+    model.rnn.dropout = 1.0
+    ref = copy.deepcopy(model)
+    fn, _ = _compile(model)
+    x, L = _batch(6, [4, 6, 2, 5], False)
+    with torch.set_grad_enabled(grad):
+        out, exp = fn(x, L), ref(x, L)
+    for a, b in zip(out, exp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if grad:
+        _loss(out).backward()
+        _loss(exp).backward()
+        scale = max(p.grad.abs().max() for p in ref.parameters())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad - q.grad).abs().max() <= 1e-5 * scale, name
