@@ -112,7 +112,7 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
     if native.is_loaded():
         line = next(ln for ln in out.splitlines() if ln.startswith("packed RNN loop on raw pointers"))
         assert line.split(": ", 1)[1].startswith("yes" if native.fast_loop() else "no"), line
-        line = next(ln for ln in out.splitlines() if ln.startswith("bidirectional packed layers without grad"))
+        line = next(ln for ln in out.splitlines() if ln.startswith("bidirectional packed layers, both directions"))
         assert line.split(": ", 1)[1].startswith("yes" if native.parallel_directions() else "no"), line
         # torch's wheels run on OpenMP: where the loop runs, the kernels use torch's OpenMP threads
         if native.fast_loop() and torch.backends.openmp.is_available():

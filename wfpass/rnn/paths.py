@@ -235,7 +235,7 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
         from .._torch import native as _native
 
         if _native.serves(x):
-            both = ("; without grad a layer's two directions at once where torch has 2+ threads"
+            both = ("; a layer's two directions at once where torch has 2+ threads"
                     if spec.bidirectional and _native.parallel_directions() else "")
             return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
                     f"AVX-512 gate math{both})"), "packed_loop_calls"

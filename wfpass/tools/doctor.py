@@ -69,7 +69,7 @@ def lines() -> List[str]:
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
         both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
                 else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")
-        out.append(f"bidirectional packed layers without grad, both directions at once: {both}")
+        out.append(f"bidirectional packed layers, both directions at once: {both}")
     else:
         out.append(f"C++ kernels: not in use, the Python kernels run instead ({why})")
     if torch.version.cuda:

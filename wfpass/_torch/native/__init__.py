@@ -82,10 +82,10 @@ def fast_loop() -> bool:
 
 
 def parallel_directions() -> bool:
-    """Can a bidirectional packed layer without grad run its two directions
-    at once (``wfpass::packed_bilayer_fw`` on the raw-pointer loop, one
-    direction per OpenMP thread when torch has two or more)? True where the
-    C++ kernels were built with OpenMP and the loop runs."""
+    """Can a bidirectional packed layer run its two directions at once,
+    forward and backward (``wfpass::packed_bilayer`` on the raw-pointer
+    loop, one direction per OpenMP thread when torch has two or more)? True
+    where the C++ kernels were built with OpenMP and the loop runs."""
     return fast_loop() and bool(torch.ops.wfpass.native_openmp())
 
 
