@@ -24,8 +24,10 @@ Dynamo's graph (before ``fuse_rnn``)::
 After ``fuse_rnn``, ``packed_rnn`` is ``rnn_packed(data, batch_sizes, hx,
 *weights)`` in the group of its weights (one flat block), and AOTAutograd
 traces it into one ``wfpass.packed_layer`` per layer and direction (the
-C++ kernel that steps a shrinking batch, ``packed_layer.py``), or into one
-cuDNN call in packed mode on CUDA.
+C++ kernel that steps a shrinking batch, ``packed_layer.py``; one
+``wfpass.packed_bilayer`` per layer of a bidirectional RNN, its two
+directions at once on two threads), or into one cuDNN call in packed mode
+on CUDA.
 
 **The data-dependent sizes.** ``sum(lengths)`` (the rows of ``data``) and
 ``max(lengths)`` (the rows of ``batch_sizes``, and the padded output's
@@ -201,9 +203,10 @@ _LIB.define("packed_rnn(Tensor data, Tensor batch_sizes, Tensor[] hx, Tensor[] w
 def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional,
                       proj_size):
     """``_VF.lstm(data, batch_sizes, hx, weights, ...)`` and the like, as one
-    ``wfpass::packed_layer`` per layer and direction (eager's layer and
-    direction structure, dropout between layers in training). Returns
-    ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
+    ``wfpass::packed_layer`` per layer and direction, or one
+    ``wfpass::packed_bilayer`` per layer of a bidirectional RNN (eager's
+    layer and direction structure, dropout between layers in training).
+    Returns ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
     from . import packed_layer, packed_lstm_runs  # noqa: F401  (register the layer ops)
 
     dirs = 2 if bidirectional else 1
