@@ -16,6 +16,7 @@
 // bit for bit, on this path.
 #include "fast_rnn.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
@@ -73,14 +74,19 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   // 64 rows a call: the ukernel's speed was flat from 16 rows to all of
   // them (250-260 GFLOPS at 957 x 128 x 512, one thread); a block keeps the
   // bias rows just written in cache for the GEMM that adds to them.
+  // The blocks are independent: on torch's threads where it has several
+  // (serial inside a parallel region, e.g. a bidirectional layer's two
+  // directions already running at once).
   constexpr int64_t kRows = 64;
-  for (int64_t i = 0; i < M; i += kRows) {
-    const int64_t m = std::min(kRows, M - i);
-    float* c = C + i * ldc;
-    if (bias != nullptr && !add)
-      for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, bias, N * sizeof(float));
-    gemm(m, N, K, A + i * lda, lda, B, ldb, c, ldc, add || bias != nullptr);
-  }
+  at::parallel_for(0, (M + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0 * kRows; i < std::min(M, b1 * kRows); i += kRows) {
+      const int64_t m = std::min(kRows, M - i);
+      float* c = C + i * ldc;
+      if (bias != nullptr && !add)
+        for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, bias, N * sizeof(float));
+      gemm(m, N, K, A + i * lda, lda, B, ldb, c, ldc, add || bias != nullptr);
+    }
+  });
 }
 
 bool fast_loop() {
