@@ -360,17 +360,22 @@ def test_opcheck(cell, bias):
     torch.library.opcheck(OP_BACKWARD, bargs, test_utils=("test_schema", "test_faketensor"))
 
 
+def _both_directions(case):
+    """A bidirectional case's weights as ``wfpass::packed_bilayer`` takes
+    them (the forward direction's, then the reverse's, in the module's
+    order), and whether they hold a projection."""
+    names = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+             if getattr(case.module, f"{n}_l0", None) is not None]
+    return [getattr(case.module, f"{n}_l0{sfx}") for sfx in ("", "_reverse") for n in names], "weight_hr" in names
+
+
 @pytest.mark.parametrize("cell,bias", [("lstm_proj", True), ("gru", False)])
 def test_bilayer_opcheck(cell, bias):
     """torch.library's checker on ``wfpass::packed_bilayer`` (a Tensor[] of
     both directions' weights, whose gradients come back as a list)."""
     case = Case(cell, LENGTHS["decreasing"], bias, True, True)
-    m = case.module
-    names = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr") if getattr(m, f"{n}_l0", None)
-             is not None]
-    weights = [getattr(m, f"{n}_l0{sfx}") for sfx in ("", "_reverse") for n in names]
-    args = (case.data, case.batch_sizes, weights, case.h0_all, case.c0_all, case.mode, bias, "weight_hr" in names,
-            True)
+    weights, proj = _both_directions(case)
+    args = (case.data, case.batch_sizes, weights, case.h0_all, case.c0_all, case.mode, bias, proj, True)
     torch.library.opcheck(torch.ops.wfpass.packed_bilayer.default, args)
 
 
@@ -413,15 +418,13 @@ def test_bilayer_gives_the_two_directions_bits(dtype, threads):
         for cell in CELLS:
             for bias, states in ((True, True), (False, False)):
                 case = Case(cell, lengths, bias, states, True, dtype=dtype, sizes=(33, 40, 24))
-                m = case.module
-                names = [n for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
-                         if getattr(m, f"{n}_l0", None) is not None]
-                weights = [getattr(m, f"{n}_l0{sfx}").detach().to(dtype) for sfx in ("", "_reverse") for n in names]
+                weights, proj = _both_directions(case)
+                weights = [w.detach().to(dtype) for w in weights]
                 h0 = case.h0_all.detach().to(dtype) if states else None
                 c0 = case.c0_all.detach().to(dtype) if states and case.lstm else None
                 data = case.data.detach().to(dtype)
                 for train in (False, True):
-                    args = (data, case.batch_sizes, weights, h0, c0, case.mode, bias, "weight_hr" in names, train)
+                    args = (data, case.batch_sizes, weights, h0, c0, case.mode, bias, proj, train)
                     got = torch.ops.wfpass.packed_bilayer_fw(*args)
                     want = pl._bilayer(*args)  # the two packed_layer(_fw) calls, concatenated
                     for a, b in zip(got, want):
@@ -430,8 +433,7 @@ def test_bilayer_gives_the_two_directions_bits(dtype, threads):
                     assert [t.shape for t in fake] == [t.shape for t in got]
                 # the backward: each direction's packed_layer_backward, the data gradients summed
                 g = [torch.randn_like(t) for t in got[:3]]
-                bargs = (*args[:5], *got, g[0], g[1], g[2] if case.lstm else None, case.mode, bias,
-                         "weight_hr" in names)
+                bargs = (*args[:5], *got, g[0], g[1], g[2] if case.lstm else None, case.mode, bias, proj)
                 got_b = torch.ops.wfpass.packed_bilayer_backward(*bargs)
                 want_b = pl._bilayer_backward(*bargs)
                 assert torch.equal(got_b[0], want_b[0]) and torch.equal(got_b[2], want_b[2])

@@ -207,7 +207,7 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     ``wfpass::packed_bilayer`` per layer of a bidirectional RNN (eager's
     layer and direction structure, dropout between layers in training).
     Returns ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
-    from . import packed_layer, packed_lstm_runs  # noqa: F401  (register the layer ops)
+    from . import packed_layer, packed_lstm_runs  # (importing them registers the layer ops)
 
     dirs = 2 if bidirectional else 1
     per = (4 if has_biases else 2) + (1 if proj_size > 0 else 0)
@@ -228,27 +228,22 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     for layer in range(num_layers):
         if pair:
             k = 2 * layer
-            layer_in, h, c, _ws_f, _ws_b = pair_op(
+            layer_out, h, c, _ws_f, _ws_b = pair_op(
                 layer_in, batch_sizes, list(weights[k * per:(k + 2) * per]), None if h0 is None else h0[k:k + 2],
                 None if c0 is None else c0[k:k + 2], mode, has_biases, proj_size > 0, need_grad)
-            if dropout > 0 and train and layer < num_layers - 1:
-                layer_in = F.dropout(layer_in, dropout, True)
             hs.append(h)
             cs.append(c)
-            continue
-        outs = []
-        for d in range(dirs):
-            k = layer * dirs + d
-            w = weights[k * per:(k + 1) * per]
-            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-            w_hr = w[-1] if proj_size > 0 else None
-            out, h, c, _ws = op(layer_in, batch_sizes, w[0], w[1], b_ih, b_hh, w_hr,
-                                None if h0 is None else h0[k:k + 1], None if c0 is None else c0[k:k + 1],
-                                mode, d == 1, need_grad)
-            outs.append(out)
-            hs.append(h)
-            cs.append(c)
-        layer_out = outs[0] if dirs == 1 else torch.cat(outs, 1)
+        else:
+            outs = []
+            for d in range(dirs):
+                k = layer * dirs + d
+                w = packed_layer.layer_weights(weights[k * per:(k + 1) * per], has_biases, proj_size > 0)
+                out, h, c, _ws = op(layer_in, batch_sizes, *w, None if h0 is None else h0[k:k + 1],
+                                    None if c0 is None else c0[k:k + 1], mode, d == 1, need_grad)
+                outs.append(out)
+                hs.append(h)
+                cs.append(c)
+            layer_out = outs[0] if dirs == 1 else torch.cat(outs, 1)
         if dropout > 0 and train and layer < num_layers - 1:
             layer_out = F.dropout(layer_out, dropout, True)
         layer_in = layer_out

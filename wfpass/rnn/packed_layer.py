@@ -88,7 +88,7 @@ from .packed_layer_py import MODES, _packed_layer, check_args, gate_count, hidde
 from .packed_layer_py_backward import _packed_layer_backward
 from .packed_meta import batch_of
 
-__all__ = ["MODES", "gate_count", "workspace_width"]
+__all__ = ["MODES", "gate_count", "layer_weights", "workspace_width"]
 
 _ARGS = ("Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? w_hr, "
          "Tensor? h0, Tensor? c0, str mode, bool reverse, bool train")
@@ -162,16 +162,20 @@ _BI_BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0,
                 "bool has_biases, bool has_proj) -> (Tensor d_data, Tensor[] d_weights, Tensor d_h0, Tensor d_c0)")
 
 
+def layer_weights(w, has_biases: bool, has_proj: bool):
+    """One layer and direction's ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` (None
+    where absent) from its weights in the module's order."""
+    return (w[0], w[1], w[2] if has_biases else None, w[3] if has_biases else None, w[-1] if has_proj else None)
+
+
 def _directions(weights, has_biases: bool, has_proj: bool):
-    """Each direction's ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` from the forward
-    direction's weights followed by the reverse direction's."""
+    """Each direction's ``layer_weights`` from the forward direction's
+    weights followed by the reverse direction's."""
     per = 2 + (2 if has_biases else 0) + (1 if has_proj else 0)
     if len(weights) != 2 * per:
         raise RuntimeError(f"wfpass::packed_bilayer: expected {2 * per} weights (both directions), "
                            f"got {len(weights)}")
-    return [tuple(weights[d * per:d * per + 2]) + ((weights[d * per + 2], weights[d * per + 3]) if has_biases
-                                                   else (None, None)) + ((weights[d * per + per - 1],) if has_proj
-                                                                         else (None,)) for d in (0, 1)]
+    return [layer_weights(weights[d * per:(d + 1) * per], has_biases, has_proj) for d in (0, 1)]
 
 
 def _half(t, d):
