@@ -107,14 +107,7 @@ def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
     s.x = args[0]
     s.hx = list(args[1]) if mode == "LSTM" else [args[1]]
     consts = list(args[3:9])  # has_biases, num_layers, dropout, train, bidirectional, batch_first
-    p = consts[2]
-    if isinstance(p, fx.Node) and p.op == "call_method" and p.target == "item" and isinstance(p.args[0], fx.Node):
-        # dynamic=True lifts float attributes (``self.dropout``) to 0-d tensor
-        # inputs read with .item(): the spec takes the value this compile
-        # sees (a later change of the module's dropout does not reach it).
-        ref = ctx.resolve(p.args[0])
-        if ref is not None and ref.tensor.dim() == 0:
-            consts[2] = float(ref.tensor)
+    consts[2] = _lifted_float(ctx, consts[2])
     consts = tuple(consts)
     if any(isinstance(c, fx.Node) for c in consts) or not all(isinstance(h, fx.Node) for h in s.hx):
         s.problem = "RNN flags or state are not plain graph values"
@@ -124,6 +117,23 @@ def _dynamo_call(ctx: PassContext, node: fx.Node, mode: str) -> RnnCall:
     if "wfpass_cells" in node.meta:  # a loop of cells that fold_cells folded into this call
         s.name = node.meta["wfpass_cells"]
     return s
+
+
+def _lifted_float(ctx: PassContext, p):
+    """The value of a float argument that ``dynamic=True`` lifted to a 0-d
+    tensor input read with ``.item()`` (``self.dropout``), else ``p``.
+    The value this compile sees is the graph's: Dynamo guards it (the RNN's
+    fake specializes the float), so a later change recompiles."""
+    if isinstance(p, fx.Node) and p.op == "call_method" and p.target == "item" and isinstance(p.args[0], fx.Node):
+        ref = ctx.resolve(p.args[0])
+        if ref is not None and ref.tensor.dim() == 0:
+            return float(ref.tensor)
+    # ``float(self.dropout)`` in traced code: ``torch.sym_float(item)``, or
+    # ``torch.sym_float(0.3)`` once the value is guarded.
+    if isinstance(p, fx.Node) and p.op == "call_function" and p.target is torch.sym_float and len(p.args) == 1:
+        inner = _lifted_float(ctx, p.args[0])
+        return float(inner) if isinstance(inner, (int, float)) else p
+    return p
 
 
 def _resolve_weights(ctx: PassContext, s: RnnCall, weights) -> None:
@@ -145,7 +155,9 @@ def _packed_call(ctx: PassContext, node: fx.Node) -> RnnCall:
     data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional, _proj = node.args
     s = RnnCall(node, mode)
     s.x, s.batch_sizes, s.hx = data, batch_sizes, list(hx)
-    s.consts = (has_biases, num_layers, dropout, train, bidirectional, False)  # packed data: time-major rows
+    s.consts = (has_biases, num_layers, _lifted_float(ctx, dropout), train, bidirectional, False)  # time-major rows
+    if isinstance(s.consts[2], fx.Node):
+        s.problem = "dropout is not a plain number"
     _resolve_weights(ctx, s, weights)
     return s
 

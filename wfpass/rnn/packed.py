@@ -194,6 +194,30 @@ torch.library.register_autograd("wfpass::pack_padded", _pack_grad, setup_context
 torch.library.register_autograd("wfpass::pad_packed", _pad_grad, setup_context=_pad_setup, lib=_LIB)
 
 
+# -- the zero initial state of an RNN over a packed batch ------------------------------------------
+
+# Eager makes it from ``int(batch_sizes[0])``. Here it is one op whose fake
+# takes B from ``packed_meta`` (the padded input's size where the graph packed
+# the batch). Why an op, and one per RNN call: for a PackedSequence made
+# outside the graph, B is a size learnt at run time (an unbacked symbol); made
+# here, it is bound to one forward node that every layer then reads through
+# ``h0.shape[1]``. Left to each layer op's fake, each would make a symbol of
+# its own, which no output returns (Dynamo's PendingUnbackedSymbolNotFound),
+# and the partitioner would find the symbol only in a gradient's shape.
+_LIB.define("packed_zero_state(Tensor batch_sizes, int rows, int hidden, ScalarType dtype, Device device) -> Tensor")
+
+
+def _packed_zero_state(batch_sizes, rows, hidden, dtype, device):
+    return torch.zeros((rows, int(batch_sizes[0]) if batch_sizes.numel() else 0, hidden), dtype=dtype, device=device)
+
+
+def _packed_zero_state_fake(batch_sizes, rows, hidden, dtype, device):
+    return torch.empty((rows, batch_of(batch_sizes), hidden), dtype=dtype, device=device)
+
+
+_LIB.impl("packed_zero_state", _packed_zero_state, "CompositeExplicitAutograd")
+torch.library.register_fake("wfpass::packed_zero_state", _packed_zero_state_fake, lib=_LIB)
+
 # -- the whole RNN over a packed batch -----------------------------------------------------------
 
 _LIB.define("packed_rnn(Tensor data, Tensor batch_sizes, Tensor[] hx, Tensor[] weights, str mode, bool has_biases, "
@@ -209,11 +233,16 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     Returns ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
     from . import packed_layer, packed_lstm_runs  # (importing them registers the layer ops)
 
+    # ``dynamic=True`` (or a recompile after the module's dropout changed)
+    # hands Dynamo's trace a symbolic float; float() specializes it, so the
+    # graph is guarded on the value, as Dynamo guards eager's ``_VF.lstm``.
+    dropout = float(dropout)
     dirs = 2 if bidirectional else 1
     per = (4 if has_biases else 2) + (1 if proj_size > 0 else 0)
     lstm = mode == "LSTM"
     h0 = hx[0] if len(hx) > 0 else None
     c0 = hx[1] if lstm and len(hx) > 1 else None
+    hx, weights = _autocast_inputs(data, hx, weights)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights))
     op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
     if packed_lstm_runs.usable(mode, proj_size, data, need_grad):  # oneDNN's LSTM layer, run by run
@@ -250,6 +279,22 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     h_n = torch.cat(hs, 0)
     c_n = torch.cat(cs, 0) if lstm else data.new_empty(0)
     return layer_in, h_n, c_n
+
+
+def _autocast_inputs(data, hx, weights):
+    """Under autocast, the weights and states in the data's dtype, as eager
+    computes a packed batch: ``_VF.lstm(data, batch_sizes, ...)`` has no
+    autocast rule of its own, and over bf16 data (what a linear before it
+    gives under autocast) it runs in bf16 (bits equal to the module cast to
+    bf16). The casts are ordinary ops, so the gradients reach the fp32
+    parameters. Without autocast a dtype mismatch stays eager's error."""
+    if not torch.is_autocast_enabled(data.device.type) or not data.is_floating_point():
+        return list(hx), list(weights)
+    dt = data.dtype
+
+    def cast(ts):
+        return [t.to(dt) if t.is_floating_point() and t.dtype != dt else t for t in ts]
+    return cast(hx), cast(weights)
 
 
 def _runs_call(op, data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
@@ -372,8 +417,11 @@ def _packed_call(module, input, hx):
     data, batch_sizes, sorted_indices, unsorted_indices = input
     mode = rnn_mode(module)
     lstm = mode == "LSTM"
-    if hx is None:
-        states = []
+    if hx is None:  # eager's zeros, B bound once (see packed_zero_state)
+        L = module.num_layers * (2 if module.bidirectional else 1)
+        Hh = module.proj_size if getattr(module, "proj_size", 0) > 0 else module.hidden_size
+        h0 = torch.ops.wfpass.packed_zero_state(batch_sizes, L, Hh, data.dtype, data.device)
+        states = [h0, h0.new_zeros((L, h0.shape[1], module.hidden_size))] if lstm else [h0]
     else:
         hx = module.permute_hidden(hx, sorted_indices)
         states = [hx[0], hx[1]] if lstm else [hx]
