@@ -169,3 +169,112 @@ def test_autocast_outside_the_compiled_function_matches_eager():
     _projection_loss(out).backward()
     _projection_loss(exp).backward()
     _grads_close(model, ref, tol=4e-2)
+
+
+# -- calls wfpass cannot take: the report says they ran eagerly, and why, counted ----------------
+
+class PackedLSTM(nn.Module):
+    def __init__(self, rnn=None):
+        super().__init__()
+        self.rnn = rnn if rnn is not None else nn.LSTM(5, 6, num_layers=2)
+
+    def forward(self, x, lengths):
+        out, _ = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return pad_packed_sequence(out)[0]
+
+
+def _run_in_subprocess(code: str) -> str:
+    """``allow_rnn`` is process-wide Dynamo config read at import: each case
+    in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+_ALLOW_RNN_CASE = """
+import copy, torch, torch.nn as nn
+{before}
+import wfpass
+{after}
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+class M(nn.Module):
+    def __init__(s):
+        super().__init__(); s.rnn = nn.LSTM(5, 6, num_layers=2)
+    def forward(s, x, l):
+        return pad_packed_sequence(s.rnn(pack_padded_sequence(x, l, enforce_sorted=False))[0])[0]
+torch.manual_seed(0)
+m = M(); ref = copy.deepcopy(m)
+c = torch.compile(m, backend="wformat")
+for lengths in ([6, 4, 3, 1], [2, 5, 1, 3], [6, 4, 3, 1]):
+    x = torch.randn(6, 4, 5)
+    torch.testing.assert_close(c(x, torch.tensor(lengths)), ref(x, torch.tensor(lengths)))
+rows = wfpass.report(m).find("rnn")
+print("ROWS", [(r.action, r.stats.get("fused_calls", 0), r.stats.get("eager_calls", 0)) for r in rows])
+print("CONFIG", repr(torch._dynamo.config.allow_rnn), bool(torch._dynamo.config.allow_rnn))
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_allow_rnn_set_by_the_user_keeps_the_packed_rnn_in_the_graph(when):
+    """``torch._dynamo.config.allow_rnn = True`` set before or after importing
+    wfpass (was: a "data dependent operator" graph break inside the RNN, an
+    eager LSTM and no row). wfpass keeps the user's True for every backend
+    and still takes the packed call of a wformat trace."""
+    line = "torch._dynamo.config.allow_rnn = True"
+    out = _run_in_subprocess(_ALLOW_RNN_CASE.format(before=line if when == "before" else "",
+                                                    after=line if when == "after" else ""))
+    rows = eval(out.split("ROWS ", 1)[1].splitlines()[0])
+    assert rows and all(a == "rewritten" for a, _, _ in rows), out
+    assert sum(f for _, f, _ in rows) + sum(e for _, _, e in rows) == 3, out  # every call is on the row
+    assert "CONFIG True True" in out
+
+
+def test_recompile_limit_reached_is_on_the_row_with_its_calls():
+    """Lengths as a Python list recompile per batch size; past Dynamo's
+    recompile limit the calls run eagerly: the row counts them and says why
+    (was: fused_calls=8 and nothing about the 5 eager calls)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = PackedLSTM()
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend="wformat")
+    limit = torch._dynamo.config.recompile_limit
+    sizes = range(1, limit + 6)
+    for B in sizes:
+        x = torch.randn(B, B, 5)
+        torch.testing.assert_close(fn(x, list(range(1, B + 1))), ref(x, list(range(1, B + 1))))
+    rows = wfpass.report(model).find("rnn", "rewritten")
+    compiled = sum(r.stats.get("fused_calls", 0) for r in rows)
+    eager = sum(r.stats.get("eager_calls", 0) for r in rows)
+    assert compiled == limit and eager == len(sizes) - limit, (compiled, eager)
+    assert any("recompile limit" in r.detail.get("ran_eagerly", "") for r in rows)
+    text = str(wfpass.report(model))
+    assert "ran eagerly:" in text and f"eager_calls={len(sizes) - limit}" in text
+    # The model called outside torch.compile is the user's eager run: not counted.
+    model(torch.randn(3, 3, 5), [3, 2, 1])
+    assert sum(r.stats.get("eager_calls", 0) for r in wfpass.report(model).find("rnn")) == eager
+
+
+class LoggingLSTM(nn.LSTM):
+    """A subclass with a forward of its own: wfpass does not know what it does."""
+
+    def forward(self, input, hx=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(input, hx)
+
+
+def test_subclass_with_its_own_forward_runs_eagerly_counted():
+    torch.manual_seed(0)
+    model = PackedLSTM(LoggingLSTM(5, 6, num_layers=2))
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend="wformat")
+    for lengths in ([6, 4, 3, 1], [5, 2, 2, 1], [6, 6, 1, 1]):
+        x = torch.randn(6, 4, 5)
+        torch.testing.assert_close(fn(x, torch.tensor(lengths)), ref(x, torch.tensor(lengths)))
+    assert model.rnn.calls == 3  # its own forward ran for every call
+    (row,) = wfpass.report(model).find("rnn")
+    assert row.action == "skipped" and row.stats.get("eager_calls") == 3
+    assert "overrides forward" in row.detail["ran_eagerly"]

@@ -191,6 +191,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
         return wanted
 
     _NOTE_SEEN[0] = note_seen
+    _NAME_ERRORS[0] = name_errors
     _hooks.install_rnn_capture(policy)
     # pack_padded_sequence / pad_packed_sequence go into the graph for the
     # same backends (wfpass.rnn.packed).
@@ -199,9 +200,35 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     _rnn_fake.install_cuda_rnn_example_values(cudnn_capture_wanted)
 
 
+#: Why the RNNs of a trace went unasked (``note_unasked_rnns``).
+_ALLOW_RNN_LATE = ("torch._dynamo.config.allow_rnn was set to True after wfpass was imported, so Dynamo traced "
+                   "this RNN's own forward, which graph-breaks on a PackedSequence; set it before importing wfpass "
+                   "or leave it unset (wformat takes RNNs into the graph without it)")
+
+
+def note_unasked_rnns() -> None:
+    """The trace a wformat backend compiles now wrapped RNNs without asking
+    wfpass (a plain ``allow_rnn = True`` set after import; the stand-in is
+    back for later traces, ``dynamo_hooks.ensure_rnn_capture``). The RNNs
+    the frame reaches get what the policy gives (``rnn_forward``, which
+    counts their eager calls, and named errors) and a row saying why their
+    packed calls of this frame run eagerly."""
+    if _NOTE_SEEN[0] is None or _NAME_ERRORS[0] is None:
+        return
+    for root in _dynamo.traced_frame_modules():
+        for path, module in root.named_modules():
+            if isinstance(module, torch.nn.RNNBase) and "forward" not in module.__dict__:
+                try:
+                    _NAME_ERRORS[0](module, path)
+                    _NOTE_SEEN[0](module, path, _ALLOW_RNN_LATE)
+                except Exception:  # never fail a compile over a report row
+                    continue
+
+
 # -- RNNs left out for a backend that calls wformat where wfpass cannot see it --------
 
 _NOTE_SEEN: list = [None]
+_NAME_ERRORS: list = [None]
 # (the backend Dynamo holds, the RNN, its path), held weakly, for RNNs Dynamo left
 # out of a trace for a backend wfpass did not recognise; the newest few.
 _LEFT_OUT: "collections.deque" = collections.deque(maxlen=64)

@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
 
-from ._torch import aot as _aot, dynamo as _dynamo
+from ._torch import aot as _aot, dynamo as _dynamo, dynamo_hooks as _hooks
 from .bodies import run_in_bodies
-from .capture import note_left_out
+from .capture import note_left_out, note_unasked_rnns
 from .config import Config
 from .graph import PassContext
 from .history import last_report, set_last
@@ -77,6 +77,10 @@ def compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequ
     # torch.compile(backend=..., mode=..., options=...) passes these on to
     # every backend; checked before any work.
     settings = inductor_settings(config.inner, mode, options)
+    # ``allow_rnn`` set by the user after importing wfpass: from the next
+    # trace on, RNNs of wformat traces are wfpass's again (``dynamo_hooks``).
+    if _hooks.ensure_rnn_capture():
+        note_unasked_rnns()
     # The graph as Dynamo traced it: the fallback for a call whose parameters
     # cannot be laid out for a group the rewritten graph reads as one block.
     original = _dynamo.clone_dynamo_graph(gm)

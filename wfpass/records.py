@@ -284,6 +284,8 @@ def _details(r: Record, width: int) -> List[str]:
     its reason and, once it has any, ``counts:`` its counters."""
     lines = _param_lines(r.params, width)
     lines += _wrap_words(_short_reason(r.reason).split(" "), width, "why: ", " " * 5)
+    if r.detail.get("ran_eagerly"):  # calls that ran eagerly inside a compiled function, and why
+        lines += _wrap_words(str(r.detail["ran_eagerly"]).split(" "), width, "ran eagerly: ", " " * 13)
     if r.stats:
         lines += _wrap_words([f"{k}={v}" for k, v in r.stats.items()], width, "counts: ", " " * 8)
     return lines

@@ -265,3 +265,23 @@ def unbacked_sizes_allowed(t) -> bool:
     mode = getattr(t, "fake_mode", None)
     env = getattr(mode, "shape_env", None)
     return bool(env is not None and getattr(env, "allow_dynamic_output_shape_ops", False))
+
+
+def eager_run_inside_compile() -> Optional[str]:
+    """Where an eager call runs relative to ``torch.compile``: ``"limit"``
+    inside a compiled function whose frame Dynamo now only runs eagerly (its
+    recompile limit was reached: the frame's callback is ``False``, Dynamo's
+    RUN_ONLY), ``"break"`` inside a compiled function that Dynamo traced
+    until a graph break and runs this call eagerly (a callback is set), None
+    outside any compiled function. ``torch._C._dynamo.eval_frame.
+    get_eval_frame_callback`` is private (checked on 2.11.0, 2.13.0, 2.15.0).
+    Call it only in eager code: Dynamo cannot trace it."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+        cb = get_eval_frame_callback()
+    except Exception:  # pragma: no cover - a torch without it: unknown, say nothing
+        return None
+    if cb is None:
+        return None
+    return "limit" if cb is False else "break"

@@ -42,6 +42,25 @@ class _FalseStandIn(int):
         return self
 
 
+class _TrueStandIn(int):
+    """``_FalseStandIn``'s twin for ``True`` (an ``int`` 1)."""
+
+    def __new__(cls):
+        return super().__new__(cls, 1)
+
+    def __repr__(self) -> str:
+        return "True"
+
+    def to_jsonable(self) -> bool:
+        return True
+
+    def __reduce__(self):
+        return (type(self), ())
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class _AllowRnnUnderWformat(_FalseStandIn):
     """Stands in for ``torch._dynamo.config.allow_rnn = False``: falsy except
     where the installed policy says yes (wfpass: while Dynamo traces a frame
@@ -70,6 +89,26 @@ class _AllowRnnUnderWformat(_FalseStandIn):
         except Exception:  # never break a trace over this
             return False
 
+
+
+class _AllowRnnTrue(_TrueStandIn):
+    """Stands in for a user's own ``torch._dynamo.config.allow_rnn = True``:
+    true for every backend, as the user asked, and while Dynamo wraps an RNN
+    it asks the installed policy too, for what wfpass does to the RNNs of a
+    wformat trace (names its errors, lets its PackedSequence calls into the
+    graph, files its report row). A plain ``True`` would skip that: a packed
+    RNN would graph-break inside ``forward`` and run eagerly, unreported."""
+
+    def __bool__(self) -> bool:
+        policy = _RNN_POLICY[0]
+        if policy is not None and current_tx() is not None:
+            try:
+                module, name = _rnn_being_wrapped()
+                if module is not None:
+                    policy(compiler_fn_of(current_tx()), module, name)
+            except Exception:  # never break a trace over this
+                pass
+        return True
 
 
 def _rnn_being_wrapped() -> Tuple[Optional[torch.nn.Module], str]:
@@ -122,11 +161,28 @@ def install_rnn_capture(policy: Callable) -> None:
     ``policy(compiler_fn, module, source_name)`` says so (see
     ``_AllowRnnUnderWformat``). A user's own ``allow_rnn = True`` is left
     alone; every other backend still graph-breaks on RNNs."""
+    _RNN_POLICY[0] = policy
+    ensure_rnn_capture()
+
+
+def ensure_rnn_capture() -> bool:
+    """Put the stand-in back where ``allow_rnn`` holds a plain ``bool``
+    (the user set it after importing wfpass), keeping its truth: ``False``
+    becomes ``_AllowRnnUnderWformat``, ``True`` ``_AllowRnnTrue``. Called
+    when the policy is installed and whenever a wformat backend compiles, so
+    a value set later holds from the next trace on. True where it replaced
+    a plain ``True``: the trace that just ran wrapped RNNs unasked."""
     import torch._dynamo.config as dynamo_config
 
-    _RNN_POLICY[0] = policy
-    if dynamo_config.allow_rnn is False:
+    if _RNN_POLICY[0] is None:
+        return False
+    value = dynamo_config.allow_rnn
+    if value is False:
         dynamo_config.allow_rnn = _AllowRnnUnderWformat()
+    elif value is True:
+        dynamo_config.allow_rnn = _AllowRnnTrue()
+        return True
+    return False
 
 
 # -- BatchNorm(momentum=None): tell the user which module stopped the compile --

@@ -409,7 +409,25 @@ def rnn_forward(module, input, hx=None):
     zero state's size) and calls ``_VF.lstm(data, batch_sizes, ...)``,
     which has no fake kernel (pytorch#162375): both stop Dynamo."""
     if isinstance(input, PackedSequence) and _hooks.packed_capture_wanted():
-        return _packed_call(module, input, hx)
+        if rnn_mode(module) is not None:
+            return _packed_call(module, input, hx)
+        return _subclass_packed_call(module, input, hx)
+    if not torch.compiler.is_compiling():  # an eager run: inside a compiled call, the report counts it
+        from .capture import note_eager_call
+
+        note_eager_call(module, isinstance(input, PackedSequence))
+    return type(module).forward(module, input, hx)
+
+
+@torch.compiler.disable
+def _subclass_packed_call(module, input, hx):
+    """A packed call of a subclass with a ``forward`` of its own, from a
+    wformat trace: its ``forward`` runs eagerly (wfpass does not know what
+    it does; Dynamo would break inside it on ``batch_sizes[0]`` anyway), one
+    clean graph break at the call, counted on its report row."""
+    from .capture import note_eager_call
+
+    note_eager_call(module, True, where="subclass")
     return type(module).forward(module, input, hx)
 
 
@@ -437,8 +455,11 @@ def _packed_call(module, input, hx):
 def install_forward(module: torch.nn.Module) -> None:
     """Give a captured RNN ``rnn_forward`` (an instance attribute, a
     ``functools.partial`` of a module-level function: deepcopy and pickle
-    keep working; ``wfpass.restore`` removes it)."""
-    if rnn_mode(module) is None or "forward" in module.__dict__:
+    keep working; ``wfpass.restore`` removes it). A subclass with a
+    ``forward`` of its own gets it too, for the report only: its calls run
+    its own ``forward``, and those that run eagerly inside a compiled call are
+    counted."""
+    if not isinstance(module, torch.nn.RNNBase) or "forward" in module.__dict__:
         return
     module.__dict__["forward"] = functools.partial(rnn_forward, module)
 
