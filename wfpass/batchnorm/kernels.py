@@ -162,11 +162,19 @@ def bn_module_fp32(g, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@torch.compiler.disable
 def bn_eager_pre_hook(g, module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook of a BatchNorm that Dynamo runs eagerly (a graph
     break): the same check as ``bn_module_fp32``, on the module the hook is
     called for (a deep copy's hook then checks the copy). Bound with
-    ``functools.partial`` so the module still pickles."""
+    ``functools.partial`` so the module still pickles (the disabled
+    function keeps this name and module).
+
+    Never traced: the module runs eagerly inside a compiled call, where
+    Dynamo compiles every Python frame it can, this hook's too. It then
+    guarded on the counter ``_check_module`` bumps (``fp32_calls == 0``), so
+    the second call failed that guard and compiled one more graph (the
+    counter's ``+ 1``, nothing of the model's; torch 2.13.0)."""
     _check_module(g, module)
 
 
