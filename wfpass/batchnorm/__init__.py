@@ -11,8 +11,9 @@ and ``wfpass/passes/fold_batchnorm.py``, which run these steps):
 ``fp32.py``      fp32 format, the graph's batch norms: why one is left alone
                  (``call_problem``), the rewrite per flavour (``rewrite_call``)
 ``eager.py``     fp32 format, the BatchNorms Dynamo runs eagerly
-                 (``momentum=None`` in training): their matches, guard, move and
-                 pre-hook; the note naming a BatchNorm that stopped a compile
+                 (``momentum=None`` in training): their matches, guard, move,
+                 pre-hook and row, also for a graph of their own forward; the
+                 note naming a BatchNorm that stopped a compile
 ``fold.py``      fold format: why a batch norm is not folded (``refusal``), the
                  rewrite (``fold``)
 ``kernels.py``   the fp32 move and its undo, the per-call check of

@@ -24,13 +24,17 @@ from .fp32 import ddp_problem, dtype_name
 from .kernels import HALF, ROLES, bn_eager_pre_hook, to_fp32
 from .match import is_module_bn
 
-__all__ = ["EagerBatchNorm", "eager_batchnorms", "eager_guard", "eager_apply", "drop_eager_hook", "note_item_break"]
+__all__ = ["EagerBatchNorm", "EagerForwardGraph", "eager_batchnorms", "eager_guard", "eager_apply", "forward_graph_apply",
+           "drop_eager_hook", "note_item_break"]
 
 
 # -- BatchNorms that Dynamo runs eagerly ----------------------------------------
 
 # module -> hook handle; weak keys (modules hash by identity).
 _EAGER_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+# module -> its ``rewritten`` record (weak keys): the row of a graph of the
+# module's own forward (``EagerForwardGraph``).
+_EAGER_RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, _Record]" = weakref.WeakKeyDictionary()
 
 
 def _graph_breaking(mod: torch.nn.Module) -> bool:
@@ -57,12 +61,58 @@ class EagerBatchNorm(Match):
         self.before = 0
 
 
-def eager_batchnorms(ctx: PassContext) -> Iterator[EagerBatchNorm]:
+#: Why a graph of a hooked BatchNorm's own forward is compiled. Dynamo (torch
+#: 2.13.0, ``trace_rules.check_verbose``) skips the frames of torch.nn's
+#: forwards, except a module's that has hooks: the pre-hook is one. Measured:
+#: one graph more than the same model without wfpass, on the first call after
+#: the hook is added, shared by the BatchNorms that pass its guards; again
+#: where those fail (another input shape), as for any graph.
+FORWARD_GRAPH = ("Dynamo compiles the forward of a torch.nn module that has hooks, so it also compiles this one's "
+                 "up to that break (num_batches_tracked += 1, nothing to rewrite) as a graph of its own: one graph "
+                 "more than without wfpass, per set of guards (another input shape compiles it again)")
+
+
+class EagerForwardGraph(Match):
+    """The graph of the forward of a BatchNorm ``eager_apply`` hooked, up to
+    its break: the pre-hook is why Dynamo compiles it (``FORWARD_GRAPH``)."""
+
+    def __init__(self, mod: torch.nn.Module, record: _Record):
+        super().__init__(record.params, flavour="eager", mode="training", folded=False)
+        self.module, self.record = mod, record
+        self.plan = FORWARD_GRAPH
+
+
+def _own_forward(ctx: PassContext) -> Optional[EagerForwardGraph]:
+    """The graph being compiled is the forward of a BatchNorm that
+    ``eager_apply`` hooked (its frame's ``self``), still breaking: its match."""
+    mod = _dynamo.source_root("L['self']")
+    if not isinstance(mod, torch.nn.Module) or mod not in _EAGER_HOOKS or not _graph_breaking(mod):
+        return None
+    record = _EAGER_RECORDS.get(mod)
+    return EagerForwardGraph(mod, record) if record is not None else None
+
+
+def forward_graph_apply(m: EagerForwardGraph, ctx: PassContext) -> None:
+    """The graph's row is the module's own record, which now also says why
+    this graph exists: ``last_report()`` shows what the graph is, and
+    ``wfpass.report(model)`` keeps one row per BatchNorm."""
+    record = m.record
+    if "forward_graphs" not in record.detail:
+        record.reason += f"; {FORWARD_GRAPH}"
+    record.detail["forward_graphs"] = record.detail.get("forward_graphs", 0) + 1
+    ctx.report.records.append(record)
+
+
+def eager_batchnorms(ctx: PassContext) -> Iterator[Match]:
     """The BatchNorms Dynamo runs eagerly among the modules the frame being
     compiled can reach, each once (see "BatchNorms Dynamo runs eagerly" in
     ``wfpass/passes/fp32_batchnorm.py``). Leaves out, without a row, the ones
     with nothing to do: fp32 already, already hooked, or read by this graph
-    after all (those are the graph's own BatchNorm matches)."""
+    after all (those are the graph's own BatchNorm matches). First, where
+    the graph is a hooked BatchNorm's own forward, its ``EagerForwardGraph``."""
+    own = _own_forward(ctx)
+    if own is not None:
+        yield own
     in_graph = {id(r.tensor) for r in ctx.state_tensors()}
     done = set()
     ddp_held = _distributed.ddp_tensors()
@@ -111,6 +161,11 @@ def eager_apply(m: EagerBatchNorm, ctx: PassContext) -> None:
     ctx.defer(lambda moved=moved: [to_fp32(t) for t in moved])
     # The hook owns its group: it goes with the module.
     _EAGER_HOOKS[mod] = mod.register_forward_pre_hook(functools.partial(bn_eager_pre_hook, Group(record)))
+    _EAGER_RECORDS[mod] = record
+    # Filed under the module's own tensors: no graph reads them, so the
+    # compile's filing (by the graph's inputs) would leave the row out of
+    # ``wfpass.report(model)``.
+    note(record, m.params, list(tensors.values()))
     broke = _BREAK_NOTED.get(mod)
     if broke is not None:
         # The graph break left graphs around it after all: this record replaces the warning's.
@@ -120,6 +175,7 @@ def eager_apply(m: EagerBatchNorm, ctx: PassContext) -> None:
 def drop_eager_hook(mod: torch.nn.Module) -> bool:
     """``wfpass.restore``: remove the pre-hook ``eager_apply`` added."""
     handle = _EAGER_HOOKS.pop(mod, None)
+    _EAGER_RECORDS.pop(mod, None)
     if handle is None:
         return False
     handle.remove()
@@ -143,7 +199,11 @@ def note_item_break(mod: torch.nn.Module, name: str, config) -> None:
     ``wfpass`` logger, and a record that ``last_report()`` shows when no
     graph was compiled after it and that ``wfpass.report(model)`` shows
     under the module's tensors."""
-    if mod in _BREAK_NOTED or config.dry_run:
+    if mod in _BREAK_NOTED or mod in _EAGER_HOOKS or config.dry_run:
+        # Hooked: already converted, and its row says so. Dynamo traces it
+        # again where a graph of its own forward is compiled (``FORWARD_GRAPH``)
+        # for another input shape or another BatchNorm of the class; a
+        # warning that no format is applied would be false there.
         return
     label = name or type(mod).__name__
     tensors = {r: getattr(mod, r) for r in ROLES if getattr(mod, r, None) is not None}

@@ -55,9 +55,13 @@ of their own kind, ``EagerBatchNorm``, found, guarded and applied by
 ``wfpass/batchnorm/eager.py``. It moves their half tensors to fp32 (eager's
 BatchNorm then runs the mixed kernel with fp32 statistics, as in the graphs)
 and adds a forward pre-hook that keeps the format (``bn_eager_pre_hook``, the same check as ``bn_module_fp32``). The
-record is ``rewritten`` with ``flavour="eager"``, and says how many training
-calls the module ran in half precision before a graph of its frame was
-compiled (when it is the first thing its frame runs, that is one).
+record is ``rewritten`` with ``flavour="eager"``, filed under the module's
+tensors (no graph reads them), and says how many training calls the module
+ran in half precision before a graph of its frame was compiled (when it is
+the first thing its frame runs, that is one). Because of the hook, Dynamo
+compiles that module's forward up to the break as a graph of its own where
+the module runs inside a compiled call: its match is ``EagerForwardGraph``,
+whose row is the module's record, saying so (``forward_graphs``).
 """
 from __future__ import annotations
 
@@ -66,8 +70,8 @@ from typing import Iterator, Optional
 import torch.fx as fx
 
 from .. import capture as _capture
-from ..batchnorm.eager import (EagerBatchNorm, drop_eager_hook, eager_apply, eager_batchnorms, eager_guard,
-                               note_item_break)
+from ..batchnorm.eager import (EagerBatchNorm, EagerForwardGraph, drop_eager_hook, eager_apply, eager_batchnorms,
+                               eager_guard, forward_graph_apply, note_item_break)
 from ..batchnorm.fp32 import BatchNormCall, batchnorm_calls, call_problem, rewrite_call
 from ..graph import PassContext
 from ..pipeline import Format, Match
@@ -97,10 +101,14 @@ class Fp32BatchNorm(Format):
             yield from eager_batchnorms(ctx)
 
     def guard(self, m: Match, ctx: PassContext) -> Optional[str]:
+        if isinstance(m, EagerForwardGraph):
+            return None  # a row only: the graph is the hooked BatchNorm's own forward
         return eager_guard(m) if isinstance(m, EagerBatchNorm) else call_problem(m, ctx)
 
     def apply(self, m: Match, ctx: PassContext) -> None:
-        if isinstance(m, EagerBatchNorm):
+        if isinstance(m, EagerForwardGraph):
+            forward_graph_apply(m, ctx)
+        elif isinstance(m, EagerBatchNorm):
             eager_apply(m, ctx)
         else:
             rewrite_call(m, ctx)
