@@ -201,7 +201,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
 
 
 #: Why the RNNs of a trace went unasked (``note_unasked_rnns``).
-_ALLOW_RNN_LATE = ("torch._dynamo.config.allow_rnn was set to True after wfpass was imported, so Dynamo traced "
+_ALLOW_RNN_LATE = (f"{_dynamo.ALLOW_RNN} was set to True after wfpass was imported, so Dynamo traced "
                    "this RNN's own forward, which graph-breaks on a PackedSequence; set it before importing wfpass "
                    "or leave it unset (wformat takes RNNs into the graph without it)")
 

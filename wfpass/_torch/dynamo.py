@@ -285,3 +285,8 @@ def eager_run_inside_compile() -> Optional[str]:
     if cb is None:
         return None
     return "limit" if cb is False else "break"
+
+
+#: Dynamo's config names, as messages to the user spell them.
+RECOMPILE_LIMIT = "torch._dynamo.config.recompile_limit"
+ALLOW_RNN = "torch._dynamo.config.allow_rnn"

@@ -5,17 +5,14 @@ hook, which calls these.)"""
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch.nn as nn
 
-from .._torch.dynamo import eager_run_inside_compile
-from ..notes import records_of
 from ..runtime import note_provisional
 from .packed import install_forward, uninstall_forward
 from .spec import display_name, flat_weight_names, rnn_mode
 
-__all__ = ["name_errors", "unname_errors", "note_seen", "note_eager_call"]
+__all__ = ["name_errors", "unname_errors", "note_seen"]
 
 
 def _named_check_forward_args(module: nn.Module, name: str, input, hx, batch_sizes) -> None:
@@ -78,38 +75,3 @@ def note_seen(module: nn.RNNBase, path: str, why: str = ""):
               "input, or a graph break inside the RNN): it runs eagerly, unchanged")
     return note_provisional("rnn", reason, names, [getattr(module, n) for n in own])
 
-
-#: Why a captured RNN's call ran eagerly inside a compiled function.
-_EAGER_WHY = {
-    "limit": ("Dynamo runs the function that calls it eagerly: its recompile limit "
-              "(torch._dynamo.config.recompile_limit) was reached, as each new {what} compiled a graph of its own"),
-    "break": "a graph break left the call out of the compiled graph",
-    "subclass": ("its class overrides forward, which wfpass does not put into the graph for a PackedSequence: "
-                 "Dynamo calls it eagerly"),
-}
-
-
-def note_eager_call(module: nn.Module, packed: bool, where: Optional[str] = None) -> None:
-    """Count one call of a captured RNN that ran eagerly inside a compiled
-    function (``rnn_forward`` calls this in eager code) on the RNN's row of
-    ``wfpass.report(model)``: ``eager_calls``, and the row says why. Outside
-    any compiled function nothing is counted: the user ran the model eagerly.
-    ``where``: why, where the caller knows (a key of ``_EAGER_WHY``)."""
-    where = where or eager_run_inside_compile()
-    if where is None:
-        return
-    try:
-        names = flat_weight_names(module)
-        first = getattr(module, names[0])
-    except (AttributeError, IndexError):  # not an RNN's weights any more: nothing to file under
-        return
-    recs = [r for r in records_of(first) if r.pattern == "rnn"]
-    if not recs:
-        rec = note_seen(module, "")
-        if rec is None:
-            return
-        recs = [rec]
-    rec = recs[-1]
-    rec.bump("eager_calls")
-    what = "Python value or shape it was called with (a lengths list of a new size)" if packed else "Python value or shape it was called with"
-    rec.detail["ran_eagerly"] = _EAGER_WHY[where].format(what=what)

@@ -413,7 +413,7 @@ def rnn_forward(module, input, hx=None):
             return _packed_call(module, input, hx)
         return _subclass_packed_call(module, input, hx)
     if not torch.compiler.is_compiling():  # an eager run: inside a compiled call, the report counts it
-        from .capture import note_eager_call
+        from .eager_calls import note_eager_call
 
         note_eager_call(module, isinstance(input, PackedSequence))
     return type(module).forward(module, input, hx)
@@ -425,7 +425,7 @@ def _subclass_packed_call(module, input, hx):
     wformat trace: its ``forward`` runs eagerly (wfpass does not know what
     it does; Dynamo would break inside it on ``batch_sizes[0]`` anyway), one
     clean graph break at the call, counted on its report row."""
-    from .capture import note_eager_call
+    from .eager_calls import note_eager_call
 
     note_eager_call(module, True, where="subclass")
     return type(module).forward(module, input, hx)
