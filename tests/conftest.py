@@ -1,5 +1,13 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Kernel decisions are kept between processes in WFPASS_CACHE_DIR
+# (wfpass/pack/choose.py): the suite keeps its own, fresh each run, and its
+# subprocesses inherit it, so no test reads a decision a developer's runs made.
+os.environ["WFPASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="wfpass-test-cache-")
 
 
 @pytest.fixture(autouse=True)

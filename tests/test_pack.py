@@ -21,7 +21,7 @@ from wfpass._torch import kernels as _k
 from wfpass.pack import kernel as pk
 
 BF16 = _k.onednn_packs(torch.bfloat16)
-ALWAYS = {"mode": "always"}
+ALWAYS = {"mode": "always", "max_bytes": None}  # the mechanics of packing; the budget has its own tests
 OP = torch.ops.wfpass.packed_linear.default
 OP_TRAIN = torch.ops.wfpass.packed_linear_train.default
 
@@ -223,7 +223,7 @@ def test_training_graphs_are_not_packed_by_default_and_train_like_eager_with_pac
     # parameters; five SGD steps equal eager's (the copy is made again after each).
     model = Block()
     ref = copy.deepcopy(model)
-    compiled, rec = _compiled(model, pack={"mode": "always", "training": True})
+    compiled, rec = _compiled(model, pack={**ALWAYS, "training": True})
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
     for _ in range(5):
         out, rout = compiled(x), ref(x)
@@ -501,12 +501,13 @@ def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_s
 
     seen = []
 
-    def measured(dtype, k, n, m):
+    def decide(dtype, k, n, m):
         seen.append(m)
         times = {"plain": 10e-6, "onednn": 5e-6 if wins else 20e-6}
-        return ("onednn" if wins else "plain"), times
+        ratios = {"onednn": [times["onednn"] / times["plain"]] * choose.ROUNDS}
+        return choose.Decision("onednn" if wins else "plain", times, ratios, {"onednn": 64 * 64 * 4}, "measured", "")
 
-    monkeypatch.setattr(choose, "measured", measured)
+    monkeypatch.setattr(choose, "decide", decide)
     torch.manual_seed(0)
     model = Block().eval()
     ref = copy.deepcopy(model)
@@ -528,3 +529,85 @@ def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_s
         assert n_ops == 0, symbolic.graph
         assert any(r.action == "skipped" and "row count M symbolic; measured at the size this graph was compiled "
                    "for, M=6: the plain GEMM" in r.reason for r in head), [r.reason for r in head]
+
+
+# -- decisions that hold: a clear gain, kept between processes; a budget for the copies ---------
+
+def test_a_gain_in_the_median_alone_makes_no_copy():
+    """Packed wins in the median, but two of seven rounds (another process
+    disturbing them) lose: the gain is not clear of the noise, the plain GEMM
+    runs. One disturbed round is not enough to refuse a clear gain."""
+    from wfpass.pack import choose
+
+    def decision(ratios):
+        return choose.Decision("plain", {"plain": 1e-5, "onednn": 8e-6}, {"onednn": ratios}, {}, "measured", "")
+
+    assert choose._best(decision([0.8, 0.8, 0.8, 0.8, 0.8, 1.3, 1.2])) == "plain"
+    assert choose._best(decision([0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 1.5])) == "onednn"
+    assert choose._best(decision([0.99] * 7)) == "plain"  # inside the margin: a tie is not worth a copy
+
+
+_DECIDE_IN_A_PROCESS = """
+import torch
+torch.set_num_threads(1)
+from wfpass.pack import choose, guards
+from wfpass.config import PackOptions
+for n, k, m in ((384, 256, 1), (2752, 256, 8), (256, 1376, 5)):
+    d = choose.decide(torch.float32, k, n, m)
+    print("DECISION", n, k, m, d.kernel, d.source)
+print("WORDS", guards.describe_choice(PackOptions(), torch.float32, 256, 2752, 8))
+"""
+
+
+def test_decisions_are_kept_between_processes(tmp_path):
+    """The first process measures and writes ``choices.json``; the next one
+    takes the same decisions from it, and its report says so."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WFPASS_CACHE_DIR": str(tmp_path)}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", _DECIDE_IN_A_PROCESS], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("DECISION")]
+        words = next(line for line in r.stdout.splitlines() if line.startswith("WORDS"))
+        return rows, words
+
+    first, _ = run()
+    assert {r[-1] for r in first} == {"measured"}
+    assert (tmp_path / "choices.json").exists()
+    second, words = run()
+    assert [r[:-1] for r in second] == [r[:-1] for r in first]  # the same kernels
+    assert {r[-1] for r in second} == {"file"}
+    assert "by an earlier process on this machine" in words and str(tmp_path) in words
+
+
+def test_default_budget_keeps_the_copies_within_the_weights_bytes():
+    """``max_bytes="weights"`` (the default): the copies of a model stay
+    within its weights' bytes; a copy past it is not made, its linear and row
+    count run the plain GEMM (equal to eager), and the row says so."""
+    gc.collect()
+    torch.manual_seed(0)
+    model = Block().eval()
+    ref = copy.deepcopy(model)
+    before, weights_before = pk.packed_bytes_alive(), pk.weight_bytes()
+    compiled, _ = _compiled(model, pack={"mode": "always"})
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            _close(compiled(x), ref(x), torch.float32)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grown = pk.packed_bytes_alive() - before
+    assert 0 < grown <= weights
+    assert pk.weight_bytes() - weights_before <= weights
+    rows = wfpass.report(model).find("pack", "rewritten")
+    over = [r for r in rows if r.stats.get("over_bound_calls")]
+    packed = [r for r in rows if r.stats.get("packed_bytes")]
+    assert packed and over, [r.reason for r in rows]
+    assert all("over their budget" in r.reason and "the weights' bytes" in r.reason for r in over)
+    assert "packed copies alive:" in str(wfpass.report(model))
+    with pytest.raises(ValueError, match="pack.max_bytes"):
+        wfpass.PackOptions(max_bytes="all")

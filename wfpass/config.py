@@ -143,21 +143,29 @@ class PackOptions:
                and the copy is made again after every optimizer step.
                Off by default: measured slower than the plain GEMM for
                training steps (docs/pack.md).
-    max_bytes: at most this many bytes of packed copies alive in the
-               process; a linear whose copy would go over runs the plain
-               GEMM (counted ``over_bound_calls``). ``None``: no bound.
+    max_bytes: the budget of packed copies alive in the process:
+               ``"weights"`` (the default), the bytes of the weights of
+               every graph this format rewrote (for one model: its weights'
+               bytes, so the copies at most double them); an int, that many
+               bytes (0: no packed copies); ``None``: no bound. A copy that
+               would go over is not made: that linear and row count run the
+               plain GEMM (counted ``over_bound_calls``, said in its row).
     """
 
     mode: str = "auto"
     training: bool = False
-    max_bytes: Optional[int] = None
+    max_bytes: Union[int, str, None] = "weights"
 
     def __post_init__(self) -> None:
         if self.mode not in PACK_MODES:
             raise ValueError(f"wfpass option 'pack.mode' must be one of {PACK_MODES}, got {self.mode!r}")
         if not isinstance(self.training, bool):
             raise TypeError(f"wfpass option 'pack.training' must be a bool, got {self.training!r}")
-        if self.max_bytes is not None:
+        if isinstance(self.max_bytes, str):
+            if self.max_bytes != "weights":
+                raise ValueError("wfpass option 'pack.max_bytes' must be 'weights', a number of bytes >= 0 or None, "
+                                 f"got {self.max_bytes!r}")
+        elif self.max_bytes is not None:
             _check_int("pack.max_bytes", self.max_bytes, 0)
 
 

@@ -199,6 +199,9 @@ class Report:
         calls = _calls_line(self.records)
         if calls:
             lines += _wrap_words(calls.split(" "), width, "", "  ")
+        copies = _copies_line(self.records)
+        if copies:
+            lines += _wrap_words(copies.split(" "), width, "", "  ")
         details = [_details(r, avail) for r in self.records]
         # The header and its rule are the grid's first rows of a "plain" table: tabulate's own header would pad
         # every column by two, and its rule would run past the line under a name that overflows it.
@@ -259,6 +262,17 @@ def _calls_line(records: Sequence[Record]) -> str:
     if not sums:
         return ""
     return "calls so far: " + "; ".join(f"{p}: " + " ".join(f"{k}={v}" for k, v in d.items()) for p, d in sums.items())
+
+
+def _copies_line(records: Sequence[Record]) -> str:
+    """The bytes of the derived copies alive (packed weights), summed over
+    the rows that hold some; empty where none does."""
+    held = [r.stats.get("packed_bytes", 0) for r in records if r.action == "rewritten"]
+    total = sum(v for v in held if isinstance(v, int))
+    if not total:
+        return ""
+    n = sum(1 for v in held if isinstance(v, int) and v)
+    return f"packed copies alive: {total / 2**20:.2f} MiB over {n} row(s) (each row's packed_bytes)"
 
 
 #: What an empty report says after its title.

@@ -1,31 +1,53 @@
 """Which kernel a linear of one shape runs: measured once per shape on this
-machine, kept for the process.
+machine, and the decision kept, in the process and in a file, so the same
+model on the same machine gets the same kernels from one process to the next.
 
 Candidates: ``"plain"`` (``F.linear`` on the parameter, what eager and
 Inductor run: oneDNN or MKL reorders the weight inside every call),
 ``"onednn"`` (oneDNN's packed layout, one copy for every row count) and,
 for float32 with at most ``EXACT_ROWS`` rows, ``"mkl"`` (MKL's packed SGEMM,
 whose copy is made for one row count and is several MB larger than the
-weight). A packed kernel is taken only where it beats the plain GEMM by
-``MARGIN``, MKL only where it beats oneDNN by that margin too: a copy costs
-memory, and a tie is not worth it.
+weight).
+
+**A gain clear of the noise.** Each candidate is timed in ``ROUNDS``
+interleaved rounds beside the plain GEMM; each round gives the ratio
+(candidate + the op's own call) / plain. A packed kernel is taken only where
+its ``CLEAR_ROUND``-th worst round still beats the plain GEMM by ``MARGIN``
+(MKL beats oneDNN by that margin too): one round disturbed by another
+process cannot make a copy, and a tie is not worth one (a copy costs memory).
+How far the ratios move between processes and under load is measured by
+``benchmarks/choice_spread.py`` (docs/pack.md, "Decisions that hold").
+
+**Kept.** The decision, with the times it rested on, goes into
+``choices.json`` in ``WFPASS_CACHE_DIR`` (default ``~/.cache/wfpass``; an
+empty value or ``off`` keeps decisions in the process only), keyed by this
+CPU's model name, the torch version and the thread count: later processes on
+this machine take it from there instead of timing again, so a compile while
+the machine is busy no longer bakes in whichever kernel won that moment. The
+report says which decisions came from the file. Delete the file to measure
+again (after a torch upgrade the key changes by itself).
 
 Row counts above ``EXACT_ROWS`` are measured at the next power of two
-(one measurement serves every M up to it). The times are kept
-(``measured``) so the report can say what was measured.
+(one measurement serves every M up to it).
 """
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
+import tempfile
+import threading
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .._torch import aot as _aot, kernels as _k, native as _native
 
-__all__ = ["MARGIN", "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured", "kernels_for_dtype"]
+__all__ = ["MARGIN", "ROUNDS", "CLEAR_ROUND", "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS",
+           "bucket", "measure", "measured", "kernels_for_dtype", "Decision", "decide", "choices_file"]
 
 #: A packed kernel must take at most this fraction of the plain GEMM's time.
 MARGIN = 0.97
@@ -46,11 +68,13 @@ def op_cost_s() -> float:
     return OP_COST_NATIVE_S if _native.loaded() else OP_COST_PYTHON_S
 
 
+#: Interleaved timing rounds per shape, and which of a candidate's rounds,
+#: counted from its worst, must still beat the plain GEMM by ``MARGIN``.
+ROUNDS = 7
+CLEAR_ROUND = 2
+
 #: Row counts measured exactly; above it, at the next power of two.
 EXACT_ROWS = 8
-
-# (dtype, in, out, bucket, threads) -> {kernel: median seconds}
-_TIMES: Dict[tuple, Dict[str, float]] = {}
 
 
 def bucket(m: int) -> int:
@@ -67,6 +91,122 @@ def kernels_for_dtype(dtype: torch.dtype, m: int) -> List[str]:
     return out
 
 
+class Decision:
+    """The kernel for one shape and what it rested on: each candidate's
+    median seconds per call, its rounds' ratios to the plain GEMM (the op's
+    call included), the bytes of its copy, where it came from (``"measured"``
+    in this process, ``"file"``: an earlier process's, from ``choices.json``)
+    and when it was measured."""
+
+    __slots__ = ("kernel", "times", "ratios", "nbytes", "source", "when")
+
+    def __init__(self, kernel: str, times: Dict[str, float], ratios: Dict[str, List[float]],
+                 nbytes: Dict[str, int], source: str, when: str):
+        self.kernel, self.times, self.ratios, self.nbytes = kernel, times, ratios, nbytes
+        self.source, self.when = source, when
+
+    def clear_ratio(self, kernel: str) -> float:
+        """The ``CLEAR_ROUND``-th worst round's ratio of ``kernel`` to the plain GEMM."""
+        rs = sorted(self.ratios.get(kernel) or [float("inf")], reverse=True)
+        return rs[min(CLEAR_ROUND, len(rs)) - 1]
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "times": self.times, "ratios": self.ratios, "nbytes": self.nbytes,
+                "when": self.when}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Decision":
+        return cls(str(d["kernel"]), {k: float(v) for k, v in d["times"].items()},
+                   {k: [float(x) for x in v] for k, v in d.get("ratios", {}).items()},
+                   {k: int(v) for k, v in d.get("nbytes", {}).items()}, "file", str(d.get("when", "")))
+
+
+# (dtype, in, out, bucket, threads) -> its Decision, for this process.
+_DECIDED: Dict[tuple, Decision] = {}
+_FILE_LOCK = threading.Lock()
+_FILE_STATE: Dict[str, object] = {"path": None, "data": None}
+
+
+def choices_file() -> Optional[str]:
+    """Where decisions are kept between processes, or None (``WFPASS_CACHE_DIR``
+    empty or ``off``)."""
+    d = os.environ.get("WFPASS_CACHE_DIR")
+    if d is None:
+        d = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                         "wfpass")
+    if d.strip().lower() in ("", "0", "off", "false", "no"):
+        return None
+    return os.path.join(d, "choices.json")
+
+
+def _machine() -> str:
+    """What a decision holds for: this CPU's model, the torch build, the threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _key_text(key: tuple) -> str:
+    dtype, k, n, mb, _threads = key
+    return f"{str(dtype).replace('torch.', '')} {n}x{k} M={mb}"
+
+
+def _load(path: str) -> dict:
+    if _FILE_STATE["path"] != path:
+        data: dict = {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                data = {}
+        except (OSError, ValueError):
+            data = {}
+        _FILE_STATE["path"], _FILE_STATE["data"] = path, data
+    return _FILE_STATE["data"]  # type: ignore[return-value]
+
+
+def _from_file(key: tuple) -> Optional[Decision]:
+    path = choices_file()
+    if path is None:
+        return None
+    with _FILE_LOCK:
+        entry = _load(path).get(_machine(), {}).get(_key_text(key))
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return Decision.from_json(entry)
+    except (KeyError, TypeError, ValueError):  # an entry from another version of this file: measure again
+        return None
+
+
+def _to_file(key: tuple, d: Decision) -> None:
+    """Add ``d`` to the file: read it again, add, write a temporary file and
+    rename it over the old one (another process writing at the same time
+    loses nothing but its own newest entries, which it measured anyway)."""
+    path = choices_file()
+    if path is None:
+        return
+    with _FILE_LOCK:
+        _FILE_STATE["path"] = None  # read what other processes wrote since
+        data = _load(path)
+        data.setdefault(_machine(), {})[_key_text(key)] = d.to_json()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".choices-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: decisions stay in the process
+            pass
+
+
 def _timer(fn: Callable[[], object]) -> Callable[[int], float]:
     def run(n: int) -> float:
         t = time.perf_counter()
@@ -77,49 +217,83 @@ def _timer(fn: Callable[[], object]) -> Callable[[int], float]:
     return run
 
 
-def measure(dtype: torch.dtype, k: int, n: int, m: int) -> Dict[str, float]:
-    """Median seconds per call of each candidate at this shape (``m``
-    rounded by ``bucket``), interleaved in rounds; measured once per
-    process and thread count."""
-    mb = bucket(m)
-    key = (dtype, k, n, mb, torch.get_num_threads())
-    got = _TIMES.get(key)
-    if got is not None:
-        return got
+def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int):
+    """Each candidate's seconds per call in ``ROUNDS`` interleaved rounds, and its copy's bytes."""
     with _aot.outside_fake_mode(), torch.no_grad():
         w = torch.randn(n, k).to(dtype)
         x = torch.randn(mb, k).to(dtype)
         runs: Dict[str, Callable[[int], float]] = {"plain": _timer(lambda: F.linear(x, w))}
+        nbytes: Dict[str, int] = {}
         for kern in kernels_for_dtype(dtype, mb):
             if kern == "onednn":
                 p = _k.onednn_pack(w)
+                nbytes[kern] = _k.onednn_nbytes(p)
                 runs[kern] = _timer(lambda p=p: _k.onednn_linear(x, p, None))
             else:
                 p = _k.mkl_pack(w, mb)
+                nbytes[kern] = _k.onednn_nbytes(p) if p.is_mkldnn else p.numel() * p.element_size()
                 runs[kern] = _timer(lambda p=p: _k.mkl_linear(x, p, w, None, mb))
-        first = {name: run(1) for name, run in runs.items()}  # warm up (and the first reorder)
-        first = {name: run(1) for name, run in runs.items()}
-        # Enough calls per round for ~1 ms; 5 rounds (3 for slow shapes).
+        for _ in range(2):  # warm up (and the first reorder)
+            first = {name: run(1) for name, run in runs.items()}
+        # Enough calls per round for ~1 ms.
         per = max(first.values())
         reps = max(1, min(50, int(1e-3 / max(per, 1e-7))))
-        rounds = 5 if per < 2e-3 else 3
         times: Dict[str, List[float]] = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, run in runs.items():
+        for r in range(ROUNDS):
+            order = list(runs.items())
+            if r % 2:  # alternate the order: neither side always runs on a warmer cache
+                order.reverse()
+            for name, run in order:
                 times[name].append(run(reps))
-    got = _TIMES[key] = {name: statistics.median(ts) for name, ts in times.items()}
+    return times, nbytes
+
+
+def decide(dtype: torch.dtype, k: int, n: int, m: int) -> Decision:
+    """The decision at this shape (``m`` rounded by ``bucket``): this
+    process's, else the file's, else measured now (and kept in both)."""
+    mb = bucket(m)
+    key = (dtype, k, n, mb, torch.get_num_threads())
+    got = _DECIDED.get(key)
+    if got is not None:
+        return got
+    got = _from_file(key)
+    if got is None:
+        times, nbytes = _time_candidates(dtype, k, n, mb)
+        op = op_cost_s()
+        ratios = {name: [(t + op) / p for t, p in zip(ts, times["plain"])] for name, ts in times.items()
+                  if name != "plain"}
+        got = Decision("plain", {name: statistics.median(ts) for name, ts in times.items()}, ratios, nbytes,
+                       "measured", time.strftime("%Y-%m-%d"))
+        got.kernel = _best(got)
+        _to_file(key, got)
+    _DECIDED[key] = got
     return got
+
+
+def _best(d: Decision) -> str:
+    """The plain GEMM, unless a packed kernel's gain is clear (see the module's docstring)."""
+    best = "plain"
+    if "onednn" in d.ratios and d.clear_ratio("onednn") <= MARGIN:
+        best = "onednn"
+    if "mkl" in d.ratios and d.clear_ratio("mkl") <= MARGIN:
+        # MKL's copy is one per row count and larger: it must beat oneDNN too, round by round.
+        if best == "plain" or _clear_over(d, "mkl", "onednn"):
+            best = "mkl"
+    return best
+
+
+def _clear_over(d: Decision, a: str, b: str) -> bool:
+    rs = sorted((x / y for x, y in zip(d.ratios[a], d.ratios[b])), reverse=True)
+    return rs[min(CLEAR_ROUND, len(rs)) - 1] <= MARGIN
+
+
+def measure(dtype: torch.dtype, k: int, n: int, m: int) -> Dict[str, float]:
+    """Median seconds per call of each candidate at this shape (``m``
+    rounded by ``bucket``)."""
+    return decide(dtype, k, n, m).times
 
 
 def measured(dtype: torch.dtype, k: int, n: int, m: int) -> Tuple[str, Dict[str, float]]:
     """The kernel to run at this shape, and the times that chose it."""
-    times = measure(dtype, k, n, m)
-    plain = times["plain"]
-    op = op_cost_s()
-    cost = {k: t + op for k, t in times.items() if k != "plain"}
-    best = "plain"
-    if "onednn" in cost and cost["onednn"] <= MARGIN * plain:
-        best = "onednn"
-    if "mkl" in cost and cost["mkl"] <= MARGIN * min(plain, cost.get("onednn", plain)):
-        best = "mkl"
-    return best, times
+    d = decide(dtype, k, n, m)
+    return d.kernel, d.times

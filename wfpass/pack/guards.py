@@ -33,16 +33,26 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     """The row's words for the choice at ``m`` rows."""
     if opts.mode == "always":
         return f"M={m}: oneDNN's packed kernel (pack.mode='always', not measured)"
-    kernel, times = choose.measured(dtype, k, n, m)
-    us = {name: t * 1e6 for name, t in times.items()}
+    d = choose.decide(dtype, k, n, m)
+    us = {name: t * 1e6 for name, t in d.times.items()}
     op = choose.op_cost_s() * 1e6
-    if kernel == "plain":
-        alt = ", ".join(f"{name} {us[name]:.0f} us" for name in us if name != "plain")
-        return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed measured {alt}, plus {op:.0f} us for the "
-                f"op's call: no gain)")
-    return (f"M={m}: {'oneDNN' if kernel == 'onednn' else 'MKL'}'s packed kernel, measured "
-            f"{us['plain'] / (us[kernel] + op):.2f}x faster than the plain GEMM ({us[kernel]:.0f} us + {op:.0f} us "
-            f"for the op's call vs {us['plain']:.0f} us)")
+    where = ("measured now" if d.source == "measured" else
+             f"measured {d.when} by an earlier process on this machine ({choose.choices_file()})")
+    rounds = f"{choose.ROUNDS} interleaved rounds, {where}"
+    if d.kernel == "plain":
+        alt = ", ".join(f"{name} {us[name]:.0f} us (round {choose.CLEAR_ROUND} from the worst "
+                        f"{d.clear_ratio(name):.2f}x its time)" for name in us if name != "plain")
+        return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed {alt}, {op:.0f} us for the op's call "
+                f"included: no clear gain; {rounds})")
+    name = "oneDNN" if d.kernel == "onednn" else "MKL"
+    return (f"M={m}: {name}'s packed kernel, {us['plain'] / (us[d.kernel] + op):.2f}x faster than the plain GEMM "
+            f"in the median ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
+            f"{1 / d.clear_ratio(d.kernel):.2f}x in round {choose.CLEAR_ROUND} from the worst; its copy "
+            f"{_kib(d.nbytes.get(d.kernel, 0))} ({rounds})")
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.0f} KiB"
 
 
 def _rows_hint(x) -> Optional[int]:

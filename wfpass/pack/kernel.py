@@ -43,12 +43,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._torch import aot as _aot, kernels as _k, native as _native
+from .._torch import aot as _aot, kernels as _k, native as _native, tensors as _tensors
 from ..records import Record, Stats
 from ..runtime import note
 from ..storage import layout_of
 
-__all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE"]
+__all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE", "note_weights",
+           "weight_bytes", "budget_of"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # Two ops over one kernel: ``packed_linear`` for graphs that compute no
@@ -82,6 +83,8 @@ class PackSite:
         # call computes a gradient: ``pack.training`` there; None in
         # compiled graphs, where the guard decided from the graph.
         self.eager_training: Optional[bool] = None
+        #: Called when a copy is refused for the budget (the record's words change).
+        self.on_budget = None
         for c in ("packed_calls", "plain_calls", "repacked", "packed_bytes"):
             record.stats.setdefault(c, 0)
 
@@ -161,6 +164,32 @@ _ALIVE = [0]  # bytes of every packed copy alive in the process
 def packed_bytes_alive() -> int:
     """Bytes held by every packed copy alive in this process."""
     return _ALIVE[0]
+
+
+# Every weight of the graphs the format rewrote -> its bytes (weak keys: a
+# deleted model's weights leave the budget with it).
+_WEIGHTS = _tensors.weak_id_key_dict()
+
+
+def note_weights(tensors: Sequence[torch.Tensor]) -> None:
+    """Count ``tensors`` (a rewritten graph's parameters) into the
+    ``max_bytes="weights"`` budget, each tensor once."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t not in _WEIGHTS:
+            try:
+                _WEIGHTS[t] = t.numel() * t.element_size()
+            except TypeError:  # not weak-referenceable
+                pass
+
+
+def weight_bytes() -> int:
+    """Bytes of the live weights ``note_weights`` counted."""
+    return sum(_WEIGHTS.values())
+
+
+def budget_of(max_bytes) -> Optional[int]:
+    """``pack.max_bytes`` in bytes now: ``"weights"`` is ``weight_bytes()``."""
+    return weight_bytes() if max_bytes == "weights" else max_bytes
 
 
 def _release(c: _Copy) -> None:
@@ -267,18 +296,25 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         return None  # not in one block this call: the plain GEMM over their concatenation
     block = block.detach()
     old = c.nbytes if c is not None else 0
-    if site.max_bytes is not None:
-        need = block.numel() * block.element_size()
-        if _ALIVE[0] - old + need > site.max_bytes:
-            site.record.bump("over_bound_calls")
-            return None
+    budget = budget_of(site.max_bytes)
+    # The copy's size: the one measured for this shape (MKL's is larger than
+    # the weight and made per row count), else the weight's.
+    need = _COPY_BYTES.get((kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0),
+                           block.numel() * block.element_size())
+    if budget is not None and _ALIVE[0] - old + need > budget:
+        _over_budget(site, m, kernel, need, budget)
+        return None
     if not block.is_contiguous():
         block = block.contiguous()
     if kernel == "mkl":
         packed = _k.mkl_pack(block, m)
     else:
         packed = _k.onednn_pack(block)
-    nbytes = _k.onednn_nbytes(packed)
+    nbytes = _k.onednn_nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
+    _COPY_BYTES[(kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0)] = nbytes
+    if budget is not None and _ALIVE[0] - old + nbytes > budget:
+        _over_budget(site, m, kernel, nbytes, budget)
+        return None
     sample = _sample_of(block)
     if c is not None:
         _release(c)
@@ -288,6 +324,24 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     _ALIVE[0] += nbytes
     site.record.bump("packed_bytes", nbytes)
     return new
+
+
+# (kernel, dtype, block shape, M for MKL) -> bytes of such a copy, as made.
+_COPY_BYTES: Dict[tuple, int] = {}
+
+
+def _over_budget(site: PackSite, m: int, kernel: str, need: int, budget: int) -> None:
+    """This row count's copy would go over ``max_bytes``: from now on it
+    runs the plain GEMM (the C++ kernel answers it too), and the row says so."""
+    site.record.bump("over_bound_calls")
+    site.by_rows[m] = "plain"
+    words = site.record.detail.setdefault("over_budget", {})
+    if m not in words:
+        what = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
+        words[m] = (f"M={m}: the plain GEMM: {kernel}'s copy ({need / 2**20:.1f} MiB) would take the packed copies "
+                    f"over their budget ({budget / 2**20:.1f} MiB, {what}; {_ALIVE[0] / 2**20:.1f} MiB in use)")
+        if site.on_budget is not None:
+            site.on_budget()
 
 
 def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor], rows: int, site: int) -> torch.Tensor:

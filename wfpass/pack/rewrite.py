@@ -20,7 +20,7 @@ from ..graph import PassContext, node_arg
 from ..linear.kernel import EagerBlock, EagerLayoutCheck
 from ..records import Record
 from .guards import choose_kernel, describe_choice
-from .kernel import PackSite, register_site
+from .kernel import PackSite, note_weights, register_site
 from .match import PackMatch
 
 __all__ = ["rewrite_call", "OP", "OP_TRAIN"]
@@ -36,7 +36,9 @@ def _reason(rec: Record) -> str:
     kind = rec.detail.get("what", "linear")
     words = rec.detail.get("choices") or {}
     # The choices per M seen, then (a graph with a symbolic M) what that graph was measured at.
-    parts = [words[m] for m in sorted(words)] + [rec.detail.get("pending", "")]
+    over = rec.detail.get("over_budget") or {}
+    parts = [over.get(m, words[m]) for m in sorted(words)] + [rec.detail.get("pending", "")]
+    parts += [over[m] for m in sorted(over) if m not in words]
     # Which kernel runs the op matters to the choice (its per-call cost is
     # added to every packed candidate) and is invisible otherwise: a torch
     # whose headers the compiler rejects gives the Python kernel silently.
@@ -82,6 +84,9 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
         return kernel
 
     site = PackSite(rec, choose, opts.max_bytes)
+    site.on_budget = lambda rec=rec: setattr(rec, "reason", _reason(rec))
+    # The "weights" budget counts every parameter of the graphs this format rewrote.
+    note_weights([r.tensor for r in ctx.state_tensors() if r.kind == "parameter"])
     if m.m is not None:
         site.by_rows[m.m] = m.kernel
     site.names = [w.name for w in m.weights]
