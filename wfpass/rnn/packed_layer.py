@@ -84,7 +84,8 @@ from typing import Optional
 import torch
 
 from .ops import define_rnn_op
-from .packed_layer_py import MODES, _packed_layer, check_args, gate_count, hidden_sizes, workspace_width
+from .packed_layer_py import (MODES, _packed_layer, check_args, check_shapes, gate_count, known_different,
+                              workspace_width)
 from .packed_layer_py_backward import _packed_layer_backward
 from .packed_meta import batch_of
 
@@ -99,9 +100,18 @@ _BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor
              "Tensor d_w_hh, Tensor d_b_ih, Tensor d_b_hh, Tensor d_w_hr, Tensor d_h0, Tensor d_c0)")
 
 
+def _fake_states(states, L: int, op: str = "wfpass::packed_layer") -> None:
+    """What a fake can check of the states: their rank, L and width. Their
+    batch is batch_sizes[0], a value: the kernels check it."""
+    for s, w, name in states:
+        if s is not None and (s.dim() != 3 or known_different(s.shape[0], L) or known_different(s.shape[2], w)):
+            raise RuntimeError(f"{op}: {name} must have shape ({L}, batch_sizes[0], {w}), got {tuple(s.shape)}")
+
+
 def _packed_layer_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
     check_args(mode, w_hr, c0)
-    H, Hout = hidden_sizes(mode, w_ih, w_hr)
+    H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
+    _fake_states(((h0, Hout, "h0"), (c0, H, "c0")), 1)
     N = data.shape[0]
     B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
     c_n = data.new_empty((1, B, H)) if mode == "LSTM" else data.new_empty(0)
@@ -117,6 +127,8 @@ def _like(t: Optional[torch.Tensor], ref: torch.Tensor):
 def _packed_layer_backward_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
                                 grad_out, grad_hn, grad_cn, mode, reverse):
     check_args(mode, w_hr, c0)
+    H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
+    _fake_states(((h0, Hout, "h0"), (c0, H, "c0"), (grad_hn, Hout, "grad_hn")), 1, "wfpass::packed_layer_backward")
     return tuple(_like(t, data) for t in (data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0))
 
 
@@ -193,9 +205,11 @@ def _bilayer(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, tra
 
 
 def _bilayer_fake(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, train):
-    (w_ih, _w_hh, _b_ih, _b_hh, w_hr), _ = _directions(weights, has_biases, has_proj)
+    (w_ih, w_hh, b_ih, b_hh, w_hr), back = _directions(weights, has_biases, has_proj)
     check_args(mode, w_hr, c0)
-    H, Hout = hidden_sizes(mode, w_ih, w_hr)
+    H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
+    check_shapes(mode, data, *back)
+    _fake_states(((h0, Hout, "h0"), (c0, H, "c0")), 2, "wfpass::packed_bilayer")
     N = data.shape[0]
     B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
     c_n = data.new_empty((2, B, H)) if mode == "LSTM" else data.new_empty(0)

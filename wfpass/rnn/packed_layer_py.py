@@ -18,19 +18,21 @@ Here too, as the bottom of the three modules (``packed_layer.py`` imports
 this one, never the other way round): the mode tables and argument checks
 the op's fakes and both kernels share (``MODES``, ``gate_count``,
 ``workspace_width``, ``check_args``, ``hidden_sizes``; ``packed_layer.py``
-re-exports the first three), and what both kernels start from
-(``layer_call``).
+re-exports the first three; ``check_shapes``, ``check_states`` and
+``steps``: every size checked before a row is read, the C++ kernels'
+checks), and what both kernels start from (``layer_call``).
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._torch import kernels as _kernels
 
-__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "LayerCall", "layer_call",
-           "use_onednn", "onednn_linear"]
+__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "known_different",
+           "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear"]
 
 #: The cells this op runs.
 MODES = ("LSTM", "GRU", "RNN_TANH", "RNN_RELU")
@@ -69,14 +71,73 @@ def hidden_sizes(mode: str, w_ih, w_hr) -> Tuple[int, int]:
     return H, (w_hr.shape[0] if w_hr is not None else H)
 
 
-def _steps(batch_sizes: torch.Tensor, N: int) -> Tuple[list, list]:
-    """``batch_sizes`` read once (one ``.tolist()``), checked, and its row offsets."""
+def known_different(a, b) -> bool:
+    """``a != b`` as far as the sizes say now: for a fake's symbolic sizes,
+    only where no value could make them equal (a fake checks its shapes
+    without adding a guard; the kernels check every call's)."""
+    return statically_known_true(a != b)
+
+
+def check_shapes(mode: str, data, w_ih, w_hh, b_ih, b_hh, w_hr, op: str = "wfpass::packed_layer"):
+    """The weights against each other and against data ``[N, I]``, before
+    any is read (the C++ kernels' ``check_weights``): RuntimeError, as eager
+    raises for a packed batch whose feature size is not the RNN's input_size
+    (the input GEMM ran over rows of the wrong length). Shapes only: the
+    fakes check them too. Returns ``(H, H_out)``."""
+    _check_mode(mode)
+    if data.dim() != 2:
+        raise RuntimeError(f"{op}: data must be 2-D (a PackedSequence's rows), got {data.dim()}-D")
+    G = _GATES[mode]
+    if w_ih.dim() != 2 or known_different(w_ih.shape[0] % G, 0) or statically_known_true(w_ih.shape[0] == 0):
+        raise RuntimeError(f"{op}: w_ih must be 2-D with {G} rows a hidden unit, got {list(w_ih.shape)}")
+    H = w_ih.shape[0] // G
+    if known_different(data.shape[1], w_ih.shape[1]):
+        raise RuntimeError(f"{op}: data: input.size(-1) must be equal to input_size. Expected {w_ih.shape[1]} "
+                           f"(w_ih's columns), got {data.shape[1]}")
+    Hout = H
+    if w_hr is not None:
+        if w_hr.dim() != 2 or known_different(w_hr.shape[1], H):
+            raise RuntimeError(f"{op}: w_hr must have shape (proj_size, {H}), got {list(w_hr.shape)}")
+        Hout = w_hr.shape[0]
+    if w_hh.dim() != 2 or known_different(w_hh.shape[0], G * H) or known_different(w_hh.shape[1], Hout):
+        raise RuntimeError(f"{op}: w_hh must have shape ({G * H}, {Hout}), got {list(w_hh.shape)}")
+    for b, name in ((b_ih, "b_ih"), (b_hh, "b_hh")):
+        if b is not None and (b.dim() != 1 or known_different(b.shape[0], G * H)):
+            raise RuntimeError(f"{op}: {name} must have shape ({G * H}), got {list(b.shape)}")
+    for t, name in ((w_ih, "w_ih"), (w_hh, "w_hh"), (b_ih, "b_ih"), (b_hh, "b_hh"), (w_hr, "w_hr")):
+        _check_like(t, data, op, name)
+    return H, Hout
+
+
+def _check_like(t, data, op: str, name: str) -> None:
+    if t is not None and (t.dtype != data.dtype or t.device != data.device):
+        raise RuntimeError(f"{op}: {name} is {t.dtype} on {t.device}, data {data.dtype} on {data.device}")
+
+
+def check_states(states, data, L: int, B, op: str = "wfpass::packed_layer") -> None:
+    """Each ``(tensor, width, name)`` of ``states`` (a state or its
+    gradient, where given) is ``[L, B, width]`` in data's dtype: RuntimeError,
+    eager's type for an h0 of the wrong batch or hidden size. B is
+    ``batch_sizes[0]``."""
+    for s, w, name in states:
+        if s is None:
+            continue
+        if tuple(s.shape) != (L, B, w):
+            raise RuntimeError(f"{op}: {name} must have shape {(L, B, w)} (batch_sizes[0] = {B} sequences), "
+                               f"got {tuple(s.shape)}")
+        _check_like(s, data, op, name)
+
+
+def steps(batch_sizes: torch.Tensor, N: int, op: str = "wfpass::packed_layer") -> Tuple[list, list]:
+    """``batch_sizes`` read once (one ``.tolist()``), checked, and its row
+    offsets. RuntimeError, as eager's packed RNN raises for data rows that do
+    not match batch_sizes: every step's rows are read at these offsets."""
     if batch_sizes.dim() != 1 or batch_sizes.dtype != torch.int64 or batch_sizes.device.type != "cpu":
-        raise ValueError("wfpass::packed_layer: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)")
+        raise RuntimeError(f"{op}: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)")
     bs = batch_sizes.tolist()
     if not bs or bs[-1] < 1 or any(a < b for a, b in zip(bs, bs[1:])) or sum(bs) != N:
-        raise ValueError(f"wfpass::packed_layer: batch_sizes must be positive, non-increasing and sum to "
-                         f"data.shape[0] = {N}; got {bs[:8]}{'...' if len(bs) > 8 else ''}")
+        raise RuntimeError(f"{op}: batch_sizes must be positive, non-increasing and sum to "
+                           f"data.shape[0] = {N} (data's rows); got {bs[:8]}{'...' if len(bs) > 8 else ''}")
     off, acc = [], 0
     for n in bs:
         off.append(acc)
@@ -164,9 +225,7 @@ def _project(out, bias, data, w) -> None:
 
 def _states(data, B: int, H: int, Hout: int, h0, c0, lstm: bool):
     """h0 ``[B, H_out]`` and c0 ``[B, H]`` (zeros where None; made here, not in the graph)."""
-    for s, w, name in ((h0, Hout, "h0"), (c0, H, "c0")):
-        if s is not None and tuple(s.shape) != (1, B, w):
-            raise ValueError(f"wfpass::packed_layer: {name} must have shape {(1, B, w)}, got {tuple(s.shape)}")
+    check_states(((h0, Hout, "h0"), (c0, H, "c0")), data, 1, B)
     h = h0[0] if h0 is not None else data.new_zeros((B, Hout))
     c = (c0[0] if c0 is not None else data.new_zeros((B, H))) if lstm else None
     return h, c
@@ -186,14 +245,16 @@ class LayerCall(NamedTuple):
     c_init: Optional[torch.Tensor]  # [B, H] (LSTM), else None
 
 
-def layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse, workspace=None) -> LayerCall:
-    """The call's arguments checked (``workspace``: the backward's, against
-    the forward's layout), its sizes and its initial states."""
+def layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse,
+               workspace=None) -> LayerCall:
+    """The call's arguments checked before any is read (``workspace``: the
+    backward's, against the forward's layout), its sizes and its initial
+    states."""
     check_args(mode, w_hr, c0)
+    H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
     N = data.shape[0]
-    bs, off = _steps(batch_sizes, N)
+    bs, off = steps(batch_sizes, N)
     B = bs[0]
-    H, Hout = hidden_sizes(mode, w_ih, w_hr)
     if workspace is not None and tuple(workspace.shape) != (N, workspace_width(mode, H)):
         raise RuntimeError(f"wfpass::packed_layer_backward: the workspace has shape {tuple(workspace.shape)}, "
                            f"not {(N, workspace_width(mode, H))}: was the forward run with train=False?")
@@ -202,7 +263,7 @@ def layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse, workspace=N
 
 
 def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
-    L = layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse)
+    L = layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse)
     # out= ops below would refuse inputs that require grad; the autograd
     # formula is the op's, not these calls'.
     with torch.no_grad():

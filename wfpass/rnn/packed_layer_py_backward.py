@@ -11,9 +11,9 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .packed_layer_py import LayerCall, use_onednn, layer_call, onednn_linear
+from .packed_layer_py import LayerCall, check_states, use_onednn, layer_call, onednn_linear
 
-__all__ = ["carry"]  # packed_layer.py registers the kernel; carry serves packed_lstm_runs.py too
+__all__ = ["carry", "check_grads"]  # packed_layer.py registers the kernel; these serve packed_lstm_runs.py too
 
 
 def _prev_index(batch_sizes: torch.Tensor, B: int, N: int, reverse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +106,8 @@ class _Back(NamedTuple):
 
 def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
                            grad_out, grad_hn, grad_cn, mode, reverse):
-    L = layer_call(data, batch_sizes, w_ih, w_hr, h0, c0, mode, reverse, workspace)
+    L = layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, workspace)
+    check_grads(L, data, out, grad_out, grad_hn, grad_cn if mode == "LSTM" else None)
     # Few fresh N-row buffers, no throwaway ones: each costs page faults (the
     # CPU allocator hands large blocks back to the system; a third of this
     # backward's time at N = 1600, H = 128 before), so the factors are
@@ -124,6 +125,18 @@ def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, 
                 grads = _rnn_backward(L, data, out, bw, mode == "RNN_RELU", w_ih, w_hh, b_ih, b_hh)
         d_h0 = bw.hcar.unsqueeze(0) if h0 is not None else data.new_empty(0)
     return (*grads, d_w_hr, d_h0, d_c0)
+
+
+def check_grads(L: LayerCall, data, out, grad_out, grad_hn, grad_cn,
+                op: str = "wfpass::packed_layer_backward") -> None:
+    """The backward's own inputs against the call's sizes, before a row is
+    read: ``out`` ``[N, H_out]`` and the gradients where given (the C++
+    kernel's ``check_grads``)."""
+    for t, name in ((out, "out"), (grad_out, "grad_out")):
+        if t is not None and (tuple(t.shape) != (L.N, L.Hout) or t.dtype != data.dtype):
+            raise RuntimeError(f"{op}: {name} must have shape {(L.N, L.Hout)} and data's dtype {data.dtype}, got "
+                               f"{tuple(t.shape)} {t.dtype}")
+    check_states(((grad_hn, L.Hout, "grad_hn"), (grad_cn, L.H, "grad_cn")), data, 1, L.B, op)
 
 
 def _backward_start(L: LayerCall, data, batch_sizes, out, grad_out, grad_hn) -> _Back:

@@ -46,7 +46,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .ops import define_rnn_op
-from .packed_layer_py_backward import carry
+from .packed_layer_py import LayerCall, check_shapes, check_states, steps as _steps
+from .packed_layer_py_backward import carry, check_grads
 from .packed_meta import batch_of
 
 __all__ = ["runs", "usable"]
@@ -93,8 +94,21 @@ def _bias(b: Optional[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
     return b if b is not None else w.new_zeros(w.shape[0])
 
 
+_OP = "wfpass::packed_lstm_runs"
+
+
+def _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, op=_OP):
+    """``(H, B, batch_sizes as a list)``, every size checked before oneDNN
+    reads a row (``packed_layer``'s checks: oneDNN's layer trusts the
+    shapes it is given)."""
+    H, _ = check_shapes("LSTM", data, w_ih, w_hh, b_ih, b_hh, None, op)
+    bs, _ = _steps(batch_sizes, data.shape[0], op)
+    check_states(((h0, H, "h0"), (c0, H, "c0")), data, 1, bs[0], op)
+    return H, bs[0], bs
+
+
 def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
-    H, B = w_hh.shape[1], int(batch_sizes[0])
+    H, B, _ = _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0)
     b_ih, b_hh = _bias(b_ih, w_ih), _bias(b_hh, w_ih)
     out = data.new_empty((data.shape[0], H))
     ws = data.new_empty((data.shape[0], 2 * H)) if train else data.new_empty(0)
@@ -114,7 +128,13 @@ def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
 
 
 def _backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, workspace, grad_out, grad_hn, grad_cn, reverse):
-    H, B = w_hh.shape[1], int(batch_sizes[0])
+    op = _OP + "_backward"
+    H, B, bs = _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, op)
+    N = data.shape[0]
+    if tuple(workspace.shape) != (N, 2 * H):
+        raise RuntimeError(f"{op}: the workspace has shape {tuple(workspace.shape)}, not {(N, 2 * H)}: was the "
+                           "forward run with train=False?")
+    check_grads(LayerCall(N, bs, [], B, H, H, reverse, None, None), data, None, grad_out, grad_hn, grad_cn, op)
     bi, bh = _bias(b_ih, w_ih), _bias(b_hh, w_ih)
     dh, dc = carry(grad_hn, data, B, H), carry(grad_cn, data, B, H)
     d_data = data.new_empty(data.shape)
@@ -143,6 +163,7 @@ def _backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, workspace, grad
 
 
 def _forward_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
+    check_shapes("LSTM", data, w_ih, w_hh, b_ih, b_hh, None, _OP)
     H, N = w_hh.shape[1], data.shape[0]
     B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
     ws = data.new_empty((N, 2 * H)) if train else data.new_empty(0)
@@ -151,6 +172,7 @@ def _forward_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, tr
 
 def _backward_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, workspace, grad_out, grad_hn, grad_cn,
                    reverse):
+    check_shapes("LSTM", data, w_ih, w_hh, b_ih, b_hh, None, _OP + "_backward")
     return tuple(t.new_empty(t.shape) if t is not None else data.new_empty(0)
                  for t in (data, w_ih, w_hh, b_ih, b_hh, h0, c0))
 

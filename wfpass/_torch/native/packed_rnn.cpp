@@ -64,9 +64,11 @@ struct Steps {
   int64_t T = 0, N = 0, B = 0;
 };
 
+// RuntimeError, as eager's packed RNN raises for data rows that do not
+// match batch_sizes: every step's rows are read at these offsets.
 Steps read_steps(const Tensor& batch_sizes, int64_t N) {
-  TORCH_CHECK_VALUE(batch_sizes.dim() == 1 && batch_sizes.scalar_type() == at::kLong && batch_sizes.is_cpu(),
-                    "wfpass::packed_layer: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)");
+  TORCH_CHECK(batch_sizes.dim() == 1 && batch_sizes.scalar_type() == at::kLong && batch_sizes.is_cpu(),
+              "wfpass::packed_layer: batch_sizes must be a 1-D int64 CPU tensor (a PackedSequence's)");
   const Tensor b = batch_sizes.contiguous();
   const int64_t* p = b.data_ptr<int64_t>();
   Steps s;
@@ -75,13 +77,14 @@ Steps read_steps(const Tensor& batch_sizes, int64_t N) {
   s.off.resize(s.T);
   bool ok = s.T > 0;
   int64_t acc = 0;
-  for (int64_t t = 0; t < s.T; ++t) {
-    ok = ok && s.bs[t] >= 1 && (t == 0 || s.bs[t] <= s.bs[t - 1]);
+  for (int64_t t = 0; t < s.T && ok; ++t) {
+    ok = s.bs[t] >= 1 && (t == 0 || s.bs[t] <= s.bs[t - 1]);
     s.off[t] = acc;
     acc += s.bs[t];
+    ok = ok && acc <= N;  // stops the sum before it could overflow
   }
-  TORCH_CHECK_VALUE(ok && acc == N, "wfpass::packed_layer: batch_sizes must be positive, non-increasing and sum to "
-                    "data.shape[0] = ", N);
+  TORCH_CHECK(ok && acc == N, "wfpass::packed_layer: batch_sizes must be positive, non-increasing and sum to "
+              "data.shape[0] = ", N, " (data's rows); got ", s.T, " steps, starting at ", s.T ? s.bs[0] : 0);
   s.N = N;
   s.B = s.bs[0];
   return s;
@@ -92,12 +95,80 @@ void check_args(Mode mode, const Opt& w_hr, const Opt& c0) {
                     "wfpass::packed_layer: w_hr and c0 are LSTM arguments, got one for another mode");
 }
 
+// A tensor read at data's dtype and device (the raw-pointer loop reads
+// float pointers; the transposed weights would convert silently).
+void check_like(const Tensor& t, const Tensor& data, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == data.scalar_type() && t.device() == data.device(), op, ": ", name, " is ",
+              t.scalar_type(), " on ", t.device(), ", data ", data.scalar_type(), " on ", data.device());
+}
+
+// A state or its gradient ([L, B, W], where given), checked before a row of
+// it is read: RuntimeError, eager's type for an h0 of the wrong batch or
+// hidden size. B is batch_sizes[0].
+void check_state(const Opt& s, const Tensor& data, int64_t L, int64_t B, int64_t W, const char* op,
+                 const char* name) {
+  if (!s.has_value()) return;
+  TORCH_CHECK(s->dim() == 3 && s->size(0) == L && s->size(1) == B && s->size(2) == W, op, ": ", name,
+              " must have shape (", L, ", ", B, ", ", W, ") (batch_sizes[0] = ", B, " sequences), got ", s->sizes());
+  check_like(*s, data, op, name);
+}
+
 // h0 as [B, W] (zeros where None: made here, not in the graph).
 Tensor initial_state(const Opt& s, const Tensor& data, int64_t B, int64_t W, const char* name) {
   if (!s.has_value()) return at::zeros({B, W}, data.options());
-  TORCH_CHECK_VALUE(s->dim() == 3 && s->size(0) == 1 && s->size(1) == B && s->size(2) == W, "wfpass::packed_layer: ",
-                    name, " must have shape (1, ", B, ", ", W, "), got ", s->sizes());
+  check_state(s, data, 1, B, W, "wfpass::packed_layer", name);
   return s->select(0, 0);
+}
+
+// The weights against each other and against data [N, I], before any is
+// read: a packed batch whose feature size was not the RNN's input_size ran
+// the input GEMM over rows of the wrong length (eager: "input.size(-1) must
+// be equal to input_size" / "mat1 and mat2 shapes cannot be multiplied").
+// Returns (H, H_out).
+std::pair<int64_t, int64_t> check_weights(Mode mode, const Tensor& data, const Tensor& w_ih, const Tensor& w_hh,
+                                          const Opt& b_ih, const Opt& b_hh, const Opt& w_hr) {
+  const char* op = "wfpass::packed_layer";
+  TORCH_CHECK(data.dim() == 2, op, ": data must be 2-D (a PackedSequence's rows), got ", data.dim(), "-D");
+  const int64_t G = gate_count(mode);
+  TORCH_CHECK(w_ih.dim() == 2 && w_ih.size(0) > 0 && w_ih.size(0) % G == 0, op, ": w_ih must be 2-D with ", G,
+              " rows a hidden unit, got ", w_ih.sizes());
+  const int64_t H = w_ih.size(0) / G;
+  TORCH_CHECK(data.size(1) == w_ih.size(1), op, ": data: input.size(-1) must be equal to input_size. Expected ",
+              w_ih.size(1), " (w_ih's columns), got ", data.size(1));
+  int64_t Hout = H;
+  if (w_hr.has_value()) {
+    TORCH_CHECK(w_hr->dim() == 2 && w_hr->size(1) == H, op, ": w_hr must have shape (proj_size, ", H, "), got ",
+                w_hr->sizes());
+    Hout = w_hr->size(0);
+    check_like(*w_hr, data, op, "w_hr");
+  }
+  TORCH_CHECK(w_hh.dim() == 2 && w_hh.size(0) == G * H && w_hh.size(1) == Hout, op, ": w_hh must have shape (",
+              G * H, ", ", Hout, "), got ", w_hh.sizes());
+  check_like(w_ih, data, op, "w_ih");
+  check_like(w_hh, data, op, "w_hh");
+  for (const auto& [b, name] : {std::make_pair(&b_ih, "b_ih"), std::make_pair(&b_hh, "b_hh")}) {
+    if (!b->has_value()) continue;
+    TORCH_CHECK((*b)->dim() == 1 && (*b)->size(0) == G * H, op, ": ", name, " must have shape (", G * H, "), got ",
+                (*b)->sizes());
+    check_like(**b, data, op, name);
+  }
+  return {H, Hout};
+}
+
+// The backward's own inputs: out [N, H_out], and the gradients where given.
+void check_grads(Mode mode, const Tensor& data, const Steps& s, int64_t H, int64_t Hout, const Tensor& out,
+                 const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn) {
+  const char* op = "wfpass::packed_layer_backward";
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.N && out.size(1) == Hout, op, ": out must have shape (", s.N, ", ",
+              Hout, "), got ", out.sizes());
+  check_like(out, data, op, "out");
+  if (grad_out.has_value()) {
+    TORCH_CHECK(grad_out->dim() == 2 && grad_out->size(0) == s.N && grad_out->size(1) == Hout, op,
+                ": grad_out must have shape (", s.N, ", ", Hout, "), got ", grad_out->sizes());
+    check_like(*grad_out, data, op, "grad_out");
+  }
+  check_state(grad_hn, data, 1, s.B, Hout, op, "grad_hn");
+  if (mode == Mode::LSTM) check_state(grad_cn, data, 1, s.B, H, op, "grad_cn");
 }
 
 // One step in processing order: its rows r0 : r0 + n; the first m rows of
@@ -333,9 +404,12 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
                  c10::string_view mode_name, bool reverse, bool train, const Tensor& into) {
   const Mode mode = parse_mode(mode_name);
   check_args(mode, w_hr, c0);
+  check_weights(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr);
   const Steps s = read_steps(batch_sizes, data.size(0));
   const int64_t N = s.N, B = s.B, H = w_ih.size(0) / gate_count(mode);
   const int64_t Hout = w_hr.has_value() ? w_hr->size(0) : H;
+  check_state(h0, data, 1, B, Hout, "wfpass::packed_layer", "h0");
+  check_state(c0, data, 1, B, H, "wfpass::packed_layer", "c0");
   const auto opts = data.options();
   // Called below autograd; the guard also keeps any nested call from
   // recording a graph when the op runs through an autograd fallback.
@@ -524,6 +598,7 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
                          bool reverse) {
   const Mode mode = parse_mode(mode_name);
   check_args(mode, w_hr, c0);
+  check_weights(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr);
   const Steps s = read_steps(batch_sizes, data.size(0));
   const int64_t N = s.N, B = s.B, H = w_ih.size(0) / gate_count(mode);
   const int64_t Hout = w_hr.has_value() ? w_hr->size(0) : H;
@@ -531,6 +606,10 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
   TORCH_CHECK(workspace.dim() == 2 && workspace.size(0) == N && workspace.size(1) == K,
               "wfpass::packed_layer_backward: the workspace has shape ", workspace.sizes(), ", not (", N, ", ", K,
               "): was the forward run with train=False?");
+  check_like(workspace, data, "wfpass::packed_layer_backward", "workspace");
+  check_grads(mode, data, s, H, Hout, out, grad_out, grad_hn, grad_cn);
+  check_state(h0, data, 1, B, Hout, "wfpass::packed_layer_backward", "h0");
+  check_state(c0, data, 1, B, H, "wfpass::packed_layer_backward", "c0");
   const auto opts = data.options();
   at::NoGradGuard no_grad;
   if (mode == Mode::LSTM && fast(data))
@@ -709,6 +788,28 @@ Opt half(const Opt& t, int64_t dim, int64_t d, int64_t size) {
   return t.has_value() && t->numel() > 0 ? Opt(t->narrow(dim, d * size, size)) : Opt();
 }
 
+// Both directions' weights, batch_sizes and the states (where given: an
+// empty tensor stands for none, as in half()) checked before either
+// direction starts: each checks its own again, but on its own thread, where
+// the other may have begun. Returns the steps, H and H_out.
+struct PairSizes {
+  Steps s;
+  int64_t H, Hout;
+};
+
+PairSizes check_pair(const Pair& p, Mode mode, const Tensor& data, const Tensor& batch_sizes, const Opt& h0,
+                     const Opt& c0, const char* op) {
+  const auto given = [](const Opt& t) { return t.has_value() && t->numel() > 0 ? t : Opt(); };
+  check_args(mode, p.w_hr(0), given(c0));
+  const auto hw = check_weights(mode, data, p.w(0, 0), p.w(0, 1), p.b_ih(0), p.b_hh(0), p.w_hr(0));
+  TORCH_CHECK(check_weights(mode, data, p.w(1, 0), p.w(1, 1), p.b_ih(1), p.b_hh(1), p.w_hr(1)) == hw, op,
+              ": the two directions' weights have different hidden sizes");
+  PairSizes r{read_steps(batch_sizes, data.size(0)), hw.first, hw.second};
+  check_state(given(h0), data, 2, r.s.B, r.Hout, op, "h0");
+  check_state(given(c0), data, 2, r.s.B, r.H, op, "c0");
+  return r;
+}
+
 // run(0) and run(1): at once on two OpenMP threads where `together` and
 // torch has them, else one after the other.
 template <typename F>
@@ -730,6 +831,7 @@ using Bi = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 Bi packed_bilayer(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0,
                   const Opt& c0, c10::string_view mode_name, bool has_biases, bool has_proj, bool train) {
   const Pair p(weights, has_biases, has_proj);
+  check_pair(p, parse_mode(mode_name), data, batch_sizes, h0, c0, "wfpass::packed_bilayer");
   const int64_t Hout = p.hout();
   const bool in_place = fast(data);
   const Tensor out = in_place ? at::empty({data.size(0), 2 * Hout}, data.options()) : Tensor();
@@ -752,8 +854,24 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
     const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name, bool has_biases,
     bool has_proj) {
   const Pair p(weights, has_biases, has_proj);
-  const int64_t Hout = p.hout();
-  const bool lstm = parse_mode(mode_name) == Mode::LSTM;
+  const Mode mode = parse_mode(mode_name);
+  const char* op = "wfpass::packed_bilayer_backward";
+  const PairSizes z = check_pair(p, mode, data, batch_sizes, h0, c0, op);
+  const int64_t Hout = p.hout(), N = z.s.N, K = workspace_width(mode, z.H);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == 2 * Hout, op, ": out must have shape (", N, ", ",
+              2 * Hout, "), got ", out.sizes());
+  TORCH_CHECK(h_n.dim() == 3 && h_n.size(0) == 2 && (mode != Mode::LSTM || (c_n.dim() == 3 && c_n.size(0) == 2)), op,
+              ": h_n and c_n must hold both directions, got ", h_n.sizes(), " and ", c_n.sizes());
+  for (const Tensor& ws : {ws_f, ws_b})
+    TORCH_CHECK(ws.dim() == 2 && ws.size(0) == N && ws.size(1) == K, op, ": the workspaces must have shape (", N,
+                ", ", K, "), got ", ws_f.sizes(), " and ", ws_b.sizes(), ": was the forward run with train=False?");
+  if (grad_out.has_value() && grad_out->numel() > 0)
+    TORCH_CHECK(grad_out->dim() == 2 && grad_out->size(0) == N && grad_out->size(1) == 2 * Hout, op,
+                ": grad_out must have shape (", N, ", ", 2 * Hout, "), got ", grad_out->sizes());
+  if (grad_hn.has_value() && grad_hn->numel() > 0) check_state(grad_hn, data, 2, z.s.B, Hout, op, "grad_hn");
+  if (mode == Mode::LSTM && grad_cn.has_value() && grad_cn->numel() > 0)
+    check_state(grad_cn, data, 2, z.s.B, z.H, op, "grad_cn");
+  const bool lstm = mode == Mode::LSTM;
   Bw r[2];
   both(fast(data), [&](int64_t d) {
     r[d] = packed_layer_backward(data, batch_sizes, p.w(d, 0), p.w(d, 1), p.b_ih(d), p.b_hh(d), p.w_hr(d),
