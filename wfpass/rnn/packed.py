@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence, invert_permutation
 
 from .._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
+from .packed_layer_py import known_different
 from .packed_meta import batch_of, note_batch
 from .spec import flat_weight_names, rnn_mode
 
@@ -81,7 +82,44 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
+# The Python kernels check what the C++ ones check (sequence.cpp), before
+# ATen's kernels read a row: those check less (lengths longer than the input
+# packed fewer rows than batch_sizes says; a negative batch size crashed
+# eager's pad). RuntimeError, eager's type; O(T) and O(B), nothing per element.
+
+def _checked_sizes(batch_sizes: torch.Tensor, rows: int, what: str, rows_name: str = "data") -> list:
+    """``batch_sizes`` as a list: 1-D, each entry in [0, the one before], summing to ``rows``."""
+    if batch_sizes.dim() != 1:
+        raise RuntimeError(f"{what}: batch_sizes must be 1-D, got {batch_sizes.dim()}-D")
+    bs = batch_sizes.tolist()
+    for t, n in enumerate(bs):
+        if n < 0 or (t and n > bs[t - 1]):
+            raise RuntimeError(f"{what}: batch_sizes must be non-negative and non-increasing, got {n} at step {t}"
+                               + (f" after {bs[t - 1]}" if t else ""))
+    if sum(bs) != rows:
+        raise RuntimeError(f"{what}: {rows_name} has {rows} rows, but batch_sizes sums to {sum(bs)}")
+    return bs
+
+
+def _check_order(order, B: int, what: str) -> None:
+    """``order`` is a permutation of [0, B) (its values only on the CPU:
+    reading a GPU tensor's would wait for it; index_select bounds-checks there)."""
+    if order is None:
+        return
+    if order.dim() != 1 or order.numel() != B:
+        raise RuntimeError(f"{what}: the batch order has {order.numel()} entries for a batch of {B}")
+    if order.device.type == "cpu" and not torch.equal(torch.sort(order.long()).values, torch.arange(B)):
+        raise RuntimeError(f"{what}: the batch order is not a permutation of 0..{B - 1}")
+
+
 def _pack_padded(input, lengths, batch_first, order=None):
+    if input.dim() < 2:
+        raise RuntimeError("pack_padded_sequence: the input needs a time and a batch dimension")
+    T = input.shape[1 if batch_first else 0]
+    if lengths.device.type == "cpu" and lengths.dim() == 1 and lengths.numel() and int(lengths.max()) > T:
+        raise RuntimeError(f"pack_padded_sequence: a length ({int(lengths.max())}) is longer than the input's {T} "
+                           "steps")
+    _check_order(order, input.shape[0 if batch_first else 1], "pack_padded_sequence")
     if order is not None:
         input = input.index_select(0 if batch_first else 1, order.to(input.device))
     data, batch_sizes = _kernels.pack_padded(input, lengths, batch_first)
@@ -93,6 +131,12 @@ def _pack_padded_fake(input, lengths, batch_first, order=None):
     if lengths.dim() != 1 or lengths.dtype != torch.int64 or lengths.device.type != "cpu":
         raise RuntimeError("'lengths' argument should be a 1D CPU int64 tensor, "
                            f"but got {lengths.dim()}D {lengths.device.type} {lengths.dtype} tensor")
+    if input.dim() < 2:
+        raise RuntimeError("pack_padded_sequence: the input needs a time and a batch dimension")
+    B = input.shape[0 if batch_first else 1]
+    if known_different(lengths.shape[0], B):
+        raise RuntimeError(f"Expected `len(lengths)` to be equal to batch_size, but got {lengths.shape[0]} "
+                           f"(batch_size={B})")
     rows = _tensors.run_time_size()  # sum(lengths)
     steps = _tensors.run_time_size()  # max(lengths)
     batch_sizes = torch.empty((steps,), dtype=torch.int64, device="cpu")
@@ -100,7 +144,25 @@ def _pack_padded_fake(input, lengths, batch_first, order=None):
     return input.new_empty((rows, *input.shape[2:])), batch_sizes
 
 
+def _check_pack_grad(grad, input_size, what: str) -> None:
+    """``grad`` is the packed data of an input of ``input_size``."""
+    if len(input_size) < 2 or grad.dim() != len(input_size) - 1:
+        raise RuntimeError(f"{what}: grad must be the packed data of an input of {len(input_size)} dimensions, "
+                           f"got {grad.dim()}-D")
+    if any(known_different(a, b) for a, b in zip(grad.shape[1:], input_size[2:])):
+        raise RuntimeError(f"{what}: grad has shape {list(grad.shape)}, the input's features are "
+                           f"{list(input_size[2:])}")
+
+
 def _pack_padded_backward(grad, batch_sizes, input_size, batch_first, order=None):
+    what = "pack_padded_sequence's backward"
+    _check_pack_grad(grad, input_size, what)
+    bs = _checked_sizes(batch_sizes, grad.shape[0], what, "grad")
+    B, T = input_size[0 if batch_first else 1], input_size[1 if batch_first else 0]
+    if len(bs) > T or (bs and bs[0] != B):  # rows are written into a [T, B] grid
+        raise RuntimeError(f"{what}: batch_sizes ({len(bs)} steps, first {bs[0] if bs else 0}) does not describe an "
+                           f"input of {T} steps and {B} sequences")
+    _check_order(order, B, what)
     # Contiguous, as the fake says: ATen's returns a batch-first gradient as
     # a transposed view of a time-major buffer (Inductor checks strides).
     g = torch.ops.aten._pack_padded_sequence_backward(grad, input_size, batch_sizes, batch_first)
@@ -110,6 +172,7 @@ def _pack_padded_backward(grad, batch_sizes, input_size, batch_first, order=None
 
 
 def _pack_padded_backward_fake(grad, batch_sizes, input_size, batch_first, order=None):
+    _check_pack_grad(grad, input_size, "pack_padded_sequence's backward")
     return grad.new_empty(input_size)
 
 
@@ -120,6 +183,10 @@ def _lengths_of(batch_sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length, order=None):
+    if data.dim() < 1:
+        raise RuntimeError("pad_packed_sequence: data must have a row dimension, got a 0-D tensor")
+    bs = _checked_sizes(batch_sizes, data.shape[0], "pad_packed_sequence")
+    _check_order(order, bs[0] if bs else 0, "pad_packed_sequence")
     steps = batch_sizes.numel()
     if total_length >= 0 and total_length < steps:
         raise ValueError("Expected total_length to be at least the length of the longest sequence in input, but got "
@@ -132,6 +199,9 @@ def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length, ord
 
 
 def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length, order=None):
+    if data.dim() < 1 or batch_sizes.dim() != 1:
+        raise RuntimeError(f"pad_packed_sequence: data must have a row dimension and batch_sizes be 1-D, got "
+                           f"{data.dim()}-D and {batch_sizes.dim()}-D")
     B = batch_of(batch_sizes)
     T = batch_sizes.shape[0] if (isinstance(total_length, int) and total_length < 0) else total_length
     shape = (B, T) if batch_first else (T, B)  # contiguous, as the kernel returns it
@@ -139,6 +209,15 @@ def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length
 
 
 def _pad_packed_backward(grad, batch_sizes, rows, batch_first, order=None):
+    what = "pad_packed_sequence's backward"
+    if grad.dim() < 2:
+        raise RuntimeError(f"{what}: grad must have a time and a batch dimension, got {grad.dim()}-D")
+    bs = _checked_sizes(batch_sizes, rows, what, "the packed data")
+    Tg, Bg = grad.shape[1 if batch_first else 0], grad.shape[0 if batch_first else 1]
+    if len(bs) > Tg or (bs[0] if bs else 0) != Bg:  # rows are read from grad's [T, B] grid
+        raise RuntimeError(f"{what}: grad has {Tg} steps and {Bg} sequences, batch_sizes {len(bs)} steps and "
+                           f"{bs[0] if bs else 0} sequences")
+    _check_order(order, Bg, what)
     steps = batch_sizes.numel()
     g = grad.narrow(1 if batch_first else 0, 0, steps)
     if order is not None:
@@ -148,6 +227,9 @@ def _pad_packed_backward(grad, batch_sizes, rows, batch_first, order=None):
 
 
 def _pad_packed_backward_fake(grad, batch_sizes, rows, batch_first, order=None):
+    if grad.dim() < 2:
+        raise RuntimeError(f"pad_packed_sequence's backward: grad must have a time and a batch dimension, got "
+                           f"{grad.dim()}-D")
     return grad.new_empty((rows, *grad.shape[2:]))
 
 

@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -102,6 +104,29 @@ Tensor pad_rows(const Tensor& data_in, const int64_t* bs, int64_t steps, int64_t
 
 Tensor long_cpu(const Tensor& t) { return t.to(at::kCPU, at::kLong).contiguous(); }
 
+// batch_sizes as a contiguous int64 CPU tensor, checked before any row is
+// copied: 1-D, each entry in [0, the one before], summing to `rows` (the
+// packed rows the caller reads or writes). A hand-built PackedSequence whose
+// data is shorter than sum(batch_sizes) made the copies run past its end
+// (eager: "shape ... is invalid"); a negative entry moves the offsets back.
+// O(T): nothing per element.
+Tensor checked_sizes(const Tensor& batch_sizes, int64_t rows, const char* what, const char* rows_name) {
+  TORCH_CHECK(batch_sizes.dim() == 1, what, ": batch_sizes must be 1-D, got ", batch_sizes.dim(), "-D");
+  Tensor sizes = long_cpu(batch_sizes);
+  const int64_t* bs = sizes.data_ptr<int64_t>();
+  const int64_t steps = sizes.size(0);
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  int64_t sum = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    TORCH_CHECK(bs[t] >= 0 && (t == 0 || bs[t] <= bs[t - 1]), what,
+                ": batch_sizes must be non-negative and non-increasing, got ", bs[t], " at step ", t,
+                t ? " after " : "", t ? std::to_string(bs[t - 1]) : std::string());
+    sum = bs[t] > kMax - sum ? kMax : sum + bs[t];  // saturates instead of overflowing
+  }
+  TORCH_CHECK(sum == rows, what, ": ", rows_name, " has ", rows, " rows, but batch_sizes sums to ", sum);
+  return sizes;
+}
+
 std::tuple<Tensor, Tensor> pack_padded(const Tensor& input, const Tensor& lengths, bool batch_first,
                                        const c10::optional<Tensor>& order) {
   TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
@@ -137,7 +162,8 @@ std::tuple<Tensor, Tensor> pack_padded(const Tensor& input, const Tensor& length
 std::tuple<Tensor, Tensor> pad_packed(const Tensor& data, const Tensor& batch_sizes, bool batch_first,
                                       double padding_value, int64_t total_length,
                                       const c10::optional<Tensor>& order) {
-  Tensor sizes = long_cpu(batch_sizes);
+  TORCH_CHECK(data.dim() >= 1, "pad_packed_sequence: data must have a row dimension, got a 0-D tensor");
+  Tensor sizes = checked_sizes(batch_sizes, data.size(0), "pad_packed_sequence", "data");
   const int64_t steps = sizes.size(0);
   TORCH_CHECK(steps > 0, "pad_packed_sequence: an empty batch");
   const int64_t* bs = sizes.data_ptr<int64_t>();
@@ -160,9 +186,20 @@ std::tuple<Tensor, Tensor> pad_packed(const Tensor& data, const Tensor& batch_si
 // into the caller's batch order.
 Tensor pack_padded_backward(const Tensor& grad, const Tensor& batch_sizes, c10::SymIntArrayRef input_size,
                             bool batch_first, const c10::optional<Tensor>& order) {
-  Tensor sizes = long_cpu(batch_sizes);
+  const char* what = "pack_padded_sequence's backward";
+  TORCH_CHECK(input_size.size() >= 2 && grad.dim() == static_cast<int64_t>(input_size.size()) - 1, what,
+              ": grad must be the packed data of an input of ", input_size.size(), " dimensions, got ",
+              grad.dim(), "-D");
+  for (size_t k = 2; k < input_size.size(); ++k)
+    TORCH_CHECK(grad.size(k - 1) == input_size[k].expect_int(), what, ": grad has shape ", grad.sizes(),
+                ", the input's features are ", c10::SymIntArrayRef(input_size).slice(2));
+  Tensor sizes = checked_sizes(batch_sizes, grad.size(0), what, "grad");
   const int64_t B = input_size[batch_first ? 0 : 1].expect_int(), T = input_size[batch_first ? 1 : 0].expect_int();
-  auto col = permutation(order, B, "pack_padded_sequence's backward");
+  // The rows are written into a [T, B] grid: batch_sizes must fit it.
+  TORCH_CHECK(sizes.size(0) <= T && (sizes.size(0) == 0 || sizes.data_ptr<int64_t>()[0] == B), what,
+              ": batch_sizes (", sizes.size(0), " steps, first ", sizes.size(0) ? sizes.data_ptr<int64_t>()[0] : 0,
+              ") does not describe an input of ", T, " steps and ", B, " sequences");
+  auto col = permutation(order, B, what);
   return pad_rows(grad, sizes.data_ptr<int64_t>(), sizes.size(0), B, T, batch_first, 0.0,
                   col.empty() ? col : inverse(col));
 }
@@ -171,10 +208,16 @@ Tensor pack_padded_backward(const Tensor& grad, const Tensor& batch_sizes, c10::
 // dropped), read from the caller's batch order.
 Tensor pad_packed_backward(const Tensor& grad, const Tensor& batch_sizes, c10::SymInt rows, bool batch_first,
                            const c10::optional<Tensor>& order) {
-  Tensor sizes = long_cpu(batch_sizes);
+  const char* what = "pad_packed_sequence's backward";
+  TORCH_CHECK(grad.dim() >= 2, what, ": grad must have a time and a batch dimension, got ", grad.dim(), "-D");
+  Tensor sizes = checked_sizes(batch_sizes, rows.expect_int(), what, "the packed data");
   const int64_t* bs = sizes.data_ptr<int64_t>();
   const int64_t B = sizes.size(0) > 0 ? bs[0] : 0;
-  auto col = permutation(order, B, "pad_packed_sequence's backward");
+  // Rows are read from grad's [T, B] grid: batch_sizes must fit it.
+  const int64_t Tg = grad.size(batch_first ? 1 : 0), Bg = grad.size(batch_first ? 0 : 1);
+  TORCH_CHECK(sizes.size(0) <= Tg && B == Bg, what, ": grad has ", Tg, " steps and ", Bg,
+              " sequences, batch_sizes ", sizes.size(0), " steps and ", B, " sequences");
+  auto col = permutation(order, B, what);
   return pack_rows(grad, bs, sizes.size(0), rows.expect_int(), batch_first, col.empty() ? col : inverse(col));
 }
 
