@@ -324,6 +324,15 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     lstm = mode == "LSTM"
     h0 = hx[0] if len(hx) > 0 else None
     c0 = hx[1] if lstm and len(hx) > 1 else None
+    # Each layer and direction takes its slice of these: a short list would
+    # hand the last ones empty slices (eager's ATen checks the same).
+    if len(weights) != num_layers * dirs * per:
+        raise RuntimeError(f"wfpass::packed_rnn: got an incorrect number of RNN parameters: {len(weights)}, "
+                           f"expected {num_layers * dirs * per}")
+    for s, name in ((h0, "h0"), (c0, "c0")):
+        if s is not None and (s.dim() != 3 or known_different(s.shape[0], num_layers * dirs)):
+            raise RuntimeError(f"wfpass::packed_rnn: {name} must have {num_layers * dirs} layers and directions, "
+                               f"got shape {tuple(s.shape)}")
     hx, weights = _autocast_inputs(data, hx, weights)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (data, *hx, *weights))
     op = torch.ops.wfpass.packed_layer.default if need_grad else torch.ops.wfpass.packed_layer_fw.default
@@ -482,6 +491,41 @@ def pad_packed_sequence(sequence, batch_first=False, padding_value=0.0, total_le
     return padded, lengths
 
 
+def _check_packed_args(module, data, states, weights) -> None:
+    """Eager's checks of a packed call's input and states, made while Dynamo
+    traces (``nn.GRU/RNN.forward``'s ``check_forward_args``; ``nn.LSTM``'s
+    ATen kernel raises for the same inputs). Without them a feature size
+    other than input_size ran and returned values. A raise here sends the
+    call to eager, which raises its own error, the module named where
+    ``capture.name_errors`` named it. The states' batch is a value
+    (batch_sizes[0]): the layer kernels check it when they run."""
+    lstm = rnn_mode(module) == "LSTM"
+    L = module.num_layers * (2 if module.bidirectional else 1)
+    proj = getattr(module, "proj_size", 0)
+    widths = [proj if proj > 0 else module.hidden_size, module.hidden_size]
+    name = lambda: _display_name(module)  # noqa: E731 - only on the error path
+    if data.dim() != 2:
+        raise RuntimeError(f"{name()}: input must have 2 dimensions, got {data.dim()}")
+    if data.shape[-1] != module.input_size:
+        raise RuntimeError(f"{name()}: input.size(-1) must be equal to input_size. Expected {module.input_size}, "
+                           f"got {data.shape[-1]}")
+    if weights and data.dtype != weights[0].dtype and not torch._C._is_any_autocast_enabled():
+        raise ValueError(f"{name()}: RNN input dtype ({data.dtype}) does not match weight dtype "
+                         f"({weights[0].dtype})")
+    for k, (s, w) in enumerate(zip(states, widths)):
+        if s.dim() != 3 or s.shape[0] != L or s.shape[2] != w:
+            which = f"hidden[{k}]" if lstm else "hidden"
+            raise RuntimeError(f"{name()}: Expected {which} size ({L}, batch_sizes[0], {w}), got {list(s.shape)}")
+
+
+def _display_name(module) -> str:
+    """The name ``capture.name_errors`` gave the module's errors, else its class."""
+    f = module.__dict__.get("check_forward_args")
+    if isinstance(f, functools.partial) and len(f.args) > 1 and isinstance(f.args[1], str):
+        return f.args[1]
+    return f"nn.{type(module).__name__}"
+
+
 def rnn_forward(module, input, hx=None):
     """An ``nn.LSTM/GRU/RNN``'s ``forward`` for wfpass-captured modules:
     a PackedSequence in a wformat trace goes to ``wfpass::packed_rnn``;
@@ -526,6 +570,7 @@ def _packed_call(module, input, hx):
         hx = module.permute_hidden(hx, sorted_indices)
         states = [hx[0], hx[1]] if lstm else [hx]
     weights = [getattr(module, n) for n in flat_weight_names(module)]
+    _check_packed_args(module, data, states, weights)
     out, h_n, c_n = torch.ops.wfpass.packed_rnn(data, batch_sizes, states, weights, mode, bool(module.bias),
                                                 module.num_layers, float(module.dropout), module.training,
                                                 module.bidirectional, getattr(module, "proj_size", 0))
