@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from .._torch import dynamo as _dynamo
@@ -31,6 +32,8 @@ def note_eager_call(module: nn.Module, packed: bool, where: Optional[str] = None
     ``wfpass.report(model)``: ``eager_calls``, and the row says why. Outside
     any compiled function nothing is counted: the user ran the model eagerly.
     ``where``: why, where the caller knows (a key of ``_EAGER_WHY``)."""
+    if torch.compiler.is_compiling():  # Dynamo tracing a frame that calls this (an error's retry): not a run
+        return
     where = where or _dynamo.eager_run_inside_compile()
     if where is None:
         return
