@@ -15,6 +15,7 @@ parameters were re-assigned). So the backend returns::
                 fs = site.prepare(args)          # first sight: fuse this set; lost: re-fuse
             if fs is None and site.reads_block:  # cannot be fused (a tie, a shared storage)
                 return fallback(*args)           # the graph before the rewrite, run eagerly
+            count the call on the site's path    # a graph choosing per call: the path of this call's M
         return compiled(*args)
 
 The check is address arithmetic against a block the layout keeps alive (see
@@ -53,6 +54,9 @@ class GroupSite:
     counter:     the stats this site bumps on every call (its path is static per graph).
     reads_block: the compiled graph reads the block, so a call whose
                  parameters cannot be laid out must take the fallback.
+    by_rows:     set where the graph picks its path per call (a symbolic row
+                 count: ``linear.rewrite.ByRows``): then the counters of a
+                 call are those of the path its row count takes.
     """
 
     def __init__(self, kind: str, key: Any, idx: Sequence[int], names: Sequence[str], offsets: Sequence[int],
@@ -62,6 +66,7 @@ class GroupSite:
         self.names = list(names)
         self.offsets, self.numel = list(offsets), numel
         self.record, self.counter, self.reads_block = record, tuple(counter), reads_block
+        self.by_rows: Any = None
         # A bias block's site: its layouts share the record of the weight
         # block's layout for the same call (one row per group in the report).
         self.partner = partner
@@ -191,7 +196,7 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
     """The callable the backend returns: per-call layout checks, then the
     compiled graph, or the fallback graph when a group that the compiled graph
     reads as a block cannot be laid out for this call."""
-    plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block, s.record.decision) for s in sites]
+    plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block, s.record.decision, s.by_rows) for s in sites]
     owner_get = entry_by_id
 
     def others(args):
@@ -199,7 +204,10 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
 
     def call(*args):
         ok = True
-        for site, idx, i0, key, counter, reads, dec in plan:
+        for site, idx, i0, key, counter, reads, dec, by_rows in plan:
+            if by_rows is not None:  # the graph picks its path from this call's row count
+                m = by_rows.rows(args)
+                counter = by_rows.small if m <= by_rows.max_rows else by_rows.large
             entry = owner_get(id(args[i0]))
             fs = entry[1] if entry is not None else None
             if fs is None or fs.key != key or fs.ptrs != tuple([args[i].data_ptr() for i in idx]):
@@ -226,6 +234,10 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
                 ticks = stats.by_names.get(counter) or stats.tickers(counter)
                 for t in ticks:
                     next(t)
+                if by_rows is not None:
+                    seen = rec.detail.get("_rows_seen")
+                    if seen is None or m not in seen:  # a row count this record has not seen: its text names it
+                        by_rows.note(rec, m)
         if ok:
             return compiled(*args)
         return fallback(*args)

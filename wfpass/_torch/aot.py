@@ -148,3 +148,14 @@ def static_example(alias: torch.Tensor, name: str, like: Optional[torch.Tensor] 
         tensor_source=ConstantSource(f"wfpass_block_member_{name}"), shape_env_to_source_to_symbol_cache={},
     )
 
+
+def cond(pred, true_fn, false_fn, operands: tuple):
+    """``torch.cond`` as AOTAutograd traces it: ``torch.ops.higher_order.cond``
+    called directly (the op ``torch.cond`` becomes in a graph; torch
+    2.13.0). ``torch.cond`` itself, outside Dynamo (as in a kernel that
+    AOTAutograd traces), first compiles a wrapper of the op with Dynamo: a
+    nested compile per call site, with cache entries of its own. ``pred``
+    a SymBool: the traced graph holds a ``cond`` node that Inductor lowers
+    to an ``if`` in its wrapper. Each branch returns a tuple of tensors
+    (Inductor's lowering reads the outputs as one)."""
+    return torch.ops.higher_order.cond(pred, true_fn, false_fn, operands)

@@ -1,5 +1,5 @@
 """Tensor internals (torch 2.13.0): storage use counts, identity-keyed weak
-dicts, version counters. Imports nothing from wfpass."""
+dicts, version counters, symbolic sizes. Imports nothing from wfpass."""
 from __future__ import annotations
 
 import functools
@@ -101,3 +101,57 @@ def run_time_size(min: int = 0):
     if env is None:
         return ctx.new_dynamic_size(min=min)  # raises as torch.library does: no shape environment
     return allocate_size(env, min)
+
+
+def size_product_reader(dims, inputs):
+    """The product of ``dims`` (ints and symbolic sizes of a graph) as a
+    function of that graph's call arguments, ``inputs`` being Dynamo's
+    examples of them: e.g. ``def read(a): s0 = a[0]; return s0`` where the
+    first input is the symbol ``s0`` (Dynamo passes the symbols of its
+    inputs' sizes as ints), else a tensor input's size with that symbol.
+    None where a symbol is bound by no input (an unbacked size) or there is
+    none. A symbolic size's expression (``SymInt.node.expr``) and
+    ``torch.utils._sympy.printers.PythonPrinter`` (Inductor's printer for
+    its wrapper's Python) are private (torch 2.13.0)."""
+    import sympy
+    from torch.utils._sympy.printers import PythonPrinter
+
+    expr = sympy.Integer(1)
+    for d in dims:
+        expr = expr * (d.node.expr if isinstance(d, torch.SymInt) else int(d))
+    where = {}
+    for i, a in enumerate(inputs):  # a symbol the graph takes as an int first
+        if isinstance(a, torch.SymInt) and isinstance(a.node.expr, sympy.Symbol):
+            where.setdefault(a.node.expr, f"a[{i}]")
+    for i, a in enumerate(inputs):
+        if isinstance(a, torch.Tensor):
+            for j, d in enumerate(a.shape):
+                if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+                    where.setdefault(d.node.expr, f"a[{i}].shape[{j}]")
+    symbols = sorted(expr.free_symbols, key=str)
+    if not symbols or any(s not in where for s in symbols):
+        return None
+    src = ("def read(a):\n" + "".join(f"    {s} = {where[s]}\n" for s in symbols)
+           + f"    return {PythonPrinter().doprint(expr)}\n")
+    ns: dict = {}
+    exec(compile(src, "<wfpass: a product of symbolic sizes>", "exec"), ns)
+    return ns["read"]
+
+
+def sizes_bind_symbols(t: torch.Tensor) -> bool:
+    """Whether every symbol in ``t``'s sizes and strides is one of its sizes
+    itself. A subgraph that takes ``t`` as an input (a ``cond`` branch
+    Inductor compiles) reads its symbols from that input's sizes, and fails
+    to compile ("expected [s0] to have been codegen-ed") where a symbol is
+    only part of an expression there (``2*s0``, ``s0 - 1``, a stride of a
+    larger tensor). ``SymInt.node.expr`` is private (torch 2.13.0)."""
+    import sympy
+
+    free, bound = set(), set()
+    for d in tuple(t.shape) + tuple(t.stride()):
+        if isinstance(d, torch.SymInt):
+            free |= d.node.expr.free_symbols
+    for d in t.shape:
+        if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+            bound.add(d.node.expr)
+    return free <= bound

@@ -12,10 +12,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import networkx as nx
 import torch.fx as fx
 
-from ..graph import PassContext
+from .._torch import tensors as _tensors
+from ..graph import PassContext, meta_value
 from ..storage import first_sharing_problem, fused_storage_of
 from .match import LinearGroup, LinearSite, rows_of, site_params
-from .site import weight_not_2d, weight_ref_problem, written_in_place
+from .site import rows_reader, weight_not_2d, weight_ref_problem, written_in_place
 
 __all__ = ["narrow_group", "group_problem", "choose_path", "fusion_keeps_dag"]
 
@@ -71,6 +72,21 @@ def storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int,
     return problems
 
 
+def per_call_problem(ctx: PassContext, x: fx.Node) -> Optional[str]:
+    """Why a group over ``x``, whose row count is symbolic, cannot choose
+    its path per call; None if it can."""
+    if ctx.region is not None:
+        # torch.utils.checkpoint's recomputation cannot replay a ``cond``
+        # (its dispatch mode has no rule for it; torch 2.13.0).
+        return "in a region (no per-call choice there)"
+    if rows_reader(x, ctx.example_inputs) is None:
+        return "not read from the graph's inputs"
+    if not _tensors.sizes_bind_symbols(meta_value(x)):
+        # The ``cond``'s branches take x and find M's symbols in its sizes.
+        return "its input's sizes hold a symbol only inside an expression"
+    return None
+
+
 def choose_path(ctx: PassContext, x: fx.Node) -> tuple:
     mode = ctx.config.linear.path
     m = rows_of(x)
@@ -80,11 +96,17 @@ def choose_path(ctx: PassContext, x: fx.Node) -> tuple:
         # A traced graph without shapes (``wfpass.apply`` of symbolic_trace).
         return "fused", "rows unknown (no shapes in the graph): fused GEMM"
     if m is None:
-        # A symbolic row count: one graph serves every M. Measured on the
-        # decoder benchmark (docs/targets.md), the one GEMM was not reliably
-        # faster at M = 1 and lost at M = 8 to 64, so such a graph keeps the
-        # separate GEMMs (over views of the block).
-        return "split", "rows symbolic: one GEMM per member over views of the fused block"
+        # A symbolic row count: one graph serves every M, so it picks per
+        # call, as a static graph of that M would (``kernel.by_rows``), and
+        # the backend counts each call on its path from the M it reads from
+        # the call's inputs. Where it cannot (``per_call_problem``), the
+        # graph keeps the separate GEMMs (over views of the block).
+        why = per_call_problem(ctx, x)
+        if why is not None:
+            return "split", f"rows symbolic, {why}: one GEMM per member over views of the fused block"
+        return "by_rows", (f"rows symbolic: chosen per call, one GEMM at M <= fused_max_rows="
+                           f"{ctx.config.linear.fused_max_rows} (fused_calls), else one GEMM per member over views "
+                           "of the fused block (split_calls)")
     if m <= ctx.config.linear.fused_max_rows:
         return "fused", f"M={m} <= fused_max_rows={ctx.config.linear.fused_max_rows}: one GEMM"
     return "split", f"M={m} > fused_max_rows={ctx.config.linear.fused_max_rows}: one GEMM per member over views of the fused block"

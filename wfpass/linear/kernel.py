@@ -21,15 +21,36 @@ bias vector is built in the graph (``bias_vector``), one small fused kernel.
 ``q_w ... v_b`` are passed to ``FusedLinear`` only so autograd can route each
 its own gradient; the forward reads the block.
 
+A graph whose row count M is symbolic (Dynamo's recompile after a second
+length) serves every M, so it picks per call (the ``by_rows`` path): ``spec``
+carries the largest M of the one GEMM, ``(sizes, has_bias, 4)``, and the
+forward AOTAutograd traces is a ``cond`` on M::
+
+    y = fused_linear(x, w, b, ([16, 8, 8], [True, True, True], 4), q_w, ...)   # the FX graph: as above
+
+    y = cond(s0 <= 4, one_gemm, per_member, (x, w, b))   # what AOTAutograd traces from it; x: (1, s0, 32)
+
+    one_gemm(x, w, b):   addmm(b, x2, w.t()).view(1, s0, 32)            # x2 = x.view(-1, 32): (M, 32)
+    per_member(x, w, b): cat([addmm(b[:16], x2, w[:16].t()), addmm(b[16:24], x2, w[16:24].t()),
+                              addmm(b[24:], x2, w[24:].t())], -1).view(1, s0, 32)
+
+Inductor turns it into ``if s0 <= 4: ... else: ...`` in its wrapper, each
+member's GEMM writing its columns of one output (no copy for the ``cat``).
+The backward is ``FusedLinear``'s, the same for both (its GEMMs read the
+block). ``runtime.guarded_call`` counts each call on the path its M takes.
+
 ``wfpass.apply`` graphs run eagerly, with no backend around them: there the
 block comes from ``EagerBlock``, which makes the same check in place.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .._torch import aot as _aot
 
 __all__ = ["FusedLinear", "LinearLayout", "fused_linear", "bias_vector", "EagerBlock", "EagerLayoutCheck"]
 
@@ -78,12 +99,16 @@ class FusedLinear(torch.autograd.Function):
     own Parameter.
 
     Inputs: ``x, w_block, b_block, spec, *weights, *present_biases`` where
-    ``spec = (sizes, has_bias)``. Written in aten ops only, so AOTAutograd
-    traces forward and backward and Inductor compiles the GEMMs like any other.
+    ``spec = (sizes, has_bias)``, or ``(sizes, has_bias, max_rows)`` where
+    the path is chosen per call (``by_rows``). Written in aten ops (and
+    ``cond``) only, so AOTAutograd traces forward and backward and Inductor
+    compiles the GEMMs like any other.
     """
 
     @staticmethod
     def forward(x, w_block, b_block, spec, *params):
+        if len(spec) > 2:
+            return by_rows(x, w_block, b_block, spec[0], spec[2])
         return F.linear(x, w_block, b_block)
 
     @staticmethod
@@ -95,7 +120,7 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w_block = ctx.saved_tensors
-        sizes, has_bias = ctx.spec
+        sizes, has_bias = ctx.spec[:2]
         n = len(sizes)
         needs = ctx.needs_input_grad
         gx = gy @ w_block if needs[0] else None
@@ -114,6 +139,37 @@ class FusedLinear(torch.autograd.Function):
 def fused_linear(x, w_block, b_block, spec, *params):
     """Graph-level entry point (FX cannot name ``FusedLinear.apply`` in code)."""
     return FusedLinear.apply(x, w_block, b_block, spec, *params)
+
+
+def by_rows(x: torch.Tensor, w_block: torch.Tensor, b_block: Optional[torch.Tensor], sizes: Sequence[int],
+            max_rows: int) -> torch.Tensor:
+    """The forward of the ``by_rows`` path: one GEMM over the block where x
+    has at most ``max_rows`` rows, one GEMM per member (over its rows of the
+    block) above. A symbolic row count becomes a ``cond`` in the traced
+    graph, decided per call; a known one (a real tensor, a static shape)
+    picks the branch here. Both give the same output. The branches take x
+    as it is (the ``cond``'s subgraphs read the symbols of its sizes from
+    it) and multiply its 2-D view, so that each member's GEMM writes its
+    columns of the one output."""
+    sizes = list(sizes)
+
+    def one_gemm(x, w_block, *b):
+        x2 = x.reshape(-1, x.shape[-1])
+        return (F.linear(x2, w_block, b[0] if b else None).view(*x.shape[:-1], w_block.shape[0]),)
+
+    def per_member(x, w_block, *b):
+        x2 = x.reshape(-1, x.shape[-1])
+        bs = b[0].split(sizes, 0) if b else [None] * len(sizes)
+        y2 = torch.cat([F.linear(x2, w, bm) for w, bm in zip(w_block.split(sizes, 0), bs)], -1)
+        return (y2.view(*x.shape[:-1], w_block.shape[0]),)
+
+    rows = math.prod(x.shape[:-1])
+    operands = (x, w_block) + ((b_block,) if b_block is not None else ())
+    if isinstance(rows, torch.SymInt):
+        (y,) = _aot.cond(rows <= max_rows, one_gemm, per_member, operands)
+    else:
+        (y,) = (one_gemm if rows <= max_rows else per_member)(*operands)
+    return y
 
 
 # -- wfpass.apply graphs: the same check, in place ------------------------------

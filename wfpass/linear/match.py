@@ -66,7 +66,7 @@ class LinearGroup(Match):
         # Which checks the members passed, for the min_group_size row.
         self.checked = checked
         # Set by the guard of a taken group (``guards.group_problem``):
-        self.path, self.why = "", ""  # "fused" | "split", and the row's words for it
+        self.path, self.why = "", ""  # "fused" | "split" | "by_rows" (chosen per call), and the row's words
         self.fuse_biases = False  # every member has a bias: one bias block
         self.region = ""  # the row's words for a checkpointed region
 

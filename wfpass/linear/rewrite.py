@@ -4,13 +4,16 @@ moved into one block, its per-call layout check, and the graph's new call.
 Dynamo flavour, fused path (one GEMM; the graph before and after is in
 ``wfpass/passes/fuse_linears.py``): the block is an ``as_strided`` view of
 the first member's storage, read by ``fused_linear``; split path: the graph
-keeps its linears, which read views of the block. ``symbolic_trace``
-flavour: ``EagerBlock`` / ``EagerLayoutCheck`` make the same check in place.
+keeps its linears, which read views of the block; ``by_rows`` (a symbolic
+row count): the fused path's graph, whose ``fused_linear`` picks one GEMM or
+one per member per call (``kernel.by_rows``), each call counted on the path
+it took (``ByRows``). ``symbolic_trace`` flavour: ``EagerBlock`` /
+``EagerLayoutCheck`` make the same check in place.
 """
 from __future__ import annotations
 
 import operator
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -22,6 +25,7 @@ from ..storage import FusedStorage
 from ..groups import find_layout, group_record, open_site
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from .match import LinearGroup
+from .site import rows_reader
 
 __all__ = ["rewrite_group"]
 
@@ -33,12 +37,57 @@ def _note_path(record, why: str, counter: str) -> None:
     several graphs names every path they took."""
     cond, _, what = why.partition(": ")
     paths = record.detail.setdefault("paths", {})
-    paths[cond] = f"{what} ({counter})" if what else f"({counter})"
+    if counter:
+        paths[cond] = f"{what} ({counter})" if what else f"({counter})"
+    else:  # a path chosen per call names both counters itself
+        paths[cond] = what
     text = record.detail.get("_text")
     if text is not None:
-        head, tail = text
-        parts = (f"{c}: {w}" if w[0] != "(" else f"{c} {w}" for c, w in paths.items())
-        record.reason = f"{head}; " + "; ".join(parts) + tail
+        _write_text(record, *text)
+
+
+#: The path key of a graph that chooses per call (``guards.choose_path``).
+_PER_CALL = "rows symbolic"
+
+
+def _write_text(record, head: str, tail: str) -> None:
+    """The record's text: its head, then every path its graphs took; after
+    a graph that chooses per call, the row counts each path took so far."""
+    seen = record.detail.get("rows_per_call") or {}
+    parts = []
+    for c, w in record.detail.get("paths", {}).items():
+        part = f"{c}: {w}" if w[0] != "(" else f"{c} {w}"
+        if c == _PER_CALL and seen:
+            one = ", ".join(str(m) for m, p in seen.items() if p == "fused")
+            per = ", ".join(str(m) for m, p in seen.items() if p == "split")
+            took = ([f"one GEMM at M={one}"] if one else []) + ([f"one GEMM per member at M={per}"] if per else [])
+            part += "; so far " + ", ".join(took)
+        parts.append(part)
+    record.reason = f"{head}; " + "; ".join(parts) + tail
+
+
+class ByRows:
+    """The per-call choice of a ``by_rows`` group, as ``runtime.guarded_call``
+    counts it: ``rows(args)``, this call's M read from the compiled call's
+    arguments (``site.rows_reader``); the counters of M <= ``max_rows``
+    (``small``, the one GEMM) and above (``large``); ``note``, which adds a
+    row count seen for the first time to the record it counts on (its
+    detail's ``rows_per_call`` and its text). The graph decides the same
+    way from the same M (``kernel.by_rows``)."""
+
+    def __init__(self, rows: Callable[[Sequence[Any]], int], max_rows: int, small: Tuple[str, ...],
+                 large: Tuple[str, ...], text: Optional[Tuple[str, str]]):
+        self.rows, self.max_rows, self.small, self.large, self.text = rows, max_rows, small, large, text
+
+    def note(self, record, m: int) -> None:
+        seen = record.detail.get("_rows_seen")
+        if seen is None:
+            seen = record.detail["_rows_seen"] = set()
+        seen.add(m)
+        record.detail["rows_per_call"] = {k: "fused" if k <= self.max_rows else "split" for k in sorted(seen)}
+        text = record.detail.get("_text") or self.text  # a later parameter set's record has no "_text"
+        if text is not None:
+            _write_text(record, *text)
 
 
 def rewrite_group(ctx: PassContext, m: LinearGroup) -> None:
@@ -74,7 +123,8 @@ def _rewrite_dynamo(ctx: PassContext, m: LinearGroup, layout: LinearLayout) -> N
     with g.inserting_before(m.sites[0].node):
         w_block = g.call_function(torch.as_strided, (w_nodes[0], (layout.total, layout.in_features), (layout.in_features, 1), 0))
         b_block = g.call_function(torch.as_strided, (b_nodes[0], (layout.total,), (1,), 0)) if m.fuse_biases else None
-    _fused_call(m, layout, w_block, b_block, w_nodes, b_nodes)
+    max_rows = ctx.config.linear.fused_max_rows if m.path == "by_rows" else None
+    _fused_call(m, layout, w_block, b_block, w_nodes, b_nodes, max_rows)
 
 
 def _rewrite_traced(ctx: PassContext, m: LinearGroup, layout: LinearLayout) -> None:
@@ -116,11 +166,15 @@ def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: S
     bfs = find_layout(biases, layout.bias_key) if fuse_biases else None
     record = _group_record(ctx, m, layout, fs, biases)
     wnames, bnames = [s.weight.name for s in sites], [s.bias.name for s in sites if s.has_bias]
-    counters = {"fused": ("fused_calls",), "split": ("split_calls",)}[path]
-    if biases and not fuse_biases and path == "fused":
-        counters += ("bias_cat_calls",)
+    counters = {"fused": ("fused_calls",), "split": ("split_calls",), "by_rows": ("fused_calls", "split_calls")}[path]
+    bias_cat = ("bias_cat_calls",) if biases and not fuse_biases and path != "split" else ()
     wsite = GroupSite("linear.weight", layout.weight_key, w_idx, wnames, layout.w_offsets,
-                      layout.total * layout.in_features, record, counters, reads_block=path == "fused")
+                      layout.total * layout.in_features, record, counters + bias_cat, reads_block=path != "split")
+    if path == "by_rows":
+        # Each call counted on the path its M takes (the graph's ``cond``
+        # decides from the same M).
+        wsite.by_rows = ByRows(rows_reader(m.x, ctx.example_inputs), ctx.config.linear.fused_max_rows,
+                               ("fused_calls",) + bias_cat, ("split_calls",) + bias_cat, record.detail.get("_text"))
     extra = []
     if biases and not fuse_biases:
         extra = [(n, i, t) for n, i, t in zip(bnames, b_idx or [-1] * len(biases), biases)]
@@ -128,7 +182,7 @@ def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: S
     if not fuse_biases:
         return wsite, None
     bsite = GroupSite("linear.bias", layout.bias_key, b_idx, bnames, b_offsets, layout.total, record, (),
-                      reads_block=path == "fused", partner=wsite)
+                      reads_block=path != "split", partner=wsite)
     return wsite, open_site(ctx, bsite, bfs, biases)
 
 
@@ -139,7 +193,7 @@ def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Op
     every such graph, and whose text and ``detail["path"]`` name every path
     those graphs took."""
     bias_note = "" if m.fuse_biases or not biases else "; bias vector built per call (only some members have a bias)"
-    counter = {"fused": "fused_calls", "split": "split_calls"}[m.path]
+    counter = {"fused": "fused_calls", "split": "split_calls", "by_rows": ""}[m.path]  # by_rows: its text names both
 
     def new() -> Record:
         how = "weights already in one block (an earlier compile or run)" if fs is not None else "weights moved into one block"
@@ -166,16 +220,19 @@ def _group_record(ctx: PassContext, m: LinearGroup, layout: LinearLayout, fs: Op
 
 
 def _fused_call(m: LinearGroup, layout: LinearLayout, w_block: fx.Node, b_block: Optional[fx.Node],
-                w_nodes: List[fx.Node], b_nodes: List[fx.Node]) -> None:
+                w_nodes: List[fx.Node], b_nodes: List[fx.Node], max_rows: Optional[int] = None) -> None:
     """The fused path, both flavours: one ``fused_linear`` over the blocks
     (or over a bias vector built per call, when only some members have a
-    bias), split into the members' outputs, which replace their calls."""
+    bias), split into the members' outputs, which replace their calls. With
+    ``max_rows`` (the ``by_rows`` path) the call runs one GEMM up to that
+    many rows and one per member above, chosen per call."""
     sites, g = m.sites, m.run.gm.graph
     sizes, has_bias = layout.sizes, layout.has_bias
+    spec = (sizes, has_bias) if max_rows is None else (sizes, has_bias, max_rows)
     with g.inserting_before(sites[0].node):
         if b_block is None and b_nodes:
             b_block = g.call_function(bias_vector, (list(sizes), list(has_bias), *b_nodes))
-        y = g.call_function(fused_linear, (m.x, w_block, b_block, (sizes, has_bias), *w_nodes, *b_nodes))
+        y = g.call_function(fused_linear, (m.x, w_block, b_block, spec, *w_nodes, *b_nodes))
         # Whether the graph computes a gradient through the block: the
         # members' recorded values say (grad mode and inputs included); a
         # later format (pack) must not take a call that trains for one that

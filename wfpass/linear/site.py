@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
+from .._torch import tensors as _tensors
 from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg, static_int
 from ..storage import FusedStorage, layout_of
 from .kernel import LinearLayout
 
-__all__ = ["LinearSite", "linear_sites", "rows_of", "weight_block_of", "weight_ref_problem", "weight_not_2d",
-           "written_in_place"]
+__all__ = ["LinearSite", "linear_sites", "rows_of", "rows_reader", "weight_block_of", "weight_ref_problem",
+           "weight_not_2d", "written_in_place"]
 
 
 def rows_of(x: fx.Node) -> Optional[int]:
@@ -35,6 +36,20 @@ def rows_of(x: fx.Node) -> Optional[int]:
         return None
     dims = [static_int(s) for s in shape[:-1]]
     return None if any(d is None for d in dims) else int(math.prod(dims))  # None: a symbolic size
+
+
+def rows_reader(x: fx.Node, inputs: Optional[Sequence[Any]]) -> Optional[Callable[[Sequence[Any]], int]]:
+    """A symbolic M read per call: a function of a compiled graph's
+    arguments (``inputs``: Dynamo's examples of them) that gives the M of
+    a linear over ``x`` in that call, e.g. ``def read(a): s0 = a[0]; return
+    s0`` where the graph's first input is the symbol ``s0`` (Dynamo passes
+    each symbol of the input sizes as an int), or a tensor input's size
+    (``_torch.tensors.size_product_reader``). None where a symbol of M is
+    bound by no input (a size computed from data), or ``x`` has no shape."""
+    shape = getattr(meta_value(x), "shape", None)
+    if shape is None or inputs is None:
+        return None
+    return _tensors.size_product_reader(shape[:-1], inputs)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,16 @@ graph is left as it was (a ``symbolic_trace`` graph gets a layout check in
 front of the linears: ``EagerLayoutCheck``); the storage is fused either way, which costs nothing and lets
 each shape take the faster path.
 
+A graph whose M is symbolic (Dynamo's recompile after a second length)
+takes both, chosen per call at the same ``fused_max_rows`` (``by_rows``):
+the fused path's graph, with the threshold in the spec::
+
+    y = fused_linear(x, w, b, ([dq, dk, dv], [True, False, True], 4), q_w, k_w, v_w, q_b, v_b)
+
+which AOTAutograd traces to ``cond(M <= 4, one_gemm, per_member, (x, w,
+b))`` (``wfpass/linear/kernel.py``); each call is counted on the path its
+M took.
+
 The steps ``pipeline.drive`` runs:
 
 - ``matches``: the linears reading one input (at least two), then the
@@ -34,7 +44,7 @@ The steps ``pipeline.drive`` runs:
   no weight or bias shared with another tensor (ties stay tied).
 - ``guard``: at least ``min_group_size`` left; the parameters are inputs of
   a Dynamo graph (not attributes baked in by ``freezing=True``); picks the
-  path (one GEMM or one per member) from the row count.
+  path (one GEMM, one per member, or per call) from the row count.
 - ``apply``: moves the weights into the block and rewrites the graph.
 """
 from __future__ import annotations
