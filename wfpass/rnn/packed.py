@@ -509,7 +509,7 @@ def _check_packed_args(module, data, states, weights) -> None:
     if data.shape[-1] != module.input_size:
         raise RuntimeError(f"{name()}: input.size(-1) must be equal to input_size. Expected {module.input_size}, "
                            f"got {data.shape[-1]}")
-    if weights and data.dtype != weights[0].dtype and not torch._C._is_any_autocast_enabled():
+    if weights and data.dtype != weights[0].dtype and not torch.is_autocast_enabled(data.device.type):
         raise ValueError(f"{name()}: RNN input dtype ({data.dtype}) does not match weight dtype "
                          f"({weights[0].dtype})")
     for k, (s, w) in enumerate(zip(states, widths)):
