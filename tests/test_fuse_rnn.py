@@ -1090,18 +1090,45 @@ def test_the_cpp_and_python_kernels_of_the_layer_ops_give_the_same_bits(dtype):
                         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
                     else:
                         assert torch.equal(a, b)
-                if mode == "GRU":
-                    # The backward's sequential loop: C++ and Python, bit for bit.
-                    gy, ghy = r(T, B, H), r(1, B, H)
-                    args = (x, *wg, state, py[0], gy, ghy, mode, reverse)
-                    cpp_g = nl._rnn_layer_backward(*args)
-                    with pytest.MonkeyPatch.context() as mp:
-                        mp.setattr(nl._native, "is_loaded", lambda: False)
-                        py_g = nl._rnn_layer_backward(*args)
-                    for a, b in zip(py_g, cpp_g):
-                        assert torch.equal(a, b)
+                # The backward: the op's C++ kernel, the Python kernel (with the C++
+                # GRU loop) and the Python kernel with its own loop, bit for bit; with
+                # and without biases and each incoming gradient.
+                gy, ghy = r(T, B, H), r(1, B, H)
+                for weights in (wg, (*wg[:2], None, None)):
+                    for grads in ((gy, ghy), (None, ghy), (gy, None)):
+                        args = (x, *weights, state, py[0], *grads, mode, reverse)
+                        op_g = torch.ops.wfpass.rnn_layer_backward(*args)
+                        mixed_g = nl._rnn_layer_backward(*args)
+                        with pytest.MonkeyPatch.context() as mp:
+                            mp.setattr(nl._native, "is_loaded", lambda: False)
+                            py_g = nl._rnn_layer_backward(*args)
+                        for a, b, c in zip(py_g, mixed_g, op_g):
+                            assert a.dtype == c.dtype and a.shape == c.shape and a.stride() == c.stride()
+                            assert torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(ValueError, match="mode must be one of"):
         torch.ops.wfpass.rnn_layer_fw(x, *wg, None, "LSTM", False)
+
+
+def test_the_lstm_layer_op_records_no_autograd_graph_of_its_own():
+    """``lstm_layer_fw`` runs oneDNN's kernel with grad mode on (for its
+    workspace) inside compiled forward graphs, which run under ``no_grad``
+    with parameters that require grad: the kernel's outputs carry no
+    autograd node (ATen's would save eleven tensors for a graph no one
+    differentiates), on the C++ kernel and the Python one; the workspace is
+    still there."""
+    from wfpass._torch import native
+    from wfpass.rnn import lstm_layer as ll
+
+    native.loaded()
+    T, B, I, H = 3, 2, 4, 5
+    x = torch.randn(T, B, I)
+    w = [torch.randn(4 * H, I, requires_grad=True), torch.randn(4 * H, H, requires_grad=True),
+         torch.randn(4 * H, requires_grad=True), torch.randn(4 * H, requires_grad=True)]
+    with torch.no_grad():
+        for outs in (torch.ops.wfpass.lstm_layer_fw(x, *w, None, None, False, H, True, True),
+                     ll._lstm_layer(x, *w, None, None, False, H, True, True)):
+            assert all(o.grad_fn is None and not o.requires_grad for o in outs)
+            assert outs[3].numel() > 0
 
 
 def _lstm_without_onednn(monkeypatch, dtype, probe=None):

@@ -59,8 +59,11 @@ def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has
     prev = torch.is_grad_enabled()
     torch.set_grad_enabled(train)  # the kernel returns its workspace only with grad mode on
     try:
-        y, hy, cy, ws = _MKLDNN_RNN_LAYER(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1,
-                                          has_biases, False, False, train)
+        # Below autograd: ATen's autograd kernel would record a graph no one
+        # differentiates (the op's gradient is lstm_layer_backward).
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            y, hy, cy, ws = _MKLDNN_RNN_LAYER(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1,
+                                              has_biases, False, False, train)
     finally:
         torch.set_grad_enabled(prev)
     if ws is None or not train:

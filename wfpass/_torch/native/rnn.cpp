@@ -7,6 +7,7 @@
 //
 // Checked on torch 2.13.0.
 #include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
@@ -32,8 +33,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer(const Tensor& input, const
   if (!hx.has_value() || !cx.has_value()) zero = zero_state(input, hidden_size);
   const Tensor& h = hx.has_value() ? *hx : zero;
   const Tensor& c = cx.has_value() ? *cx : zero;
-  // oneDNN returns its workspace only with grad mode on.
+  // oneDNN returns its workspace only with grad mode on. The call goes to
+  // the kernel below autograd: with grad mode on, ATen's autograd kernel
+  // would record a graph (a MkldnnRnnLayerBackward0 node saving eleven
+  // tensors) for inputs that require grad, which no one differentiates:
+  // the op is functional, its gradient is wfpass::lstm_layer_backward.
   c10::AutoGradMode grad(train);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto r = at::mkldnn_rnn_layer(input, w_ih, w_hh, b_ih, b_hh, h, c, reverse, {}, /*mode=*/2, hidden_size,
                                 /*num_layers=*/1, has_biases, /*bidirectional=*/false, /*batch_first=*/false, train);
   Tensor ws = std::get<3>(r);
@@ -42,6 +48,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer(const Tensor& input, const
 }
 
 using Grads7 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Grads6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 Grads7 lstm_layer_backward(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, const Tensor& b_ih,
                            const Tensor& b_hh, const Opt& hx, const Opt& cx, const Tensor& output, const Tensor& hy,
@@ -184,6 +191,77 @@ std::tuple<Tensor, Tensor, Tensor> gru_grad_loop(const Tensor& k_h, const Tensor
   return {dgh, dh_all, carry};
 }
 
+// wfpass::rnn_layer_backward (wfpass/rnn/native_layer.py, _rnn_layer_backward
+// and the _gates_backward / _plain_backward it calls): the same ATen calls in
+// the same order, so the same bits, without Python's cost per call (some
+// forty calls a layer, ~90 us of a GRU layer's backward at T 4, batch 4,
+// hidden 64; benchmarks/host_cost.py). A GRU's gates are recomputed for
+// every step at once from ``output`` shifted by one step; the sequential
+// part is gru_grad_loop.
+Grads6 rnn_layer_backward(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, const Opt& b_ih,
+                          const Opt& b_hh, const Opt& hx, const Tensor& output, const Opt& grad_output,
+                          const Opt& grad_hy, c10::string_view mode, bool reverse) {
+  const bool gru = mode == "GRU", relu = mode == "RNN_RELU";
+  TORCH_CHECK_VALUE(gru || relu || mode == "RNN_TANH",
+                    "wfpass::rnn_layer: mode must be one of ('GRU', 'RNN_TANH', 'RNN_RELU'), got '", mode, "'");
+  const int64_t T = input.size(0), B = input.size(1), I = input.size(2), H = w_hh.size(1);
+  const Tensor h0 = hx.has_value() ? *hx : zero_state(input, H);
+  Tensor x = input, out = output;
+  Opt gout = grad_output;
+  if (reverse) {  // a reversed layer is the forward recurrence over the flipped sequence
+    x = x.flip(0);
+    out = out.flip(0);
+    if (gout.has_value()) gout = gout->flip(0);
+  }
+  const Tensor h_prev = at::cat({h0, out.slice(0, 0, -1)}, 0);  // the state each step read
+  Tensor dgi, dgh, dh0;
+  if (gru) {
+    const Tensor gi = at::linear(x, w_ih, b_ih).view({T, B, 3, H});
+    const Tensor gh = at::linear(h_prev, w_hh, b_hh).view({T, B, 3, H});
+    const Tensor gh_n = gh.select(2, 2);
+    const Tensor r = at::sigmoid(gi.select(2, 0) + gh.select(2, 0));
+    const Tensor z = at::sigmoid(gi.select(2, 1) + gh.select(2, 1));
+    const Tensor n = at::tanh(gi.select(2, 2) + r * gh_n);
+    const Tensor a_n = at::rsub(z, 1) * at::rsub(n * n, 1);  // through n
+    const Tensor k_r = a_n * gh_n * r * at::rsub(r, 1);
+    const Tensor k_z = (h_prev - n) * z * at::rsub(z, 1);
+    const Tensor k_h = at::stack({k_r, k_z, a_n * r}, 2);  // recurrent side: n's part is scaled by r
+    auto loop = gru_grad_loop(k_h, z, w_hh, gout, grad_hy);
+    Tensor dgh4 = std::get<0>(loop), dh_all = std::get<1>(loop);
+    dh0 = std::get<2>(loop);
+    Tensor dgi4 = dgh4.clone();
+    Tensor dgi_n = dgi4.select(2, 2);
+    at::mul_out(dgi_n, dh_all, a_n);
+    dgi = dgi4.view({T * B, 3 * H});
+    dgh = dgh4.view({T * B, 3 * H});
+  } else {
+    const Tensor d_act = relu ? at::gt(out, 0).to(out.scalar_type()) : at::rsub(out * out, 1);
+    Tensor dpre = at::empty_like(out);
+    Tensor carry = grad_hy.has_value() ? grad_hy->select(0, 0) : at::zeros({B, H}, out.options());
+    for (int64_t t = T - 1; t >= 0; --t) {
+      const Tensor dh = gout.has_value() ? gout->select(0, t) + carry : carry;
+      Tensor dpre_t = dpre.select(0, t);
+      at::mul_out(dpre_t, dh, d_act.select(0, t));
+      carry = at::mm(dpre_t, w_hh);
+    }
+    dh0 = carry;
+    dgi = dgh = dpre.view({T * B, H});
+  }
+  Tensor dx = at::mm(dgi, w_ih).view({T, B, I});
+  if (reverse) dx = dx.flip(0);
+  Tensor dw_ih = at::mm(dgi.t(), x.reshape({T * B, I}));
+  Tensor dw_hh = at::mm(dgh.t(), h_prev.reshape({T * B, H}));
+  Tensor db_ih, db_hh;
+  if (b_ih.has_value()) {
+    db_ih = dgi.sum(0);
+    db_hh = dgh.sum(0);
+  } else {  // no biases: empty placeholders (the autograd formula returns None for them)
+    db_ih = at::empty({0}, input.options());
+    db_hh = at::empty({0}, input.options());
+  }
+  return {dx.contiguous(), dw_ih, dw_hh, db_ih, db_hh, dh0.unsqueeze(0).clone()};
+}
+
 }  // namespace
 
 // Called only inside wfpass::rnn_layer_backward's kernel (never traced, so
@@ -200,4 +278,5 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("lstm_layer_backward", lstm_layer_backward);
   m.impl("rnn_layer", rnn_layer);
   m.impl("rnn_layer_fw", rnn_layer);
+  m.impl("rnn_layer_backward", rnn_layer_backward);
 }
