@@ -32,7 +32,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .._torch import kernels as _kernels
 
 __all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "known_different",
-           "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear"]
+           "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear",
+           "onednn_rows", "onednn_t_rows"]
 
 #: The cells this op runs.
 MODES = ("LSTM", "GRU", "RNN_TANH", "RNN_RELU")
@@ -213,10 +214,66 @@ def onednn_linear(x, w, b=None):
     return _kernels.onednn_linear(x.contiguous(), w.contiguous(), b)
 
 
+#: oneDNN's GEMMs over the N packed rows run in blocks of ``ROW_BLOCK``
+#: rows, the last one padded with zero rows to a multiple of ``ROW_PAD``.
+#: Why: oneDNN keeps a primitive per shape, in ideep's cache and in its own
+#: (1,024 entries each, ~0.5 MB a shape at these sizes), and N changes with
+#: every batch: a training run with varying batch sizes and lengths grew by
+#: hundreds of MB (docs/rnn.md, "Memory"). Blocked, a GEMM has at most
+#: ``1 + ROW_BLOCK // ROW_PAD`` shapes whatever N is. The C++ kernels
+#: (``packed_rnn.cpp``, ``onednn_rows``) block the same way: the same bits.
+ROW_BLOCK, ROW_PAD = 256, 64
+
+
+def _row_blocks(N: int):
+    """``(first row, rows, padded rows)`` of each block of N rows."""
+    for r0 in range(0, N, ROW_BLOCK):
+        r = min(ROW_BLOCK, N - r0)
+        yield r0, r, r if r == ROW_BLOCK else -(-r // ROW_PAD) * ROW_PAD
+
+
+def onednn_rows(x, w, b=None, out=None):
+    """``x @ w.T (+ b)`` over the rows of ``x`` ``[N, K]`` on oneDNN, in row
+    blocks (``ROW_BLOCK``); into ``out`` ``[N, M]`` where given."""
+    x, w = x.contiguous(), w.contiguous()
+    out = x.new_empty((x.shape[0], w.shape[0])) if out is None else out
+    for r0, r, rp in _row_blocks(x.shape[0]):
+        xs = x[r0:r0 + r]
+        if rp != r:
+            xs = torch.cat([xs, xs.new_zeros((rp - r, xs.shape[1]))])
+        out[r0:r0 + r].copy_(_kernels.onednn_linear(xs, w, b)[:r])
+    return out
+
+
+def _t_block(t, r0: int, r: int, rp: int):
+    """``t[r0 : r0 + r].T``, contiguous, with zero columns up to ``rp``."""
+    if rp == r:
+        return t[r0:r0 + r].t().contiguous()
+    o = t.new_zeros((t.shape[1], rp))
+    o[:, :r] = t[r0:r0 + r].t()
+    return o
+
+
+def onednn_t_rows(a, bs):
+    """``[a.T @ b for b in bs]`` over the N rows of ``a`` ``[N, G]`` and
+    each ``b`` ``[N, K]``, on oneDNN, in row blocks (``ROW_BLOCK``) summed
+    in order."""
+    N = a.shape[0]
+    if N == 0:
+        return [a.new_zeros((a.shape[1], b.shape[1])) for b in bs]
+    outs = [None] * len(bs)
+    for r0, r, rp in _row_blocks(N):
+        at = _t_block(a, r0, r, rp)
+        for i, b in enumerate(bs):
+            p = _kernels.onednn_linear(at, _t_block(b, r0, r, rp), None)
+            outs[i] = p if outs[i] is None else outs[i].add_(p)
+    return outs
+
+
 def _project(out, bias, data, w) -> None:
     """``out = data @ w.T (+ bias)``, over all N rows, written into ``out`` (a column block of the workspace)."""
     if use_onednn(data):
-        out.copy_(onednn_linear(data, w, bias))
+        onednn_rows(data, w, bias, out=out)
     elif bias is not None:
         torch.addmm(bias, data, w.t(), out=out)
     else:

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .packed_layer_py import LayerCall, check_states, use_onednn, layer_call, onednn_linear
+from .packed_layer_py import LayerCall, check_states, use_onednn, layer_call, onednn_rows, onednn_t_rows
 
 __all__ = ["carry", "check_grads"]  # packed_layer.py registers the kernel; these serve packed_lstm_runs.py too
 
@@ -81,10 +81,9 @@ def _weight_grads(dg, data, h_prev, w_ih, b_ih, b_hh):
     """``(d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh)`` where ``dg`` ``[N, G*H]``
     is dL/d(every gate's pre-activation) on both sides (LSTM, RNN): each
     one GEMM (or sum) over the N rows."""
-    if use_onednn(data):  # as the C++ kernels' weight_grads
-        dg_t = dg.t().contiguous()
-        d_data = onednn_linear(dg, w_ih.t())
-        d_w_ih, d_w_hh = onednn_linear(dg_t, data.t()), onednn_linear(dg_t, h_prev.t())
+    if use_onednn(data):  # as the C++ kernels' weight_grads; in row blocks (onednn_rows)
+        d_data = onednn_rows(dg, w_ih.t())
+        d_w_ih, d_w_hh = onednn_t_rows(dg, (data, h_prev))
     else:
         d_data = torch.mm(dg, w_ih)
         d_w_ih = torch.mm(dg.t(), data)
@@ -255,10 +254,9 @@ def _gru_weight_grads(L: LayerCall, data, dg2, dgi_n, h_prev, w_ih, b_ih, b_hh):
     H = L.H
     dg_rz = dg2[:, :2 * H]
     if use_onednn(data):  # as the C++ kernel's GRU branch
-        d_data = onednn_linear(dg_rz, w_ih[:2 * H].t()).add_(onednn_linear(dgi_n, w_ih[2 * H:].t()))
-        dg_t, data_t = dg2.t().contiguous(), data.t()
-        d_w_ih = torch.cat([onednn_linear(dg_t[:2 * H], data_t), onednn_linear(dgi_n.t(), data_t)])
-        d_w_hh = onednn_linear(dg_t, h_prev.t())
+        d_data = onednn_rows(dg_rz, w_ih[:2 * H].t()).add_(onednn_rows(dgi_n, w_ih[2 * H:].t()))
+        d_w_ih = torch.cat([onednn_t_rows(dg_rz, (data,))[0], onednn_t_rows(dgi_n, (data,))[0]])
+        d_w_hh, = onednn_t_rows(dg2, (h_prev,))
     else:
         d_data = torch.mm(dg_rz, w_ih[:2 * H]).addmm_(dgi_n, w_ih[2 * H:])
         d_w_ih = data.new_empty(w_ih.shape)

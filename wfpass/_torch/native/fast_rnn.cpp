@@ -89,6 +89,54 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   });
 }
 
+// Blocks of 64 rows: what a reduction over R rows hands the ukernel. Why
+// blocks: ATen keeps one JIT kernel per shape (M, N, K, lda, ldb, ldc, ...)
+// in a thread_local map it never empties, and oneDNN's linear, which ran
+// these GEMMs before, one primitive per shape in ideep's and oneDNN's
+// caches (1,024 each, ~0.5 MB a shape at these sizes): with the batch size
+// and lengths changing every step, a training run grew by hundreds of MB
+// (docs/rnn.md, "Memory"). Here K is 64, or the last block's 1..63, and lda
+// 64: at most 64 kernels for each (M, N), whatever R is.
+constexpr int64_t kTnRows = 64;
+
+int64_t tn_scratch(int64_t R, int64_t M) {
+  return (R + kTnRows - 1) / kTnRows * kTnRows * M;
+}
+
+void gemm_tn_rows(int64_t R, int64_t M, int64_t N, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  float* C, int64_t ldc, float* tbuf) {
+  if (R == 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, N * sizeof(float));
+    return;
+  }
+  const int64_t blocks = (R + kTnRows - 1) / kTnRows;
+  // tbuf[b] = (A's rows of block b)^T, [M, 64], 16 of its rows at a time.
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r0 = b * kTnRows, k = std::min(kTnRows, R - r0);
+    float* t = tbuf + b * M * kTnRows;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int64_t me = std::min<int64_t>(16, M - m0);
+      for (int64_t r = 0; r < k; ++r) {
+        const float* src = A + (r0 + r) * lda + m0;
+        for (int64_t m = 0; m < me; ++m) t[(m0 + m) * kTnRows + r] = src[m];
+      }
+    }
+  }
+  // C's column blocks over torch's threads (one block on one thread, or
+  // inside a parallel region), each summing over all row blocks.
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t cols = threads > 1 ? (std::max<int64_t>(64, (N + threads - 1) / threads) + 15) / 16 * 16 : N;
+  at::parallel_for(0, (N + cols - 1) / cols, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t j = c0 * cols; j < std::min(N, c1 * cols); j += cols) {
+      const int64_t n = std::min(cols, N - j);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r0 = b * kTnRows, k = std::min(kTnRows, R - r0);
+        gemm(M, n, k, tbuf + b * M * kTnRows, kTnRows, B + r0 * ldb + j, ldb, C + j, ldc, b > 0);
+      }
+    }
+  });
+}
+
 bool fast_loop() {
   static const bool ok = probe();
   return ok;

@@ -22,6 +22,15 @@ bool fast_loop();
 void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                const float* bias, float* C, int64_t ldc, bool add);
 
+// C[M, N] = A^T . B over R rows: A [R, M] (leading dim lda), B [R, N]
+// (ldb), C [M, N] (ldc); the weight gradients' GEMMs, whose reduction runs
+// over all packed rows. In blocks of 64 rows, each block of A copied
+// transposed into tbuf (tn_scratch(R, M) floats), so the ukernel's shapes
+// (its cache key) do not depend on R.
+int64_t tn_scratch(int64_t R, int64_t M);
+void gemm_tn_rows(int64_t R, int64_t M, int64_t N, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  float* C, int64_t ldc, float* tbuf);
+
 // One step in processing order (packed_rnn.cpp, schedule): its rows
 // r0 : r0 + n; the first m rows of the state it reads are rows p0 : p0 + m
 // of the step before it, the rest rows m : n of the initial state.

@@ -277,6 +277,72 @@ Tensor onednn_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return stack[0].toTensor();
 }
 
+// oneDNN's GEMMs over the N packed rows run in blocks of kRowBlock rows,
+// the last padded with zero rows to a multiple of kRowPad: oneDNN keeps a
+// primitive per shape (ideep's cache and its own, 1,024 entries each, ~0.5
+// MB a shape here), and N changes with every batch (docs/rnn.md,
+// "Memory"). Blocked, a GEMM has at most 1 + kRowBlock / kRowPad shapes.
+// packed_layer_py.py (ROW_BLOCK, onednn_rows) blocks the same way: the
+// Python kernels' bits.
+constexpr int64_t kRowBlock = 256, kRowPad = 64;
+
+int64_t padded_rows(int64_t r) {
+  return r == kRowBlock ? r : (r + kRowPad - 1) / kRowPad * kRowPad;
+}
+
+// x @ w.T (+ b) over the rows of x [N, K], in row blocks; into out [N, M]
+// where given, else fresh.
+Tensor onednn_rows(const Tensor& x, const Tensor& w, const Tensor& b, Tensor out = Tensor()) {
+  const Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t N = xc.size(0);
+  if (!out.defined()) out = at::empty({N, wc.size(0)}, x.options());
+  for (int64_t r0 = 0; r0 < N; r0 += kRowBlock) {
+    const int64_t r = std::min(kRowBlock, N - r0), rp = padded_rows(r);
+    Tensor xs = xc.narrow(0, r0, r);
+    if (rp != r) {
+      Tensor p = at::zeros({rp, xc.size(1)}, xc.options());
+      p.narrow(0, 0, r).copy_(xs);
+      xs = p;
+    }
+    out.narrow(0, r0, r).copy_(onednn_linear(xs, wc, b).narrow(0, 0, r));
+  }
+  return out;
+}
+
+// t[r0 : r0 + r].T, contiguous, with zero columns up to rp.
+Tensor t_block(const Tensor& t, int64_t r0, int64_t r, int64_t rp) {
+  if (rp == r) return t.narrow(0, r0, r).t().contiguous();
+  Tensor o = at::zeros({t.size(1), rp}, t.options());
+  o.narrow(1, 0, r).copy_(t.narrow(0, r0, r).t());
+  return o;
+}
+
+// a.T @ b for each b over the N rows of a [N, G] and b [N, K]: [G, K]
+// each, in row blocks summed in order.
+std::vector<Tensor> onednn_t_rows(const Tensor& a, std::initializer_list<Tensor> bs) {
+  std::vector<Tensor> outs;
+  const int64_t N = a.size(0);
+  if (N == 0) {
+    for (const Tensor& b : bs) outs.push_back(at::zeros({a.size(1), b.size(1)}, a.options()));
+    return outs;
+  }
+  outs.resize(bs.size());
+  for (int64_t r0 = 0; r0 < N; r0 += kRowBlock) {
+    const int64_t r = std::min(kRowBlock, N - r0), rp = padded_rows(r);
+    const Tensor at_ = t_block(a, r0, r, rp);
+    size_t i = 0;
+    for (const Tensor& b : bs) {
+      Tensor p = onednn_linear(at_, t_block(b, r0, r, rp), Tensor());
+      if (r0 == 0)
+        outs[i] = p;
+      else
+        outs[i].add_(p);
+      ++i;
+    }
+  }
+  return outs;
+}
+
 // The raw-pointer loop (fast_rnn.cpp) for fp32 where the CPU and oneDNN's
 // ukernel allow; the ATen calls below otherwise (bf16, other CPUs).
 bool fast(const Tensor& data) {
@@ -296,7 +362,7 @@ void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w
     wfpass_fast::gemm_rows(x.size(0), out.size(1), x.size(1), fp(x), x.stride(0), fp(w_t), w_t.stride(0), fp(b),
                            fp(out), out.stride(0), false);
   } else if (use_onednn(data))
-    out.copy_(onednn_linear(data, w, bias));
+    onednn_rows(data, w, bias, out);
   else if (bias.defined())
     at::addmm_out(out, bias, data, w.t());
   else
@@ -356,20 +422,38 @@ Tensor transposed(const Tensor& t, Scratch* sc) {
   return out;
 }
 
+// Scratch floats t_rows_times takes for x [N, K] and g [N, G].
+int64_t t_rows_scratch(int64_t N, int64_t K, int64_t G) {
+  return wfpass_fast::tn_scratch(N, K) + K * G;
+}
+
+// g.T @ x over all N rows on the fast loop's GEMM (g [N, G], x [N, K], unit
+// column strides): [G, K], written into `into` where given, else fresh.
+// Computed as (x.T @ g).T in blocks of 64 rows (fast_rnn.cpp, gemm_tn_rows:
+// no kernel, cache entry or primitive per N, as oneDNN's linear made;
+// only x, the narrower side, copied transposed); its temporaries from sc
+// where given (t_rows_scratch floats).
+Tensor t_rows_times(const Tensor& g, const Tensor& x, Scratch* sc, Tensor into = Tensor()) {
+  const Tensor gc = g.stride(1) == 1 ? g : g.contiguous(), xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t N = xc.size(0), K = xc.size(1), G = gc.size(1);
+  const int64_t nt = wfpass_fast::tn_scratch(N, K);
+  const Tensor tbuf = sc != nullptr ? sc->take({nt}) : at::empty({nt}, x.options());
+  const Tensor ct = sc != nullptr ? sc->take({K, G}) : at::empty({K, G}, x.options());
+  wfpass_fast::gemm_tn_rows(N, K, G, fp(xc), xc.stride(0), fp(gc), gc.stride(0), fp(ct), G, fp(tbuf));
+  if (!into.defined()) into = at::empty({G, K}, x.options());
+  into.copy_(ct.t());
+  return into;
+}
+
 // d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
-// GEMM over the N rows (LSTM, RNN). On the raw-pointer path the transposed
-// copies the weight GEMMs read come from sc where given.
+// GEMM over the N rows (LSTM, RNN). On the raw-pointer path the weight
+// GEMMs' temporaries come from sc where given.
 std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
                                                 const Tensor& w_ih, Scratch* sc = nullptr) {
-  if (fast(data)) {
-    const Tensor dg_t = transposed(dg, sc);
-    return {rows_times(dg, w_ih), onednn_linear(dg_t, transposed(data, sc), Tensor()),
-            onednn_linear(dg_t, transposed(h_prev, sc), Tensor())};
-  }
+  if (fast(data)) return {rows_times(dg, w_ih), t_rows_times(dg, data, sc), t_rows_times(dg, h_prev, sc)};
   if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
-  const Tensor dg_t = dg.t().contiguous();
-  return {onednn_linear(dg, w_ih.t(), Tensor()), onednn_linear(dg_t, data.t(), Tensor()),
-          onednn_linear(dg_t, h_prev.t(), Tensor())};
+  const std::vector<Tensor> d_w = onednn_t_rows(dg, {data, h_prev});
+  return {onednn_rows(dg, w_ih.t(), Tensor()), d_w[0], d_w[1]};
 }
 
 // A forward call's buffers: its workspace (an output in training, where the
@@ -567,7 +651,9 @@ Bw lstm_backward_fast(const Steps& s, bool reverse, const Tensor& data, const Te
   const auto opts = data.options();
   const Tensor h_init = initial_state(h0, data, B, Hout, "h0").contiguous();
   const Tensor c_init = initial_state(c0, data, B, H, "c0").contiguous();
-  Scratch sc(N * 4 * H * 2 + N * Hout * 2 + I * N + (proj ? N * Hout + B * H + N * H : B * Hout) + B * H, opts);
+  Scratch sc(N * 4 * H + N * Hout + (proj ? N * Hout + B * H + N * H : B * Hout) + B * H +
+                 t_rows_scratch(N, I, 4 * H) + t_rows_scratch(N, Hout, 4 * H),
+             opts);
   Tensor dg = sc.take({N, 4 * H}), h_prev = sc.take({N, Hout});
   const auto where = prev_index(s, reverse);
   at::index_select_out(h_prev, out, 0, where.first).index_copy_(0, where.second, h_init);
@@ -710,16 +796,17 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
     // The input side differs from dg only in n's third (not scaled by r):
     // its gradients as GEMMs over dg's r | z columns and this one.
     const Tensor dgi_n = a_n.mul_(dh_all), dg_rz = dg2.narrow(1, 0, 2 * H);
-    if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
-      if (quick)
-        d_data = rows_times(dgi_n, w_ih.narrow(0, 2 * H, H), rows_times(dg_rz, w_ih.narrow(0, 0, 2 * H)));
-      else
-        d_data = onednn_linear(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
-                     .add_(onednn_linear(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
-      const Tensor dg_t = dg2.t().contiguous(), data_t = data.t();
-      d_w_ih = at::cat({onednn_linear(dg_t.narrow(0, 0, 2 * H), data_t, Tensor()),
-                        onednn_linear(dgi_n.t(), data_t, Tensor())});
-      d_w_hh = onednn_linear(dg_t, h_prev.t(), Tensor());
+    if (quick) {  // all on the fast loop's GEMM (t_rows_times: no oneDNN shape per N)
+      d_data = rows_times(dgi_n, w_ih.narrow(0, 2 * H, H), rows_times(dg_rz, w_ih.narrow(0, 0, 2 * H)));
+      d_w_ih = at::empty(w_ih.sizes(), opts);
+      t_rows_times(dg_rz, data, nullptr, d_w_ih.narrow(0, 0, 2 * H));
+      t_rows_times(dgi_n, data, nullptr, d_w_ih.narrow(0, 2 * H, H));
+      d_w_hh = t_rows_times(dg2, h_prev, nullptr);
+    } else if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
+      d_data = onednn_rows(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
+                   .add_(onednn_rows(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
+      d_w_ih = at::cat({onednn_t_rows(dg_rz, {data})[0], onednn_t_rows(dgi_n, {data})[0]});
+      d_w_hh = onednn_t_rows(dg2, {h_prev})[0];
     } else {
       d_data = at::mm(dg_rz, w_ih.narrow(0, 0, 2 * H)).addmm_(dgi_n, w_ih.narrow(0, 2 * H, H));
       d_w_ih = at::empty(w_ih.sizes(), opts);
