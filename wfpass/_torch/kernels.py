@@ -289,3 +289,11 @@ def onednn_linear_available() -> bool:
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """``x @ w.T (+ b)`` by ``mkldnn::_linear_pointwise`` on dense contiguous tensors."""
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def below_autograd():
+    """A context in which ATen calls skip their autograd kernels
+    (``torch._C._AutoDispatchBelowADInplaceOrView``, private; torch
+    2.11.0-2.15.0): for an op whose gradient is its own formula, so ATen
+    records no graph nobody differentiates."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()

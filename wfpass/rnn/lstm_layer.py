@@ -25,7 +25,7 @@ from typing import Dict
 import torch
 
 from ..graph import static_int
-from .._torch import aot as _aot
+from .._torch import aot as _aot, kernels as _kernels
 from .ops import define_rnn_op
 
 __all__ = ["workspace_numel", "zero_states"]
@@ -61,7 +61,7 @@ def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has
     try:
         # Below autograd: ATen's autograd kernel would record a graph no one
         # differentiates (the op's gradient is lstm_layer_backward).
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with _kernels.below_autograd():
             y, hy, cy, ws = _MKLDNN_RNN_LAYER(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, [], 2, hidden_size, 1,
                                               has_biases, False, False, train)
     finally:
