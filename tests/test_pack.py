@@ -606,8 +606,18 @@ def test_default_budget_keeps_the_copies_within_the_weights_bytes():
     rows = wfpass.report(model).find("pack", "rewritten")
     over = [r for r in rows if r.stats.get("over_bound_calls")]
     packed = [r for r in rows if r.stats.get("packed_bytes")]
-    assert packed and over, [r.reason for r in rows]
+    assert packed, [r.reason for r in rows]
+    # Whether the last copy fits depends on oneDNN's padding of its layout (it
+    # did not on torch 2.13 here, it did on 2.11); where one is refused, its row says why.
     assert all("over their budget" in r.reason and "the weights' bytes" in r.reason for r in over)
+    # A budget the copies cannot fit in refuses some, each row saying so.
+    gc.collect()
+    small = Block().eval()
+    compiled_small, _ = _compiled(small, pack={"mode": "always", "max_bytes": pk.packed_bytes_alive() + 64 * 64 * 4})
+    with torch.no_grad():
+        _close(compiled_small(x), copy.deepcopy(small)(x), torch.float32)
+    refused = [r for r in wfpass.report(small).find("pack", "rewritten") if r.stats.get("over_bound_calls")]
+    assert refused and all("over their budget" in r.reason and "pack.max_bytes" in r.reason for r in refused)
     assert "packed copies alive:" in str(wfpass.report(model))
     with pytest.raises(ValueError, match="pack.max_bytes"):
         wfpass.PackOptions(max_bytes="all")
