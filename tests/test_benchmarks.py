@@ -78,3 +78,40 @@ def test_gpu_summary_reads_the_committed_pages():
     assert float(r["eager"]) / float(r["wformat"]) == pytest.approx(float(r["x faster than eager"]), abs=0.006)
     table = mod.summary(rows)
     assert table in (ROOT / "docs" / "gpu_grid_h100.md").read_text()
+
+
+def test_host_cost_benchmark_runs_quick_and_its_tables_add_up(tmp_path):
+    """``host_cost.py --quick`` (docs/host_cost.md): one case in a process of
+    its own, every variant timed; the table has both steps with ratios,
+    floor and the direct check; the parts table a row per compiled variant
+    whose parts add up to its total; the wformat variant rewrote the RNN."""
+    import json
+    import re
+
+    mod = _load("host_cost")
+    out, raw = tmp_path / "t.md", tmp_path / "t.json"
+    assert mod.main(["--quick", "--cases", "lstm2", "--out", str(out), "--json", str(raw)]) == 0
+    text = out.read_text()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| LSTM 2 layers, T 4, batch 4 |")]
+    timed = [r for r in rows if r[2].isdigit()]
+    assert [r[1] for r in timed] == ["inference", "training step"], text
+    for r in timed:
+        assert all(float(c) > 0 for c in r[2:5]), r
+        assert re.fullmatch(r"\d+\.\d\dx ±\d+%", r[5]) and re.fullmatch(r"\d+\.\d\dx ±\d+%", r[6]), r
+        assert float(r[10]) > 0, r  # the layout check, timed directly
+    parts = [r for r in rows if not r[2].isdigit()]
+    assert all(len(r) == 3 + len(mod.PARTS) + 1 for r in parts), text
+    assert {(r[1], r[2]) for r in parts} == {(s, v) for s in mod.STEPS for v in ("inductor", "wformat")}, text
+    for r in parts:
+        assert abs(sum(float(c) for c in r[3:-1]) - float(r[-1])) <= len(mod.PARTS), r
+    saved = json.loads(raw.read_text())
+    (res,) = saved["results"]
+    assert res["rewritten"]["wformat"] == ["rnn"] and res["threads"] == 1
+    # The tables come out of the raw figures again, targets included.
+    again = tmp_path / "again.md"
+    assert mod.main(["--from-json", str(raw), "--out", str(again)]) == 0
+    assert again.read_text() == text and "### Targets" in text
+    assert mod.part_of("## Call CompiledFxGraph abc ##") == "Inductor wrapper"
+    assert mod.part_of("wfpass::lstm_layer_fw") == "wfpass op bodies"
+    assert mod.part_of("aten::mm") == "kernels and the rest"
