@@ -23,42 +23,36 @@ from .dynamo import compiler_fn_of, current_tx
 _RNN_POLICY: list = [None]
 
 
-class _FalseStandIn(int):
-    """A Dynamo config value that stands in for ``False`` (an ``int`` 0, so
-    torch versions that ``json.dumps`` the config can serialise it) and asks
-    a question when Dynamo tests its truth. ``repr`` / ``to_jsonable`` keep
-    Dynamo's config hashing, logging and repro scripts seeing ``False``."""
+class _StandIn(int):
+    """A Dynamo config value that stands in for a bool (an ``int``, so torch
+    versions that ``json.dumps`` the config can serialise it) and asks a
+    question when Dynamo tests its truth. ``repr`` / ``to_jsonable`` keep
+    Dynamo's config hashing, logging and repro scripts seeing the bool."""
 
-    def __repr__(self) -> str:
-        return "False"
-
-    def to_jsonable(self) -> bool:
-        return False
-
-    def __reduce__(self):
-        return (type(self), ())
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-class _TrueStandIn(int):
-    """``_FalseStandIn``'s twin for ``True`` (an ``int`` 1)."""
+    VALUE = False
 
     def __new__(cls):
-        return super().__new__(cls, 1)
+        return super().__new__(cls, int(cls.VALUE))
 
     def __repr__(self) -> str:
-        return "True"
+        return repr(self.VALUE)
 
     def to_jsonable(self) -> bool:
-        return True
+        return self.VALUE
 
     def __reduce__(self):
         return (type(self), ())
 
     def __deepcopy__(self, memo):
         return self
+
+
+class _FalseStandIn(_StandIn):
+    VALUE = False
+
+
+class _TrueStandIn(_StandIn):
+    VALUE = True
 
 
 class _AllowRnnUnderWformat(_FalseStandIn):
