@@ -32,6 +32,7 @@ Row counts above ``EXACT_ROWS`` are measured at the next power of two
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -139,18 +140,22 @@ def choices_file() -> Optional[str]:
     return os.path.join(d, "choices.json")
 
 
-def _machine() -> str:
-    """What a decision holds for: this CPU's model, the torch build, the threads."""
-    cpu = platform.processor() or platform.machine()
+@functools.lru_cache(maxsize=None)
+def _cpu_name() -> str:
+    """This CPU's model name (read once: it does not change in a process)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return platform.processor() or platform.machine()
+
+
+def _machine() -> str:
+    """What a decision holds for: this CPU's model, the torch build, the threads."""
+    return f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def _key_text(key: tuple) -> str:
