@@ -379,11 +379,15 @@ def test_momentum_none_in_training_graph_break_runs_mixed_kernel_with_fp32_stats
     (rec,) = _eager_records(reports)
     assert rec.action == "rewritten" and "momentum=None" in rec.reason and "'bn'" in rec.reason
     assert rec.detail["half_calls_before"] == 0 and rec.stats["fp32_calls"] == 4
-    # Eval mode has no graph break: compiled, and already fp32.
+    # Eval mode has no float(num_batches_tracked), and the statistics are already fp32.
     model.eval()
     with torch.no_grad():
         fn(x)
-    assert any(r.pattern == "batchnorm" and "already held in fp32" in r.reason for r in reports[-1].records)
+    in_graph = any(r.pattern == "batchnorm" and "already held in fp32" in r.reason for r in reports[-1].records)
+    # torch 2.13-2.15 compile the hooked BatchNorm's eval forward; 2.11's
+    # Dynamo does not (the hook's call breaks the graph), so the call runs
+    # eagerly through the hook, with fp32 statistics, and the row counts it.
+    assert in_graph or rec.stats["fp32_calls"] == 5, rec.stats
 
 
 def test_momentum_none_graph_break_format_kept_by_hook_and_undone_by_restore():
