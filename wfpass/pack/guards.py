@@ -39,14 +39,19 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     where = ("measured now" if d.source == "measured" else
              f"measured {d.when} by an earlier process on this machine ({choose.choices_file()})")
     rounds = f"{choose.ROUNDS} interleaved rounds, {where}"
+    if d.source == "noisy":
+        return (f"M={m}: the plain GEMM: the measurement was too noisy to decide (its rounds spread "
+                f"{d.spread():.2f} of their median, over {choose.NOISE}: another process was using the cores; "
+                f"{choose.ROUNDS} interleaved rounds, measured now and not kept, so the next process measures again)")
     if d.kernel == "plain":
-        alt = ", ".join(f"{name} {us[name]:.0f} us (round {choose.CLEAR_ROUND} from the worst "
-                        f"{d.clear_ratio(name):.2f}x its time)" for name in us if name != "plain")
+        alt = ", ".join(f"{name} {us[name]:.0f} us ({d.median_ratio(name):.2f}x its time in the median round, "
+                        f"{d.clear_ratio(name):.2f}x in round {choose.CLEAR_ROUND} from the worst)"
+                        for name in us if name != "plain")
         return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed {alt}, {op:.0f} us for the op's call "
-                f"included: no clear gain; {rounds})")
+                f"included: no clear gain, which needs {choose.MARGIN:.2f}x in the median round; {rounds})")
     name = "oneDNN" if d.kernel == "onednn" else "MKL"
-    return (f"M={m}: {name}'s packed kernel, {us['plain'] / (us[d.kernel] + op):.2f}x faster than the plain GEMM "
-            f"in the median ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
+    return (f"M={m}: {name}'s packed kernel, {1 / d.median_ratio(d.kernel):.2f}x faster than the plain GEMM "
+            f"in the median round ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
             f"{1 / d.clear_ratio(d.kernel):.2f}x in round {choose.CLEAR_ROUND} from the worst; its copy "
             f"{_kib(d.nbytes.get(d.kernel, 0))} ({rounds})")
 
