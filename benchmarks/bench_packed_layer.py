@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from wfpass._torch import native
-from wfpass.rnn import packed_layer, packed_lstm_runs  # noqa: F401 - register the ops
+from wfpass.rnn.cpu import packed_layer, packed_lstm_runs  # noqa: F401 - register the ops
 
 I, H, B, T = 128, 128, 16, 100
 

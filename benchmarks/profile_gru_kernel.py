@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import wfpass  # noqa: F401  (registers the op)
     from wfpass._torch import native
-    from wfpass.rnn import native_layer
+    from wfpass.rnn.cpu import native_layer
     from wfpass.tools.bench_timing import interleaved
 
     if not native.loaded():

@@ -20,7 +20,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from wfpass._torch import native
-from wfpass.rnn import packed_layer  # noqa: F401 - registers the op
+from wfpass.rnn.cpu import packed_layer  # noqa: F401 - registers the op
 
 
 def main() -> None:

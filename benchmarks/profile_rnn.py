@@ -130,7 +130,7 @@ def opcost() -> None:
     directly, ``wfpass::lstm_layer_fw`` (its C++ kernel where built), and
     the op's Python kernel called as a function."""
     from wfpass._torch import native
-    from wfpass.rnn import lstm_layer as ll
+    from wfpass.rnn.cpu import lstm_layer as ll
 
     native.load()
     T, B, I, H = 16, 1, 128, 128
@@ -151,7 +151,7 @@ def opcost() -> None:
 
 
 def ops() -> None:
-    import wfpass.rnn.native_layer  # noqa: F401  (registers wfpass::rnn_layer)
+    import wfpass.rnn.cpu.native_layer  # noqa: F401  (registers wfpass::rnn_layer)
 
     for mode, cls in (("GRU", nn.GRU), ("RNN_TANH", nn.RNN)):
         for T, B, I in ((32, 4, 64), (128, 4, 64), (512, 4, 64), (64, 8, 128)):

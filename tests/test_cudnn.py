@@ -22,7 +22,7 @@ import torch.nn as nn
 import wfpass
 from wfpass._torch import kernels
 from wfpass.tools.bench_models import built_in_dtype
-from wfpass.rnn import cudnn
+from wfpass.rnn.cuda import cudnn
 from wfpass.rnn.paths import RnnForward
 from wfpass.storage import fused_storage_of
 from wftest import needs_gpu

@@ -22,10 +22,10 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import wfpass
 from wfpass._torch import kernels
 from wfpass._torch.tensors import fake_tensor_type
-from wfpass.rnn.cudnn_packed import cudnn_packed_call
+from wfpass.rnn.cuda.cudnn_packed import cudnn_packed_call
 from wfpass.rnn.guards import cudnn_layout_without_gpu
-from wfpass.rnn.packed import PackedRnnForward
-from wfpass.rnn.packed_meta import note_batch
+from wfpass.rnn.packed.sequence import PackedRnnForward
+from wfpass.rnn.packed.meta import note_batch
 from wfpass.rnn.spec import GATES, RnnSpec, flat_weight_names, rnn_mode
 from wftest import needs_gpu
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import wfpass
-from wfpass.rnn.cells_match import CELL_FUNCTIONS
+from wfpass.rnn.cells.match import CELL_FUNCTIONS
 from wfpass.rnn.eager import CellLoopCall
 from wfpass.rnn.paths import RnnForward
 

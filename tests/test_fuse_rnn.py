@@ -1046,7 +1046,7 @@ def test_the_cpp_and_python_kernels_of_the_layer_ops_give_the_same_bits(dtype):
     The one exception, the float32 GRU forward (a loop of its own in C++),
     equals ATen's to rounding."""
     from wfpass._torch import native
-    from wfpass.rnn import lstm_layer as ll, native_layer as nl
+    from wfpass.rnn.cpu import lstm_layer as ll, native_layer as nl
 
     if not native.loaded():
         pytest.skip(native.status())
@@ -1117,7 +1117,7 @@ def test_the_lstm_layer_op_records_no_autograd_graph_of_its_own():
     differentiates), on the C++ kernel and the Python one; the workspace is
     still there."""
     from wfpass._torch import native
-    from wfpass.rnn import lstm_layer as ll
+    from wfpass.rnn.cpu import lstm_layer as ll
 
     native.loaded()
     T, B, I, H = 3, 2, 4, 5

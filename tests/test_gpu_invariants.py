@@ -952,7 +952,7 @@ class PackedNet(nn.Module):
 
 
 def _packed_paths(cap):
-    from wfpass.rnn.packed import PackedRnnForward
+    from wfpass.rnn.packed.sequence import PackedRnnForward
 
     return [n.target.path for g in cap.graphs for n in g.graph.nodes
             if n.op == "call_function" and isinstance(n.target, PackedRnnForward)]

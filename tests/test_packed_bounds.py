@@ -25,9 +25,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 import wfpass  # noqa: F401  (registers backend="wformat")
 from wfpass._torch import native
 from wfpass._torch.kernels import mkldnn_rnn_dtype
-from wfpass.rnn import packed as P
-from wfpass.rnn import packed_layer as pl
-from wfpass.rnn import packed_lstm_runs as runs
+from wfpass.rnn.packed import sequence as P
+from wfpass.rnn.cpu import packed_layer as pl
+from wfpass.rnn.cpu import packed_lstm_runs as runs
 
 # The C++ kernels, where they build, before the first test (the "cpp" cases
 # skip where they did not).

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from wfpass._torch import native
-from wfpass.rnn import packed_layer as pl
+from wfpass.rnn.cpu import packed_layer as pl
 
 # The C++ kernels, where they build (WFPASS_NATIVE=0: the Python ones), for
 # every call of the op in this file: loaded before the first test runs.

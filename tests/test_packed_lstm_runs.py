@@ -9,8 +9,8 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from wfpass._torch.kernels import mkldnn_rnn_dtype
-from wfpass.rnn import packed_lstm_runs  # noqa: F401  (registers the op)
-from wfpass.rnn import packed_layer  # noqa: F401
+from wfpass.rnn.cpu import packed_lstm_runs  # noqa: F401  (registers the op)
+from wfpass.rnn.cpu import packed_layer  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not mkldnn_rnn_dtype(torch.float32), reason="oneDNN's LSTM is not available here")
 

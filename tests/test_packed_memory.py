@@ -38,9 +38,9 @@ import pytest
 import torch
 
 from wfpass._torch import native
-from wfpass.rnn import packed_layer  # noqa: F401 - registers the ops
-from wfpass.rnn import packed_layer_py as plp
-from wfpass.rnn import packed_layer_py_backward as plb
+from wfpass.rnn.cpu import packed_layer  # noqa: F401 - registers the ops
+from wfpass.rnn.cpu import packed_layer_py as plp
+from wfpass.rnn.cpu import packed_layer_py_backward as plb
 
 #: MB the compiled model's RSS may grow from call 50 to call 250 beyond
 #: eager's growth over the same calls, measured after ``malloc_trim(0)``
@@ -138,8 +138,8 @@ def test_onednn_sees_few_shapes(monkeypatch):
 _BITS = textwrap.dedent("""
     import torch
     from wfpass._torch import native
-    from wfpass.rnn import packed_layer_py as plp, packed_layer_py_backward as plb
-    from wfpass.rnn import packed_layer  # noqa: F401
+    from wfpass.rnn.cpu import packed_layer_py as plp, packed_layer_py_backward as plb
+    from wfpass.rnn.cpu import packed_layer  # noqa: F401
     ops = torch.ops.wfpass
     fast = native.fast_loop()
     g = torch.Generator().manual_seed(0)

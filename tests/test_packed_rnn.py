@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 import wfpass
 from wfpass._torch import native
 from wfpass._torch.kernels import mkldnn_rnn_dtype
-from wfpass.rnn.packed import PackedRnnForward
+from wfpass.rnn.packed.sequence import PackedRnnForward
 from wftest import Capture
 
 

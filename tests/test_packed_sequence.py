@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from wfpass._torch import native
-from wfpass.rnn import packed as P
+from wfpass.rnn.packed import sequence as P
 
 ops = torch.ops.wfpass
 needs_cpp = pytest.mark.skipif(not native.loaded(), reason="the C++ kernels did not build here")

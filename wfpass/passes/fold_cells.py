@@ -55,9 +55,9 @@ import torch.fx as fx
 
 from ..graph import PassContext
 from ..pipeline import Format, Match
-from ..rnn.cells_guards import refusal, rnn_format_refusal
-from ..rnn.cells_match import Chain, chains_in, loop_label, loop_params
-from ..rnn.cells_rewrite import module_group, rewrite_loop
+from ..rnn.cells.guards import refusal, rnn_format_refusal
+from ..rnn.cells.match import Chain, chains_in, loop_label, loop_params
+from ..rnn.cells.rewrite import module_group, rewrite_loop
 
 __all__ = ["FoldCells"]
 

@@ -35,7 +35,7 @@ import torch.fx as fx
 from .. import capture as _capture
 from ..graph import PassContext, mutated_state
 from ..pipeline import Format
-from ..rnn import packed as _packed
+from ..rnn.packed import sequence as _packed
 from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call

@@ -9,7 +9,7 @@ import functools
 import torch.nn as nn
 
 from ..runtime import note_provisional
-from .packed import install_forward, uninstall_forward
+from .packed.sequence import install_forward, uninstall_forward
 from .spec import display_name, flat_weight_names, rnn_mode
 
 __all__ = ["name_errors", "unname_errors", "note_seen"]

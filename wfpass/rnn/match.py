@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..graph import PassContext, TensorRef
 from ..pipeline import Match
 from ..runtime import GroupSite
-from .packed import PACKED_RNN as _PACKED_RNN
+from .packed.sequence import PACKED_RNN as _PACKED_RNN
 from .spec import RnnSpec, display_name, flat_weight_names, module_path, rnn_mode
 
 __all__ = ["RNN_FUNCTIONS", "RnnCall", "RunState", "match_call"]

@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import kernels as _kernels
-from . import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
-from . import native_layer  # registers wfpass::rnn_layer, which native_path calls
-from .cudnn import cudnn_call
+from .cpu import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
+from .cpu import native_layer  # registers wfpass::rnn_layer, which native_path calls
+from .cuda.cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
 __all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "kernel_words", "no_onednn_reason",

@@ -25,7 +25,7 @@ from ..storage import first_sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
-from .packed import PackedRnnForward, packed_path
+from .packed.sequence import PackedRnnForward, packed_path
 from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
 from .spec import RnnSpec, zero_state
 

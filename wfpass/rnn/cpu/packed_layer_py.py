@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .._torch import kernels as _kernels
+from ..._torch import kernels as _kernels
 
 __all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "known_different",
            "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear",

@@ -29,11 +29,11 @@ from typing import List
 
 import torch
 
-from .._torch import kernels as _kernels, tensors as _tensors
+from ..._torch import kernels as _kernels, tensors as _tensors
 from .cudnn import (RANDOM, autocast_half, backward_outputs, buffer_for, buffer_numel, dropout_args,
                     weight_grads, weights_per_layer)
-from .ops import define_rnn_op
-from .packed_meta import batch_of
+from ..ops import define_rnn_op
+from ..packed.meta import batch_of
 
 __all__ = ["cudnn_packed_call"]
 

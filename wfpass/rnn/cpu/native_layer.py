@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import define_rnn_op
-from .._torch import native as _native
+from ..ops import define_rnn_op
+from ..._torch import native as _native
 from .lstm_layer import zero_states
 
 __all__ = ["MODES"]

@@ -45,10 +45,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .ops import define_rnn_op
+from ..ops import define_rnn_op
 from .packed_layer_py import LayerCall, check_shapes, check_states, steps as _steps
 from .packed_layer_py_backward import carry, check_grads
-from .packed_meta import batch_of
+from ..packed.meta import batch_of
 
 __all__ = ["runs", "usable"]
 
@@ -66,8 +66,8 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     the raw-pointer loop 1.59 ms. With grad the loop always stays: its own
     backward beat this op's recompute (10.49 ms against 12.85 ms for a
     layer's training step on the ATen path)."""
-    from .._torch import kernels as _kernels
-    from .._torch import native
+    from ..._torch import kernels as _kernels
+    from ..._torch import native
 
     if need_grad or mode != "LSTM" or proj_size != 0 or x.device.type != "cpu":
         return False

@@ -41,10 +41,10 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from .._torch import aot as _aot, kernels as _kernels
-from ..graph import static_int
+from ..._torch import aot as _aot, kernels as _kernels
+from ...graph import static_int
 from .cudnn_grads import buffer_numel, grad_buffer, weight_grads
-from .ops import define_rnn_op
+from ..ops import define_rnn_op
 
 __all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "buffer_numel", "grad_buffer", "weight_grads",
            "buffer_for", "dropout_args", "weights_per_layer", "RANDOM", "cudnn_call"]

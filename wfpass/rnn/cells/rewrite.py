@@ -17,12 +17,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ..config import default_seq_threshold
-from ..graph import PassContext, meta_value, static_int
-from .cells_match import RNN_CALL, Chain, depends_on
-from .eager import CellLoopCall
-from .rewrite import new_group
-from .spec import RnnSpec
+from ...config import default_seq_threshold
+from ...graph import PassContext, meta_value, static_int
+from .match import RNN_CALL, Chain, depends_on
+from ..eager import CellLoopCall
+from ..rewrite import new_group
+from ..spec import RnnSpec
 
 __all__ = ["rewrite_loop", "module_group"]
 

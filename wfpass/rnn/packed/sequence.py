@@ -51,10 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence, invert_permutation
 
-from .._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
-from .packed_layer_py import known_different
-from .packed_meta import batch_of, note_batch
-from .spec import flat_weight_names, rnn_mode
+from ..._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
+from ..cpu.packed_layer_py import known_different
+from .meta import batch_of, note_batch
+from ..spec import flat_weight_names, rnn_mode
 
 __all__ = ["PACKED_RNN", "PackedRnnForward", "packed_path", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
            "packed_rnn_kernel"]
@@ -313,7 +313,7 @@ def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_laye
     ``wfpass::packed_bilayer`` per layer of a bidirectional RNN (eager's
     layer and direction structure, dropout between layers in training).
     Returns ``(out, h_n, c_n)``, ``c_n`` empty for GRUs and plain RNNs."""
-    from . import packed_layer, packed_lstm_runs  # (importing them registers the layer ops)
+    from ..cpu import packed_layer, packed_lstm_runs  # (importing them registers the layer ops)
 
     # ``dynamic=True`` (or a recompile after the module's dropout changed)
     # hands Dynamo's trace a symbolic float; float() specializes it, so the
@@ -405,7 +405,7 @@ def packed_path(spec, x: torch.Tensor, need_grad: bool) -> str:
     same), else the C++ layer loop (``packed``)."""
     if x.device.type == "cuda" and spec.options.cuda == "cudnn":
         return "cudnn"
-    from .packed_lstm_runs import usable
+    from ..cpu.packed_lstm_runs import usable
 
     return "packed_onednn" if usable(spec.mode, spec.proj_size, x, need_grad) else "packed"
 
@@ -425,7 +425,7 @@ class PackedRnnForward:
     def __call__(self, data, batch_sizes, hx, *weights):
         spec = self.spec
         if self.path == "cudnn":  # cuDNN's own packed mode, from the flat buffer
-            from .cudnn_packed import cudnn_packed_call
+            from ..cuda.cudnn_packed import cudnn_packed_call
 
             need_grad = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (data, *hx, *weights))
@@ -539,7 +539,7 @@ def rnn_forward(module, input, hx=None):
             return _packed_call(module, input, hx)
         return _subclass_packed_call(module, input, hx)
     if not torch.compiler.is_compiling():  # an eager run: inside a compiled call, the report counts it
-        from .eager_calls import note_eager_call
+        from ..eager_calls import note_eager_call
 
         note_eager_call(module, isinstance(input, PackedSequence))
     return type(module).forward(module, input, hx)
@@ -551,7 +551,7 @@ def _subclass_packed_call(module, input, hx):
     wformat trace: its ``forward`` runs eagerly (wfpass does not know what
     it does; Dynamo would break inside it on ``batch_sizes[0]`` anyway), one
     clean graph break at the call, counted on its report row."""
-    from .eager_calls import note_eager_call
+    from ..eager_calls import note_eager_call
 
     note_eager_call(module, True, where="subclass")
     return type(module).forward(module, input, hx)

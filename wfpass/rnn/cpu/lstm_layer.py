@@ -24,9 +24,9 @@ from typing import Dict
 
 import torch
 
-from ..graph import static_int
-from .._torch import aot as _aot, kernels as _kernels
-from .ops import define_rnn_op
+from ...graph import static_int
+from ..._torch import aot as _aot, kernels as _kernels
+from ..ops import define_rnn_op
 
 __all__ = ["workspace_numel", "zero_states"]
 

@@ -83,11 +83,11 @@ from typing import Optional
 
 import torch
 
-from .ops import define_rnn_op
+from ..ops import define_rnn_op
 from .packed_layer_py import (MODES, _packed_layer, check_args, check_shapes, gate_count, known_different,
                               workspace_width)
 from .packed_layer_py_backward import _packed_layer_backward
-from .packed_meta import batch_of
+from ..packed.meta import batch_of
 
 __all__ = ["MODES", "gate_count", "layer_weights", "workspace_width"]
 

@@ -12,11 +12,11 @@ from typing import List, Optional
 import torch
 import torch.fx as fx
 
-from ..config import default_seq_threshold
-from ..graph import PassContext, meta_value
-from .cells_match import RNN_CALL, Chain, depends_on
-from .guards import call_problem
-from .match import match_call
+from ...config import default_seq_threshold
+from ...graph import PassContext, meta_value
+from .match import RNN_CALL, Chain, depends_on
+from ..guards import call_problem
+from ..match import match_call
 
 __all__ = ["refusal", "loop_problem", "rnn_format_refusal"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch.tensors import fake_tensor_type, run_time_size, weak_id_key_dict
+from ..._torch.tensors import fake_tensor_type, run_time_size, weak_id_key_dict
 
 __all__ = ["note_batch", "batch_of"]
 
