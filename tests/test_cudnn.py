@@ -1,5 +1,5 @@
 """RNNs on CUDA inside the compiled graph, as one cuDNN call each
-(``wfpass/rnn/cudnn.py``), checked without a GPU.
+(``wfpass/rnn/cuda/cudnn.py``), checked without a GPU.
 
 A CUDA build of torch (the CPU build refuses CUDA tensors, fake or not)
 lets a model be built with ``device="cuda"`` inside ``FakeTensorMode``:

@@ -1,4 +1,4 @@
-"""cuDNN's packed mode (``wfpass/rnn/cudnn_packed.py``): an RNN over a
+"""cuDNN's packed mode (``wfpass/rnn/cuda/cudnn_packed.py``): an RNN over a
 PackedSequence on CUDA as one ``wfpass::cudnn_packed_rnn`` call reading the
 flat weight buffer, and one ``wfpass::cudnn_packed_rnn_backward``.
 

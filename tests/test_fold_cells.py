@@ -1,4 +1,4 @@
-"""Python loops of RNN cells folded into one RNN call (passes/fold_cells.py, rnn/cells_*.py).
+"""Python loops of RNN cells folded into one RNN call (passes/fold_cells.py, rnn/cells/).
 
 Every form is checked against eager on a deep copy (forward, input and
 parameter grads), and by counting the ops of the graph the inner compiler

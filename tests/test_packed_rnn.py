@@ -1,5 +1,5 @@
 """Variable-length batches: pack_padded_sequence -> nn.LSTM/GRU/RNN ->
-pad_packed_sequence in one compiled graph (wfpass/rnn/packed.py).
+pad_packed_sequence in one compiled graph (wfpass/rnn/packed/sequence.py).
 
 Every case runs against eager PyTorch on a deep copy: forward, backward
 (the input's, h0's and every weight's gradient, each scaled by the largest

@@ -60,7 +60,7 @@ def test_packed_sequence_rnn_gets_a_record_and_stays_right():
     out = torch.compile(m, backend="wformat")(x, lengths)
     torch.testing.assert_close(out, ref(x, lengths), rtol=1e-5, atol=1e-6)
     recs = {r.params[0].split(".")[0]: r for r in wfpass.report(m).records if r.pattern == "rnn"}
-    # The packed LSTM is in the graph (rnn/packed.py), on every supported
+    # The packed LSTM is in the graph (rnn/packed/sequence.py), on every supported
     # torch, 2.11 included; its record replaced the provisional one.
     assert recs["lstm"].action == "rewritten" and "variable lengths" in recs["lstm"].reason
     assert len(recs["lstm"].params) == 8  # both directions

@@ -147,7 +147,7 @@ def cudnn_capture_wanted(compiler_fn) -> bool:
 def _uncapturable_off_cpu(module: torch.nn.Module, config: Optional[Config]) -> str:
     """Why an RNN stays out of the graph, or "" where it goes in: CPU
     modules go in; CUDA modules go in as one cuDNN call
-    (``wfpass.rnn.cudnn``) where ``rnn.cuda="cudnn"``; other devices stay
+    (``wfpass.rnn.cuda.cudnn``) where ``rnn.cuda="cudnn"``; other devices stay
     out."""
     devices = {p.device.type for p in module.parameters()}
     if devices <= {"cpu"}:
@@ -194,7 +194,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     _NAME_ERRORS[0] = name_errors
     _hooks.install_rnn_capture(policy)
     # pack_padded_sequence / pad_packed_sequence go into the graph for the
-    # same backends (wfpass.rnn.packed).
+    # same backends (wfpass.rnn.packed.sequence).
     _hooks.install_packed_capture(rnn_capture_wanted)
     # Their example values on CUDA keep a symbolic length symbolic.
     _rnn_fake.install_cuda_rnn_example_values(cudnn_capture_wanted)

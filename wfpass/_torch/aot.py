@@ -93,7 +93,7 @@ def stop_compile_workers() -> None:
 def outside_fake_mode():
     """A context in which tensors are real even while a fake implementation
     runs (``torch._subclasses.fake_tensor.unset_fake_temporarily``, private;
-    torch 2.13.0). ``wfpass.rnn.lstm_layer.workspace_numel`` measures oneDNN's workspace
+    torch 2.13.0). ``wfpass.rnn.cpu.lstm_layer.workspace_numel`` measures oneDNN's workspace
     size on real zeros from inside ``wfpass::lstm_layer``'s fake."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

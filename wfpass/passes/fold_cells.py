@@ -44,8 +44,8 @@ it is left exactly as it was, with a record saying why:
 no shapes: a folded loop there calls ``CellLoopCall``, which does what the
 cells' ``forward`` did (unbatched steps, zero state) and picks the path per call.
 
-The steps, side by side in ``wfpass/rnn/``: matcher ``cells_match.py``,
-guards ``cells_guards.py``, rewrite ``cells_rewrite.py``.
+The steps, side by side in ``wfpass/rnn/cells/``: matcher ``match.py``,
+guards ``guards.py``, rewrite ``rewrite.py``.
 """
 from __future__ import annotations
 

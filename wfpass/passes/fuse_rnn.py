@@ -22,8 +22,9 @@ ops (``rnn_loop``). Everything the backward needs is a traced value.
 path per call.
 
 The steps, side by side in ``wfpass/rnn/``: matcher ``match.py``, guards
-and the flat block's layout ``guards.py``, rewrite ``rewrite.py``, kernels
-``paths.py`` (``lstm_layer.py``, ``auto.py``), the calls of
+and the flat block's layout ``guards.py``, rewrite ``rewrite.py``, the
+kernels' paths ``paths.py`` (``auto.py``; the kernels in ``cpu/`` and
+``cuda/``), variable-length batches ``packed/``, the calls of
 ``wfpass.apply`` graphs ``eager.py``.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..rnn.rewrite import planned_kernels, rewrite_call, trains
 __all__ = ["FuseRnn", "RNN_FUNCTIONS"]
 
 
-#: A packed batch's kernel, per path (``rnn.packed.packed_path``), in the row's words.
+#: A packed batch's kernel, per path (``rnn.packed.sequence.packed_path``), in the row's words.
 _PACKED_PLANS = {
     "cudnn": "one cuDNN call in packed mode",
     "packed_onednn": "oneDNN's LSTM layer over each run of equal batch size, per layer and direction",

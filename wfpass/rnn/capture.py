@@ -38,7 +38,7 @@ def name_errors(module: nn.Module, path: str) -> None:
     and pickling keep working; ``wfpass.restore`` removes it.
     ``wfpass.capture`` calls this when Dynamo first wraps the RNN for a wformat
     backend, i.e. before the first call's checks run."""
-    # Its PackedSequence calls go into the graph too (``packed.py``); a
+    # Its PackedSequence calls go into the graph too (``packed/sequence.py``); a
     # subclass's calls that run eagerly are counted.
     install_forward(module)
     mode = rnn_mode(module)

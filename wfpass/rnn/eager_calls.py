@@ -1,5 +1,5 @@
 """Calls of a captured RNN that ran eagerly inside a compiled function,
-counted on the RNN's report row with the reason (``packed.rnn_forward``
+counted on the RNN's report row with the reason (``packed.sequence.rnn_forward``
 calls ``note_eager_call`` in eager code)."""
 from __future__ import annotations
 

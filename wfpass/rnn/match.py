@@ -151,7 +151,7 @@ def _resolve_weights(ctx: PassContext, s: RnnCall, weights) -> None:
 def _packed_call(ctx: PassContext, node: fx.Node) -> RnnCall:
     """``wfpass.packed_rnn(data, batch_sizes, hx, weights, mode, has_biases,
     num_layers, dropout, train, bidirectional, proj_size)``: an RNN over a
-    packed batch, as ``rnn/packed.py`` puts it into Dynamo's graph."""
+    packed batch, as ``rnn/packed/sequence.py`` puts it into Dynamo's graph."""
     data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional, _proj = node.args
     s = RnnCall(node, mode)
     s.x, s.batch_sizes, s.hx = data, batch_sizes, list(hx)

@@ -1,9 +1,10 @@
 """The shape every RNN op of wfpass's has, written once: ``NAME`` (with an
 autograd formula), ``NAME_fw`` (the same op without one: what compiled
 forward graphs call, ``aot.register_twin``) and ``NAME_backward``, each with
-its kernel and its fake. ``lstm_layer.py`` (oneDNN's LSTM layer),
-``native_layer.py`` (GRU / RNN layers) and ``cudnn.py`` (cuDNN's whole RNN)
-each define theirs through ``define_rnn_op``."""
+its kernel and its fake. ``cpu/lstm_layer.py`` (oneDNN's LSTM layer),
+``cpu/native_layer.py`` (GRU / RNN layers), ``cuda/cudnn.py`` (cuDNN's whole
+RNN) and the packed kernels beside them each define theirs through
+``define_rnn_op``."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -23,7 +23,7 @@ that carry their own derivative formulas:
   only for a symbolic T where the two paths above cannot run (the loop
   needs a static T). oneDNN runs symbolic shapes too, with and without
   grad: the size of its training workspace is then a size known when the
-  op has run (an unbacked symbol, ``lstm_layer.py``).
+  op has run (an unbacked symbol, ``cpu/lstm_layer.py``).
 
 No state is kept between the forward and the backward that AOTAutograd
 does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
@@ -182,7 +182,7 @@ def mkldnn_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
 def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
     """A CPU GRU or plain RNN as ``wfpass::rnn_layer`` calls, one per layer
     and direction: ATen's native kernel as one op whatever T is, with a
-    backward op of its own (``native_layer.py``); dropout between layers
+    backward op of its own (``cpu/native_layer.py``); dropout between layers
     like ``nn.GRU``."""
     per = spec.weights_per_layer
     h0 = hx[0]

@@ -36,7 +36,7 @@ def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
     """Replace the call ``s`` (its guards passed: ``s.spec`` is set) with the
     format's call, in the group of its weight set."""
     site = _group_of(ctx, s)
-    if s.batch_sizes is not None:  # a packed batch (rnn/packed.py)
+    if s.batch_sizes is not None:  # a packed batch (rnn/packed/sequence.py)
         new = _packed_call(ctx, s, site)
     elif s.module is None:  # Dynamo flavour: weights are graph inputs
         new = _dynamo_call(ctx, s, site)

@@ -1,7 +1,7 @@
 // CPU kernels of wfpass::packed_layer and wfpass::packed_layer_backward:
 // one layer and one direction of an LSTM / GRU / plain RNN over a packed
 // batch (PackedSequence layout). The op, its fakes, its autograd formula and
-// its Python kernels are in wfpass/rnn/packed_layer_py.py and packed_layer_py_backward.py, which says what it
+// its Python kernels are in wfpass/rnn/cpu/packed_layer_py.py and packed_layer_py_backward.py, which says what it
 // computes and lays out the workspace. For fp32 on an AVX-512 CPU the
 // steps run on raw pointers (fast_rnn.cpp: oneDNN's small-GEMM ukernel and
 // vectorized gate math; 2.0x faster on the bench's LSTM layer, training),

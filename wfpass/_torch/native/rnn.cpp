@@ -1,6 +1,6 @@
 // CPU kernels of wfpass's one-op-per-layer RNN ops, in C++: the same ATen
-// calls as their Python kernels (wfpass/rnn/lstm_layer.py,
-// wfpass/rnn/native_layer.py), without Python's ~20 us a call. The schemas,
+// calls as their Python kernels (wfpass/rnn/cpu/lstm_layer.py,
+// wfpass/rnn/cpu/native_layer.py), without Python's ~20 us a call. The schemas,
 // fake implementations and gradient formulas stay in Python; these are
 // registered for the CPU key, which takes precedence over the Python
 // kernels' CompositeExplicitAutograd registration.
@@ -165,7 +165,7 @@ std::tuple<Tensor, Tensor> rnn_layer(const Tensor& input, const Tensor& w_ih, co
   return {out.contiguous(), hy};
 }
 
-// The sequential part of a GRU layer's backward (wfpass/rnn/native_layer.py,
+// The sequential part of a GRU layer's backward (wfpass/rnn/cpu/native_layer.py,
 // _gates_backward): the same ATen ops in the same order as its Python loop,
 // so the same numbers, without Python's cost per op (four to five ops a
 // step, each ~3 us from Python at small sizes). Every factor that does not
@@ -191,7 +191,7 @@ std::tuple<Tensor, Tensor, Tensor> gru_grad_loop(const Tensor& k_h, const Tensor
   return {dgh, dh_all, carry};
 }
 
-// wfpass::rnn_layer_backward (wfpass/rnn/native_layer.py, _rnn_layer_backward
+// wfpass::rnn_layer_backward (wfpass/rnn/cpu/native_layer.py, _rnn_layer_backward
 // and the _gates_backward / _plain_backward it calls): the same ATen calls in
 // the same order, so the same bits, without Python's cost per call (some
 // forty calls a layer, ~90 us of a GRU layer's backward at T 4, batch 4,

@@ -57,7 +57,7 @@ def loop_problem(ctx: PassContext, layers: List[Chain], dep: set) -> Optional[st
     if len({(r.tensor.dtype, r.tensor.device) for ch in layers for r in ch.first.refs}) != 1:
         return "weights differ in dtype or device"
     if w0.device.type == "cuda" and ctx.config.rnn.cuda == "cudnn":
-        pass  # folded into the same cuDNN call as a whole RNN on CUDA (rnn/cudnn.py)
+        pass  # folded into the same cuDNN call as a whole RNN on CUDA (rnn/cuda/cudnn.py)
     elif w0.device.type == "cuda":
         return ("weights on cuda: cell loops on CUDA are folded only with rnn={'cuda': 'cudnn'} "
                 "(one cuDNN call); left as they are")

@@ -16,7 +16,7 @@ sizes. After AOTAutograd, in the forward and backward graphs::
 
 ``data`` is ``[N, I]`` (N = the sum of the lengths, sequences longest
 first), ``out`` ``[N, D * H_out]``, ``hy`` / ``cy`` ``[L * D, B, ...]``
-(B = ``batch_sizes[0]``: from ``hx`` where given, else ``packed_meta``).
+(B = ``batch_sizes[0]``: from ``hx`` where given, else ``packed.meta``).
 cuDNN's training reserve depends on every batch size's value, which a
 fake never sees: in training its size is one known when the op runs
 (``run_time_size``), so such a graph stays out of CUDA graphs, as a

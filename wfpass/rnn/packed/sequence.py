@@ -24,7 +24,7 @@ Dynamo's graph (before ``fuse_rnn``)::
 After ``fuse_rnn``, ``packed_rnn`` is ``rnn_packed(data, batch_sizes, hx,
 *weights)`` in the group of its weights (one flat block), and AOTAutograd
 traces it into one ``wfpass.packed_layer`` per layer and direction (the
-C++ kernel that steps a shrinking batch, ``packed_layer.py``; one
+C++ kernel that steps a shrinking batch, ``cpu/packed_layer.py``; one
 ``wfpass.packed_bilayer`` per layer of a bidirectional RNN, its two
 directions at once on two threads), or into one cuDNN call in packed mode
 on CUDA.
@@ -36,7 +36,7 @@ when ``pack_padded`` runs: unbacked symbols made by its fake, which every
 later op's fake reuses (``data.shape[0]``, ``batch_sizes.shape[0]``), so
 one compiled graph serves every set of lengths. The number of sequences B
 is the padded input's own (backed) size; the fakes of ops that only see
-``batch_sizes`` find it again through ``packed_meta``. ``lengths`` stays on
+``batch_sizes`` find it again through ``meta.py``. ``lengths`` stays on
 the CPU, as eager requires, so no size is read from a GPU.
 
 Where Dynamo runs these functions for any other backend, they graph-break
@@ -279,7 +279,7 @@ torch.library.register_autograd("wfpass::pad_packed", _pad_grad, setup_context=_
 # -- the zero initial state of an RNN over a packed batch ------------------------------------------
 
 # Eager makes it from ``int(batch_sizes[0])``. Here it is one op whose fake
-# takes B from ``packed_meta`` (the padded input's size where the graph packed
+# takes B from ``meta.py`` (the padded input's size where the graph packed
 # the batch). Why an op, and one per RNN call: for a PackedSequence made
 # outside the graph, B is a size learnt at run time (an unbacked symbol); made
 # here, it is bound to one forward node that every layer then reads through
