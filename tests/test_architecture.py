@@ -3,9 +3,15 @@
 The import graph counts every ``import`` / ``from ... import`` anywhere in a
 module (inside functions too) and ``importlib.import_module("...")`` string
 literals; ``from . import x`` where ``x`` is a submodule is an edge to that
-submodule. Three rules: no import cycle among wfpass modules; the private
+submodule. The rules: no import cycle among wfpass modules; the private
 PyTorch layer (``wfpass/_torch/``) imports nothing from wfpass; private torch
-attributes are touched only in that layer.
+attributes are touched only in that layer; each module imports only its own
+layer or below. And the rooms: no folder under ``wfpass/`` holds more than
+12 modules (a module is a ``.py`` file directly in the folder,
+``__init__.py`` not counted; ``wfpass/`` itself is not a folder under it);
+the RNN format's CPU and CUDA kernels (``wfpass.rnn.cpu``,
+``wfpass.rnn.cuda``) sit in folders of their own and never import the
+format's matcher, guards, rewrite, paths, capture or cell loops.
 """
 from __future__ import annotations
 
@@ -259,3 +265,81 @@ def test_layer_list_matches_the_picture_in_architecture_md():
         want = {drawn(p) for p in prefixes if p != "wfpass.__main__"}
         got = {f for f in lines[name] if f.endswith((".py", "/"))}
         assert want == got, (name, sorted(want ^ got))
+
+
+# -- the rooms of wfpass/rnn/ (docs/architecture.md, "The RNN format's rooms") --
+
+#: The most modules a folder under wfpass/ may hold. A module is a ``.py``
+#: file directly in the folder, ``__init__.py`` not counted (nor files in
+#: its sub-folders, which are counted as folders of their own). ``wfpass/``
+#: itself, the package's layers (the picture above), is not a folder under
+#: it and is not checked.
+MAX_MODULES = 12
+
+#: The RNN format's kernels, each device in a folder of its own.
+RNN_KERNELS = ("wfpass.rnn.cpu", "wfpass.rnn.cuda")
+#: What the kernels never import: the format's matcher, guards and rewrite,
+#: the cell loops', the paths that choose between kernels, and the code that
+#: runs while Dynamo captures an RNN or a packed batch. Of the format, a
+#: kernel sees ``rnn.ops`` (how an RNN op is defined) and ``rnn.packed.meta``.
+RNN_FORMAT_SIDE = ("wfpass.rnn.match", "wfpass.rnn.guards", "wfpass.rnn.rewrite", "wfpass.rnn.capture",
+                   "wfpass.rnn.eager_calls", "wfpass.rnn.paths", "wfpass.rnn.auto", "wfpass.rnn.eager",
+                   "wfpass.rnn.cells", "wfpass.rnn.packed.sequence")
+
+
+def _crowded_folders(root: pathlib.Path, most: int = MAX_MODULES):
+    """``{folder: modules}`` for every folder under ``root`` that holds more than ``most`` modules."""
+    out = {}
+    for folder in sorted(p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        mods = sorted(f.name for f in folder.glob("*.py") if f.name != "__init__.py")
+        if len(mods) > most:
+            out[folder.relative_to(root.parent).as_posix()] = mods
+    return out
+
+
+def _within(mod: str, prefixes) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def _kernel_imports_of_format_side(graph):
+    return sorted(f"{m} imports {d}" for m, deps in graph.items() if _within(m, RNN_KERNELS)
+                  for d in deps if _within(d, RNN_FORMAT_SIDE))
+
+
+def test_no_folder_under_wfpass_holds_more_than_twelve_modules():
+    assert _crowded_folders(ROOT) == {}
+
+
+def test_crowded_folder_check_finds_a_crowded_folder(tmp_path):
+    # The checker itself: 13 modules and an __init__.py are one too many;
+    # 12 and an __init__.py are not, nor files of a sub-folder.
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for i in range(12):
+        (pkg / f"m{i}.py").write_text("")
+        (pkg / "sub" / f"s{i}.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    assert _crowded_folders(pkg) == {}
+    (pkg / "sub" / "s12.py").write_text("")
+    assert list(_crowded_folders(pkg)) == ["pkg/sub"]
+
+
+def test_rnn_kernels_sit_in_folders_of_their_own():
+    for pkg in RNN_KERNELS:
+        path, is_pkg = MODULES[pkg]
+        assert is_pkg and any(m.startswith(pkg + ".") for m in MODULES), pkg
+    # A renamed module must not leave the rule below checking nothing.
+    missing = [m for m in RNN_FORMAT_SIDE if m not in MODULES]
+    assert not missing, missing
+
+
+def test_rnn_kernels_never_import_the_format_s_matcher_or_rewrite():
+    assert _kernel_imports_of_format_side(GRAPH) == []
+
+
+def test_kernel_import_check_finds_a_kernel_importing_the_matcher():
+    graph = {"wfpass.rnn.cpu.lstm_layer": {"wfpass.rnn.ops", "wfpass.rnn.packed.meta"},
+             "wfpass.rnn.cuda.cudnn": {"wfpass.rnn.cells.match"},
+             "wfpass.rnn.paths": {"wfpass.rnn.match"}}
+    assert _kernel_imports_of_format_side(graph) == ["wfpass.rnn.cuda.cudnn imports wfpass.rnn.cells.match"]
