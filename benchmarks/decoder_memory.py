@@ -5,16 +5,34 @@ tokens under no_grad, one backend per process; prints the process's RSS
 growth from before compiling, the weights' bytes and, for wformat, the bytes
 of packed copies alive and the rows' ``packed_bytes``.
 
-    python benchmarks/decoder_memory.py --backend wformat [--max-bytes none|weights|N]
-    python benchmarks/decoder_memory.py --backend inductor
+    python benchmarks/decoder_memory.py --backend wformat [--max-bytes none|weights|N|off] [--warm]
+    python benchmarks/decoder_memory.py --backend inductor [--warm]
+
+``--warm`` first compiles and calls a small model of three linears with the
+same backend, so what a process pays once (imports, wfpass's native library,
+the compiler's own first-use costs) is out of the figure: what is left is
+what this model's compile adds. The growth is read after ``malloc_trim(0)``
+too (glibc keeps freed heap pages otherwise), where glibc has it.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 
 import torch
+
+
+class Warm(torch.nn.Module):
+    """Three linears: what ``--warm`` compiles first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        return self.a(x) + self.b(x) * self.c(x)
 
 
 def rss_mb() -> float:
@@ -27,6 +45,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=("wformat", "inductor"), required=True)
     ap.add_argument("--max-bytes", default="weights", help="wformat's pack.max_bytes: weights, none or a number; off: packing off")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warm", action="store_true", help="pay one-time costs on a small model first")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import wfpass
@@ -39,17 +58,29 @@ def main() -> None:
     if args.backend == "wformat":
         mb = None if args.max_bytes in ("none", "off") else ("weights" if args.max_bytes == "weights" else int(args.max_bytes))
         pack = {"mode": "off"} if args.max_bytes == "off" else {"max_bytes": mb}
-        fn = torch.compile(model, backend=wfpass.backend(pack=pack))
+        backend = wfpass.backend(pack=pack)
     else:
-        fn = torch.compile(model)
+        backend = "inductor"
+    if args.warm:
+        small = Warm().eval()
+        with torch.no_grad():
+            for n in (1, 2, 3):
+                torch.compile(small, backend=backend)(torch.randn(n, 8))
+    fn = torch.compile(model, backend=backend)
     gc.collect()
     before = rss_mb()
     with torch.no_grad():
         for n in (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5:
             fn(torch.randn(1, n, 256))
     gc.collect()
-    out = {"backend": args.backend, "max_bytes": args.max_bytes, "rss_growth_mb": round(rss_mb() - before, 1),
-           "weights_mb": round(weights / 2**20, 1)}
+    grown = rss_mb() - before
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trimmed = round(rss_mb() - before, 1)
+    except (OSError, AttributeError):  # not glibc
+        trimmed = None
+    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "rss_growth_mb": round(grown, 1),
+           "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1)}
     if args.backend == "wformat":
         rows = wfpass.report(model).find("pack", "rewritten")
         out["packed_alive_mb"] = round(pk.packed_bytes_alive() / 2**20, 1)
