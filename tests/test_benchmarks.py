@@ -115,3 +115,13 @@ def test_host_cost_benchmark_runs_quick_and_its_tables_add_up(tmp_path):
     assert mod.part_of("## Call CompiledFxGraph abc ##") == "Inductor wrapper"
     assert mod.part_of("wfpass::lstm_layer_fw") == "wfpass op bodies"
     assert mod.part_of("aten::mm") == "kernels and the rest"
+
+
+def test_size_asserts_benchmark_runs(capsys):
+    """``size_asserts.py`` (docs/host_cost.md): one case, both steps, every
+    variant timed, and the ratio column."""
+    _load("size_asserts").main(["--cases", "gru1", "--rounds", "1", "--sample-s", "0.002"])
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| gru1 |")]
+    assert [r[1] for r in rows] == ["inference", "training step"], rows
+    assert all(float(c) > 0 for r in rows for c in r[2:]), rows
