@@ -42,7 +42,8 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     if d.source == "noisy":
         return (f"M={m}: the plain GEMM: the measurement was too noisy to decide (its rounds spread "
                 f"{d.spread():.2f} of their median, over {choose.NOISE}: another process was using the cores; "
-                f"{choose.ROUNDS} interleaved rounds, measured now and not kept, so the next process measures again)")
+                f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds, none kept, so the next process "
+                f"measures again)")
     if d.kernel == "plain":
         alt = ", ".join(f"{name} {us[name]:.0f} us ({d.median_ratio(name):.2f}x its time in the median round, "
                         f"{d.clear_ratio(name):.2f}x in round {choose.CLEAR_ROUND} from the worst)"
