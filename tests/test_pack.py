@@ -535,9 +535,9 @@ def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_s
 
 def test_a_gain_must_be_clear_of_the_noise_to_make_a_copy():
     """A packed kernel is taken where its median round is at most MARGIN
-    (0.97) of the plain GEMM: a few disturbed rounds do not move the median,
-    a tie leaves the plain GEMM. MKL must beat the plain GEMM and oneDNN by
-    MKL_MARGIN."""
+    (0.85) of the plain GEMM: a few disturbed rounds do not move the median;
+    a near-tie, which flipped between processes, leaves the plain GEMM. MKL
+    must beat the plain GEMM and oneDNN by MKL_MARGIN (0.75)."""
     from wfpass.pack import choose
 
     def decision(ratios, mkl=None):
@@ -547,12 +547,12 @@ def test_a_gain_must_be_clear_of_the_noise_to_make_a_copy():
     n = choose.ROUNDS
     assert choose._best(decision([0.7] * (n - 2) + [1.3, 1.2])) == "onednn"  # two disturbed rounds
     assert choose._best(decision([0.7] * 5 + [1.3] * (n - 5))) == "plain"  # most rounds slower
-    assert choose._best(decision([0.99] * n)) == "plain"  # a tie is not worth a copy
-    assert choose._best(decision([0.96] * n)) == "onednn"
-    assert choose._best(decision([0.6] * n, mkl=[0.59] * n)) == "onednn"  # MKL not clearly over oneDNN
-    assert choose._best(decision([0.9] * n, mkl=[0.8] * n)) == "mkl"
-    assert choose._best(decision([1.2] * n, mkl=[0.9] * n)) == "mkl"
-    assert choose._best(decision([1.2] * n, mkl=[0.98] * n)) == "plain"
+    assert choose._best(decision([0.9] * n)) == "plain"  # 1.11x: a near-tie
+    assert choose._best(decision([0.84] * n)) == "onednn"
+    assert choose._best(decision([0.6] * n, mkl=[0.55] * n)) == "onednn"  # MKL not clearly over oneDNN
+    assert choose._best(decision([0.84] * n, mkl=[0.6] * n)) == "mkl"
+    assert choose._best(decision([1.2] * n, mkl=[0.74] * n)) == "mkl"
+    assert choose._best(decision([1.2] * n, mkl=[0.8] * n)) == "plain"  # MKL's larger copy needs MKL_MARGIN
 
 
 def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_and_write_nothing(monkeypatch, tmp_path):
