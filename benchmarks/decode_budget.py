@@ -16,6 +16,7 @@ import time
 import torch
 
 import wfpass
+from wfpass.tools.bench import own_code
 from wfpass.tools.bench_models import Decoder
 
 
@@ -29,11 +30,9 @@ def main() -> None:
              "wformat, packing off": wfpass.backend(pack={"mode": "off"}),
              "wformat, pack always": wfpass.backend(pack={"mode": "always"})}
     variants = {}
-    for i, (name, be) in enumerate(specs.items()):
-        m = copy.deepcopy(base)
-        ns: dict = {}
-        exec(f"def forward_{i}(x):\n    return m(x)\n", {"m": m}, ns)  # a code object of its own
-        variants[name] = (m, torch.compile(ns[f"forward_{i}"], backend=be))
+    for name, be in specs.items():
+        m = own_code(copy.deepcopy(base))  # a forward code object of its own
+        variants[name] = (m, torch.compile(m, backend=be))
     res: dict = {name: [] for name in variants}
     with torch.no_grad():
         for _, fn in variants.values():

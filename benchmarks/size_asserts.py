@@ -24,6 +24,7 @@ import time
 import torch
 
 import wfpass  # noqa: F401  (registers the "wformat" backend)
+from wfpass.tools.bench import own_code
 
 CASES = {
     "lstm1": lambda: torch.nn.LSTM(32, 64, num_layers=1),
@@ -35,14 +36,23 @@ VARIANTS = {"eager": (None, None), "default": ("inductor", None), "wformat": ("w
             "wformat, no size asserts": ("wformat", {"size_asserts": False})}
 
 
-def _variant(base: torch.nn.Module, i: int, backend, options):
-    m = copy.deepcopy(base)
-    ns: dict = {}
+class _Net(torch.nn.Module):
+    """The RNN's output alone (its states dropped)."""
+
+    def __init__(self, rnn: torch.nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def _variant(base: torch.nn.Module, backend, options):
     # A forward code object of its own: Dynamo's cache is per code object.
-    exec(f"def forward_{i}(x):\n    return m(x)[0]\n", {"m": m}, ns)
-    fn = ns[f"forward_{i}"]
+    m = own_code(_Net(copy.deepcopy(base)))
+    fn = m
     if backend is not None:
-        fn = torch.compile(fn, backend=backend, **({"options": options} if options else {}))
+        fn = torch.compile(m, backend=backend, **({"options": options} if options else {}))
     return fn, torch.optim.SGD(m.parameters(), lr=1e-6)
 
 
@@ -62,7 +72,7 @@ def main(argv=None) -> None:
     for case in a.cases.split(","):
         torch.manual_seed(0)
         base = CASES[case]()
-        vs = {name: _variant(base, i, *spec) for i, (name, spec) in enumerate(VARIANTS.items())}
+        vs = {name: _variant(base, *spec) for name, spec in VARIANTS.items()}
 
         def infer(name):
             with torch.no_grad():

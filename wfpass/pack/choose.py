@@ -17,8 +17,8 @@ of the plain GEMM; MKL (a copy per row count, larger) must beat the plain
 GEMM and oneDNN that way by ``MKL_MARGIN``, round by round. Rounds spread
 wider than ``NOISE`` are measured again, up to ``ATTEMPTS`` times. The
 median of 11 rounds of 2 ms moves less between processes than the
-second-worst of 7 rounds of 1 ms (the rule before this one, which a single slow round also
-swayed). The margin is wide on purpose: across fresh processes the median
+second-worst of 7 rounds of 1 ms (the rule before this one, which a single
+slow round also swayed). The margin is wide on purpose: across fresh processes the median
 of the same shape moved by up to 0.08 (0.88-0.96 for a 384x256 weight at 5
 rows), so a threshold near 1 flipped such near-ties from one process to the
 next (``benchmarks/choice_spread.py``, docs/choice_spread.md), and a gain
@@ -60,8 +60,9 @@ import torch.nn.functional as F
 
 from .._torch import aot as _aot, kernels as _k, native as _native
 
-__all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "NOISE", "ATTEMPTS", "RULE", "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS",
-           "bucket", "measure", "measured", "kernels_for_dtype", "Decision", "decide", "choices_file"]
+__all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "NOISE", "ATTEMPTS", "RULE",
+           "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured",
+           "kernels_for_dtype", "Decision", "decide", "choices_file"]
 
 #: A packed kernel's median round must take at most this fraction of the
 #: plain GEMM's time.
@@ -102,8 +103,9 @@ ATTEMPTS = 3
 #: Rounds whose ratios spread wider than this (interquartile range over the
 #: median, ``Decision.spread``) decide nothing: measured again, and after
 #: ``ATTEMPTS`` the plain GEMM runs and the next process measures again.
-#: Measured (``benchmarks/choice_spread.py``): at most 0.22 on this project's 2-core machine, idle or with one core busy
-#: at 1 thread, at 1 or 2 threads idle; 0.79 in the median with 2 threads
+#: Measured (``benchmarks/choice_spread.py``): at most 0.22 on this
+#: project's 2-core machine, idle or with one core busy at 1 thread, at 1 or
+#: 2 threads idle; 0.79 in the median with 2 threads
 #: and one core busy, where single rounds ran 5 to 400 times slower.
 NOISE = 0.3
 

@@ -49,7 +49,8 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
                         f"{d.clear_ratio(name):.2f}x in round {choose.CLEAR_ROUND} from the worst)"
                         for name in us if name != "plain")
         return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed {alt}, {op:.0f} us for the op's call "
-                f"included: no clear gain, which needs {choose.MARGIN:.2f}x in the median round; {rounds})")
+                f"included: no clear gain, which needs {choose.MARGIN:.2f}x in the median round, MKL "
+                f"{choose.MKL_MARGIN:.2f}x; {rounds})")
     name = "oneDNN" if d.kernel == "onednn" else "MKL"
     return (f"M={m}: {name}'s packed kernel, {1 / d.median_ratio(d.kernel):.2f}x faster than the plain GEMM "
             f"in the median round ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
