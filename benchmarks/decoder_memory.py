@@ -46,14 +46,17 @@ def main() -> None:
     ap.add_argument("--max-bytes", default="weights", help="wformat's pack.max_bytes: weights, none or a number; off: packing off")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warm", action="store_true", help="pay one-time costs on a small model first")
+    ap.add_argument("--hand-fused", action="store_true", help="the decoder written by hand with fused Q/K/V and gate/up weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import wfpass
     from wfpass.pack import kernel as pk
-    from wfpass.tools.bench_models import Decoder
+    from wfpass.tools.bench_models import Decoder, hand_fused_decoder
 
     torch.manual_seed(0)
     model = Decoder().eval()
+    if args.hand_fused:
+        model = hand_fused_decoder(model).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if args.backend == "wformat":
         mb = None if args.max_bytes in ("none", "off") else ("weights" if args.max_bytes == "weights" else int(args.max_bytes))
@@ -79,7 +82,7 @@ def main() -> None:
         trimmed = round(rss_mb() - before, 1)
     except (OSError, AttributeError):  # not glibc
         trimmed = None
-    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "rss_growth_mb": round(grown, 1),
+    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
            "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1)}
     if args.backend == "wformat":
         rows = wfpass.report(model).find("pack", "rewritten")

@@ -13,7 +13,9 @@ alias AOTAutograd and Inductor see.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import pathlib
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.fx as fx
@@ -65,6 +67,22 @@ def _resolve_inner(inner: Any, settings: Optional[Dict[str, Any]] = None) -> Cal
     return _dynamo.lookup_backend(inner)
 
 
+@functools.lru_cache(maxsize=None)
+def _cacheable_functions() -> Dict[str, str]:
+    """The Python functions wfpass's rewrites put into graphs, for the
+    compile caches, each keyed by a hash of wfpass's source: their traces
+    depend on wfpass's code, which the caches do not see."""
+    from .linear.kernel import fused_linear
+
+    digest = hashlib.sha256()
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    key = f"wfpass-{digest.hexdigest()[:16]}"
+    return {f"{fused_linear.__module__}.{fused_linear.__name__}": key}
+
+
 def _compile(config: Config, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any) -> Callable:
     return compile_with_report(config, gm, example_inputs, **compile_kwargs)[0]
 
@@ -89,11 +107,16 @@ def compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequ
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
     run_in_bodies(gm, ctx)
+    if ctx.is_dynamo:
+        # The nodes the formats added, with fake values as Dynamo's own have:
+        # AOTAutograd's cache reads them (``_cacheable_functions``).
+        _dynamo.fill_example_values(gm)
     module = None
     if not config.dry_run:  # ``wfpass.explain`` leaves ``last_report()`` and the model's records alone
         note_left_out(report)  # RNNs Dynamo left out for a backend that calls this one where wfpass did not see it
         module = _publish(report, ctx)
-    compiled = _resolve_inner(config.inner, settings)(gm, ctx.compile_inputs())
+    with _aot.cacheable(_cacheable_functions()):
+        compiled = _resolve_inner(config.inner, settings)(gm, ctx.compile_inputs())
     compiled = _settle(compiled, ctx, original)
     if module is not None:
         # The rows name the tensors as the module called does (the wrapper's

@@ -56,6 +56,26 @@ def inductor_compile_fx(config_patches: Optional[Dict[str, Any]] = None):
     return functools.partial(compile_fx, inner_compile=inner_compile)
 
 
+def cacheable(functions: Dict[str, str]):
+    """A context in which AOTAutograd's and Inductor's caches accept graphs
+    that call ``functions`` (``"module.name"`` -> a key): without it a
+    graph calling a Python function (``wfpass.linear.kernel.fused_linear``)
+    is refused by AOTAutograd's cache ("Bypassing autograd cache due to:
+    Unsupported call_function target"), so every process traces it again:
+    seconds of compile and, measured on the bench decoder, about 12 MB of
+    the process's memory that stays. The key (here: a hash of wfpass's
+    source) goes into the caches' keys through Inductor's config, so a
+    changed wfpass never reads an old entry. The graph's own arguments
+    (the fused layout, the row limit) are in the key already.
+    ``torch._inductor.config.unsafe_marked_cacheable_functions``: private,
+    torch 2.11.0-2.15.0."""
+    import torch._inductor.config as inductor_config
+
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    marked.update(functions)
+    return inductor_config.patch(unsafe_marked_cacheable_functions=marked)
+
+
 def inductor_modes() -> Dict[str, Dict[str, Any]]:
     """``torch.compile``'s modes and the Inductor settings each sets
     (``torch._inductor.list_mode_options``, named in ``torch.compile``'s
@@ -147,15 +167,3 @@ def static_example(alias: torch.Tensor, name: str, like: Optional[torch.Tensor] 
         constraint_sizes=[None] * d, constraint_strides=[None] * d,
         tensor_source=ConstantSource(f"wfpass_block_member_{name}"), shape_env_to_source_to_symbol_cache={},
     )
-
-
-def cond(pred, true_fn, false_fn, operands: tuple):
-    """``torch.cond`` as AOTAutograd traces it: ``torch.ops.higher_order.cond``
-    called directly (the op ``torch.cond`` becomes in a graph; torch
-    2.13.0). ``torch.cond`` itself, outside Dynamo (as in a kernel that
-    AOTAutograd traces), first compiles a wrapper of the op with Dynamo: a
-    nested compile per call site, with cache entries of its own. ``pred``
-    a SymBool: the traced graph holds a ``cond`` node that Inductor lowers
-    to an ``if`` in its wrapper. Each branch returns a tuple of tensors
-    (Inductor's lowering reads the outputs as one)."""
-    return torch.ops.higher_order.cond(pred, true_fn, false_fn, operands)

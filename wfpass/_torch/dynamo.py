@@ -290,3 +290,48 @@ def eager_run_inside_compile() -> Optional[str]:
 #: Dynamo's config names, as messages to the user spell them.
 RECOMPILE_LIMIT = "torch._dynamo.config.recompile_limit"
 ALLOW_RNN = "torch._dynamo.config.allow_rnn"
+
+
+def fill_example_values(gm: torch.fx.GraphModule) -> int:
+    """Give each node a rewrite added to a Dynamo graph the fake value Dynamo
+    gives its own (``node.meta["example_value"]``, private; torch
+    2.11.0-2.15.0), computed under the graph's fake mode from its inputs'.
+    AOTAutograd's cache refuses a graph where a method is called on a node
+    without one ("Unsupported call_method target getitem"), and every
+    process then traces the graph again. A node whose value cannot be
+    computed (an input without one) is left without: the cache bypasses
+    that graph, as before. Returns how many were filled."""
+    mode = None
+    for node in gm.graph.find_nodes(op="placeholder"):
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            break
+    if mode is None:
+        return 0
+    missing = object()
+
+    def value(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("example_value", missing)
+            if v is missing:
+                raise LookupError(a.name)
+            return v
+        return a
+
+    filled = 0
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+                continue
+            try:
+                args = torch.fx.node.map_aggregate(node.args, value)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+                if node.op == "call_method":
+                    out = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    out = node.target(*args, **kwargs)
+            except Exception:  # left without: the caches bypass this graph
+                continue
+            node.meta["example_value"] = out
+            filled += 1
+    return filled

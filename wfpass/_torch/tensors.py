@@ -136,22 +136,3 @@ def size_product_reader(dims, inputs):
     ns: dict = {}
     exec(compile(src, "<wfpass: a product of symbolic sizes>", "exec"), ns)
     return ns["read"]
-
-
-def sizes_bind_symbols(t: torch.Tensor) -> bool:
-    """Whether every symbol in ``t``'s sizes and strides is one of its sizes
-    itself. A subgraph that takes ``t`` as an input (a ``cond`` branch
-    Inductor compiles) reads its symbols from that input's sizes, and fails
-    to compile ("expected [s0] to have been codegen-ed") where a symbol is
-    only part of an expression there (``2*s0``, ``s0 - 1``, a stride of a
-    larger tensor). ``SymInt.node.expr`` is private (torch 2.13.0)."""
-    import sympy
-
-    free, bound = set(), set()
-    for d in tuple(t.shape) + tuple(t.stride()):
-        if isinstance(d, torch.SymInt):
-            free |= d.node.expr.free_symbols
-    for d in t.shape:
-        if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
-            bound.add(d.node.expr)
-    return free <= bound

@@ -12,8 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import networkx as nx
 import torch.fx as fx
 
-from .._torch import tensors as _tensors
-from ..graph import PassContext, meta_value
+from ..graph import PassContext
 from ..storage import first_sharing_problem, fused_storage_of
 from .match import LinearGroup, LinearSite, rows_of, site_params
 from .site import rows_reader, weight_not_2d, weight_ref_problem, written_in_place
@@ -75,15 +74,13 @@ def storage_problems(ctx: PassContext, sites: Sequence[LinearSite]) -> Dict[int,
 def per_call_problem(ctx: PassContext, x: fx.Node) -> Optional[str]:
     """Why a group over ``x``, whose row count is symbolic, cannot choose
     its path per call; None if it can."""
-    if ctx.region is not None:
-        # torch.utils.checkpoint's recomputation cannot replay a ``cond``
-        # (its dispatch mode has no rule for it; torch 2.13.0).
-        return "in a region (no per-call choice there)"
+    # The choice is one op (``wfpass::linear_by_rows``) that reads M off its
+    # input at run time: a checkpointed region replays it like any op, and
+    # M may be any expression of the graph's sizes. The runtime check
+    # counts each call on its path from the graph's inputs, so those must
+    # give M.
     if rows_reader(x, ctx.example_inputs) is None:
         return "not read from the graph's inputs"
-    if not _tensors.sizes_bind_symbols(meta_value(x)):
-        # The ``cond``'s branches take x and find M's symbols in its sizes.
-        return "its input's sizes hold a symbol only inside an expression"
     return None
 
 

@@ -24,18 +24,20 @@ its own gradient; the forward reads the block.
 A graph whose row count M is symbolic (Dynamo's recompile after a second
 length) serves every M, so it picks per call (the ``by_rows`` path): ``spec``
 carries the largest M of the one GEMM, ``(sizes, has_bias, 4)``, and the
-forward AOTAutograd traces is a ``cond`` on M::
+forward AOTAutograd traces calls one op that picks::
 
     y = fused_linear(x, w, b, ([16, 8, 8], [True, True, True], 4), q_w, ...)   # the FX graph: as above
 
-    y = cond(s0 <= 4, one_gemm, per_member, (x, w, b))   # what AOTAutograd traces from it; x: (1, s0, 32)
+    y = wfpass.linear_by_rows(x, w, b, [16, 8, 8], 4)   # what AOTAutograd traces from it; x: (1, s0, 32)
 
-    one_gemm(x, w, b):   addmm(b, x2, w.t()).view(1, s0, 32)            # x2 = x.view(-1, 32): (M, 32)
-    per_member(x, w, b): cat([addmm(b[:16], x2, w[:16].t()), addmm(b[16:24], x2, w[16:24].t()),
-                              addmm(b[24:], x2, w[24:].t())], -1).view(1, s0, 32)
+    M <= 4: addmm(b, x2, w.t()).view(1, s0, 32)            # x2 = x.view(-1, 32): (M, 32)
+    M > 4:  one addmm per member over its rows of w and b, each writing its
+            columns of one (M, 32) output (no copy for the concatenation)
 
-Inductor turns it into ``if s0 <= 4: ... else: ...`` in its wrapper, each
-member's GEMM writing its columns of one output (no copy for the ``cat``).
+Its CPU kernel is C++ (``_torch/native/linear.cpp``), its Python kernel
+serves CUDA and a machine without the C++ build. An op, not a ``cond``:
+Inductor's and AOTAutograd's caches refuse a graph with a ``cond`` (torch
+2.11-2.15), so every process would trace and compile the graph again.
 The backward is ``FusedLinear``'s, the same for both (its GEMMs read the
 block). ``runtime.guarded_call`` counts each call on the path its M takes.
 
@@ -50,7 +52,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .._torch import aot as _aot
 
 __all__ = ["FusedLinear", "LinearLayout", "fused_linear", "bias_vector", "EagerBlock", "EagerLayoutCheck"]
 
@@ -101,8 +102,9 @@ class FusedLinear(torch.autograd.Function):
     Inputs: ``x, w_block, b_block, spec, *weights, *present_biases`` where
     ``spec = (sizes, has_bias)``, or ``(sizes, has_bias, max_rows)`` where
     the path is chosen per call (``by_rows``). Written in aten ops (and
-    ``cond``) only, so AOTAutograd traces forward and backward and Inductor
-    compiles the GEMMs like any other.
+    ``wfpass::linear_by_rows`` where M is symbolic) only, so AOTAutograd
+    traces forward and backward and Inductor compiles the GEMMs like any
+    other.
     """
 
     @staticmethod
@@ -141,35 +143,43 @@ def fused_linear(x, w_block, b_block, spec, *params):
     return FusedLinear.apply(x, w_block, b_block, spec, *params)
 
 
+def _by_rows(x: torch.Tensor, w_block: torch.Tensor, b_block: Optional[torch.Tensor], sizes: Sequence[int],
+             max_rows: int) -> torch.Tensor:
+    """``wfpass::linear_by_rows``'s Python kernel: the C++ one's choice and
+    output (see the module docstring)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    total = w_block.shape[0]
+    if x2.shape[0] <= max_rows:
+        return F.linear(x2, w_block, b_block).view(*x.shape[:-1], total)
+    bs = b_block.split(list(sizes), 0) if b_block is not None else [None] * len(sizes)
+    y2 = torch.cat([F.linear(x2, w, b) for w, b in zip(w_block.split(list(sizes), 0), bs)], -1)
+    return y2.view(*x.shape[:-1], total)
+
+
+def _by_rows_fake(x, w_block, b_block, sizes, max_rows):
+    return x.new_empty((*x.shape[:-1], w_block.shape[0]))
+
+
+_LIB = torch.library.Library("wfpass", "FRAGMENT")
+_LIB.define("linear_by_rows(Tensor x, Tensor w_block, Tensor? b_block, int[] sizes, int max_rows) -> Tensor")
+torch.library.register_fake("wfpass::linear_by_rows", _by_rows_fake, lib=_LIB)
+# The Python kernel serves every backend key; the C++ one, once loaded
+# (``_torch/native``: at the first compile), takes the CPU key before it.
+_LIB.impl("linear_by_rows", _by_rows, "CompositeExplicitAutograd")
+
+
 def by_rows(x: torch.Tensor, w_block: torch.Tensor, b_block: Optional[torch.Tensor], sizes: Sequence[int],
             max_rows: int) -> torch.Tensor:
     """The forward of the ``by_rows`` path: one GEMM over the block where x
     has at most ``max_rows`` rows, one GEMM per member (over its rows of the
-    block) above. A symbolic row count becomes a ``cond`` in the traced
-    graph, decided per call; a known one (a real tensor, a static shape)
-    picks the branch here. Both give the same output. The branches take x
-    as it is (the ``cond``'s subgraphs read the symbols of its sizes from
-    it) and multiply its 2-D view, so that each member's GEMM writes its
-    columns of the one output."""
-    sizes = list(sizes)
-
-    def one_gemm(x, w_block, *b):
-        x2 = x.reshape(-1, x.shape[-1])
-        return (F.linear(x2, w_block, b[0] if b else None).view(*x.shape[:-1], w_block.shape[0]),)
-
-    def per_member(x, w_block, *b):
-        x2 = x.reshape(-1, x.shape[-1])
-        bs = b[0].split(sizes, 0) if b else [None] * len(sizes)
-        y2 = torch.cat([F.linear(x2, w, bm) for w, bm in zip(w_block.split(sizes, 0), bs)], -1)
-        return (y2.view(*x.shape[:-1], w_block.shape[0]),)
-
+    block) above. A symbolic row count becomes a call of
+    ``wfpass::linear_by_rows`` in the traced graph, which decides per call;
+    a known one (a real tensor, a static shape) picks here. Both give the
+    same output."""
     rows = math.prod(x.shape[:-1])
-    operands = (x, w_block) + ((b_block,) if b_block is not None else ())
     if isinstance(rows, torch.SymInt):
-        (y,) = _aot.cond(rows <= max_rows, one_gemm, per_member, operands)
-    else:
-        (y,) = (one_gemm if rows <= max_rows else per_member)(*operands)
-    return y
+        return torch.ops.wfpass.linear_by_rows(x, w_block, b_block, [int(s) for s in sizes], max_rows)
+    return _by_rows(x, w_block, b_block, sizes, max_rows)
 
 
 # -- wfpass.apply graphs: the same check, in place ------------------------------

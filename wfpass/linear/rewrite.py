@@ -171,8 +171,8 @@ def _open_sites(ctx: PassContext, m: LinearGroup, layout: LinearLayout, w_idx: S
     wsite = GroupSite("linear.weight", layout.weight_key, w_idx, wnames, layout.w_offsets,
                       layout.total * layout.in_features, record, counters + bias_cat, reads_block=path != "split")
     if path == "by_rows":
-        # Each call counted on the path its M takes (the graph's ``cond``
-        # decides from the same M).
+        # Each call counted on the path its M takes (the graph's
+        # ``wfpass::linear_by_rows`` decides from the same M).
         wsite.by_rows = ByRows(rows_reader(m.x, ctx.example_inputs), ctx.config.linear.fused_max_rows,
                                ("fused_calls",) + bias_cat, ("split_calls",) + bias_cat, record.detail.get("_text"))
     extra = []

@@ -26,9 +26,9 @@ the fused path's graph, with the threshold in the spec::
 
     y = fused_linear(x, w, b, ([dq, dk, dv], [True, False, True], 4), q_w, k_w, v_w, q_b, v_b)
 
-which AOTAutograd traces to ``cond(M <= 4, one_gemm, per_member, (x, w,
-b))`` (``wfpass/linear/kernel.py``); each call is counted on the path its
-M took.
+which AOTAutograd traces to one op, ``wfpass::linear_by_rows(x, w, b,
+sizes, 4)``, that picks per call (``wfpass/linear/kernel.py``); each call
+is counted on the path its M took.
 
 The steps ``pipeline.drive`` runs:
 

@@ -40,7 +40,7 @@ import torch
 __all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp")
+_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
 _HEADERS = ("fast_rnn.h",)
 
