@@ -142,7 +142,7 @@ def main() -> None:
         same = sum(1 for p in fresh if all(rule(p[k]) == rule(fresh[0][k]) for k in keys))
         print(f"{name}, no decision file: {same} of {args.procs} processes decide every shape as the first")
     noisy = sum(1 for p in fresh for k in keys if p[k]["source"] == "noisy")
-    print(f"wfpass's rule: {noisy} of {len(fresh) * len(keys)} decisions too noisy to tell (the plain GEMM, not kept)")
+    print(f"wfpass's rule: {noisy} of {len(fresh) * len(keys)} decisions too noisy to tell (the plain GEMM, kept marked noisy)")
     same = sum(1 for p in shared if all(p[k]["clear"] == shared[0][k]["clear"] for k in keys))
     read = sum(1 for p in shared[1:] if all(p[k]["source"] == "file" for k in keys))
     print(f"wfpass's rule, one decision file: {same} of {args.procs} identical; {read} of {args.procs - 1} later "

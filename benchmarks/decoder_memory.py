@@ -3,7 +3,9 @@
 3 tokens (Dynamo recompiles with the length symbolic) and then at 1, 5 and 8
 tokens under no_grad, one backend per process; prints the process's RSS
 growth from before compiling, the weights' bytes and, for wformat, the bytes
-of packed copies alive and the rows' ``packed_bytes``.
+of packed copies alive and the rows' ``packed_bytes``; and the seconds those
+calls took (``calls_s``: mostly the compiles, shorter where AOTAutograd's
+and Inductor's on-disk caches already hold the graphs).
 
     python benchmarks/decoder_memory.py --backend wformat [--max-bytes none|weights|N|off] [--warm]
     python benchmarks/decoder_memory.py --backend inductor [--warm]
@@ -20,6 +22,7 @@ import argparse
 import ctypes
 import gc
 import json
+import time
 
 import torch
 
@@ -72,9 +75,11 @@ def main() -> None:
     fn = torch.compile(model, backend=backend)
     gc.collect()
     before = rss_mb()
+    t0 = time.perf_counter()
     with torch.no_grad():
         for n in (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5:
             fn(torch.randn(1, n, 256))
+    calls_s = time.perf_counter() - t0
     gc.collect()
     grown = rss_mb() - before
     try:
@@ -83,7 +88,8 @@ def main() -> None:
     except (OSError, AttributeError):  # not glibc
         trimmed = None
     out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
-           "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1)}
+           "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1),
+           "calls_s": round(calls_s, 1)}
     if args.backend == "wformat":
         rows = wfpass.report(model).find("pack", "rewritten")
         out["packed_alive_mb"] = round(pk.packed_bytes_alive() / 2**20, 1)

@@ -36,9 +36,12 @@ this machine take it from there instead of timing again, so a compile while
 the machine is busy no longer bakes in whichever kernel won that moment. The
 report says which decisions came from the file. Rounds too spread to tell
 (``NOISE``: another process took the cores) are measured again; if all
-``ATTEMPTS`` are, the plain GEMM runs in this process and nothing is
-written, so a later process measures again. Delete the file to measure
-again (after a torch upgrade the key changes by itself).
+``ATTEMPTS`` are, the decision is the plain GEMM, and it is kept like any
+other, marked too noisy: later processes on this machine run the plain
+GEMM there too instead of measuring again, each on its own luck (with
+2 threads and a core busy, fresh processes measuring afresh agreed in
+2 of 10, docs/choice_spread.md). Delete the file to measure again (after a
+torch upgrade the key changes by itself).
 
 Row counts above ``EXACT_ROWS`` are measured at the next power of two
 (one measurement serves every M up to it).
@@ -102,7 +105,7 @@ ATTEMPTS = 3
 
 #: Rounds whose ratios spread wider than this (interquartile range over the
 #: median, ``Decision.spread``) decide nothing: measured again, and after
-#: ``ATTEMPTS`` the plain GEMM runs and the next process measures again.
+#: ``ATTEMPTS`` the plain GEMM runs, kept for later processes too.
 #: Measured (``benchmarks/choice_spread.py``): at most 0.22 on this
 #: project's 2-core machine, idle or with one core busy at 1 thread, at 1 or
 #: 2 threads idle; 0.79 in the median with 2 threads
@@ -136,15 +139,16 @@ class Decision:
     median seconds per call, its rounds' ratios to the plain GEMM (the op's
     call included), the bytes of its copy, where it came from (``"measured"``
     in this process, ``"file"``: an earlier process's, from ``choices.json``;
-    ``"noisy"``: measured in this process, too noisy to decide, so plain)
-    and when it was measured."""
+    ``"noisy"``: measured in this process, too noisy to decide, so plain),
+    when it was measured, and whether it was too noisy to decide
+    (``noisy``: then plain, in this process and in those that read it)."""
 
-    __slots__ = ("kernel", "times", "ratios", "nbytes", "source", "when")
+    __slots__ = ("kernel", "times", "ratios", "nbytes", "source", "when", "noisy")
 
     def __init__(self, kernel: str, times: Dict[str, float], ratios: Dict[str, List[float]],
-                 nbytes: Dict[str, int], source: str, when: str):
+                 nbytes: Dict[str, int], source: str, when: str, noisy: bool = False):
         self.kernel, self.times, self.ratios, self.nbytes = kernel, times, ratios, nbytes
-        self.source, self.when = source, when
+        self.source, self.when, self.noisy = source, when, noisy
 
     def clear_ratio(self, kernel: str) -> float:
         """The ``CLEAR_ROUND``-th worst round's ratio of ``kernel`` to the plain GEMM."""
@@ -167,14 +171,18 @@ class Decision:
         return statistics.median(self.ratios.get(kernel) or [float("inf")])
 
     def to_json(self) -> dict:
-        return {"kernel": self.kernel, "times": self.times, "ratios": self.ratios, "nbytes": self.nbytes,
-                "when": self.when}
+        out = {"kernel": self.kernel, "times": self.times, "ratios": self.ratios, "nbytes": self.nbytes,
+               "when": self.when}
+        if self.noisy:
+            out["noisy"] = True
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "Decision":
         return cls(str(d["kernel"]), {k: float(v) for k, v in d["times"].items()},
                    {k: [float(x) for x in v] for k, v in d.get("ratios", {}).items()},
-                   {k: int(v) for k, v in d.get("nbytes", {}).items()}, "file", str(d.get("when", "")))
+                   {k: int(v) for k, v in d.get("nbytes", {}).items()}, "file", str(d.get("when", "")),
+                   bool(d.get("noisy", False)))
 
 
 # (dtype, in, out, bucket, threads) -> its Decision, for this process.
@@ -325,9 +333,12 @@ def decide(dtype: torch.dtype, k: int, n: int, m: int) -> Decision:
                 _to_file(key, got)
                 break
             # The rounds disagree too much to tell (another process took the
-            # cores): measure again; after ATTEMPTS, the plain GEMM for this
-            # process, and nothing written, so a later process measures again.
-            got.source = "noisy"
+            # cores): measure again; after ATTEMPTS, the plain GEMM, kept, so
+            # that later processes run the same instead of each deciding on
+            # its own luck.
+            got.source, got.noisy, got.kernel = "noisy", True, "plain"
+        if got.noisy:
+            _to_file(key, got)
     _DECIDED[key] = got
     return got
 

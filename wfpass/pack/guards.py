@@ -39,11 +39,14 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     where = ("measured now" if d.source == "measured" else
              f"measured {d.when} by an earlier process on this machine ({choose.choices_file()})")
     rounds = f"{choose.ROUNDS} interleaved rounds, {where}"
-    if d.source == "noisy":
+    if d.noisy:
+        path = choose.choices_file()
+        by = "now" if d.source != "file" else f"on {d.when} by an earlier process on this machine"
         return (f"M={m}: the plain GEMM: the measurement was too noisy to decide (its rounds spread "
                 f"{d.spread():.2f} of their median, over {choose.NOISE}: another process was using the cores; "
-                f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds, none kept, so the next process "
-                f"measures again)")
+                f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds {by}); "
+                + (f"kept in {path} so that every process on this machine runs the same (delete it to measure "
+                   f"again)" if path else "kept for this process (WFPASS_CACHE_DIR is off)"))
     if d.kernel == "plain":
         alt = ", ".join(f"{name} {us[name]:.0f} us ({d.median_ratio(name):.2f}x its time in the median round, "
                         f"{d.clear_ratio(name):.2f}x in round {choose.CLEAR_ROUND} from the worst)"
