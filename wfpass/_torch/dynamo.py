@@ -4,7 +4,9 @@ call back into wfpass while Dynamo traces are in ``dynamo_hooks.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import types
 from typing import Optional
 
 import torch
@@ -300,7 +302,9 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
     without one ("Unsupported call_method target getitem"), and every
     process then traces the graph again. A node whose value cannot be
     computed (an input without one) is left without: the cache bypasses
-    that graph, as before. Returns how many were filled."""
+    that graph, as before. ``ShapeEnv.ignore_fresh_unbacked_symbols``
+    (private; torch 2.11.0-2.15.0) keeps a size made here out of Dynamo's
+    pending list. Returns how many were filled."""
     mode = None
     for node in gm.graph.find_nodes(op="placeholder"):
         mode = getattr(node.meta.get("example_value"), "fake_mode", None)
@@ -318,10 +322,31 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
             return v
         return a
 
+    # Only what the cache's check reads (the node a method is called on, and
+    # the nodes its value needs), and only functions and ops: a callable
+    # object (an RNN's call carrying its settings) is not cacheable anyway,
+    # and running it here would run its path once more for nothing, or make
+    # sizes only its kernel knows (unbacked symbols) that no output returns.
+    plain = (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    needed: set = set()
+
+    def need(n) -> None:
+        if isinstance(n, torch.fx.Node) and n not in needed and "example_value" not in n.meta:
+            needed.add(n)
+            for a in n.all_input_nodes:
+                need(a)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.args:
+            need(node.args[0])
     filled = 0
-    with mode:
+    env = getattr(mode, "shape_env", None)
+    quiet = getattr(env, "ignore_fresh_unbacked_symbols", None)
+    with mode, (quiet() if quiet is not None else contextlib.nullcontext()):
         for node in gm.graph.nodes:
-            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+            if node not in needed or node.op not in ("call_function", "call_method"):
+                continue
+            if node.op == "call_function" and not isinstance(node.target, plain):
                 continue
             try:
                 args = torch.fx.node.map_aggregate(node.args, value)
