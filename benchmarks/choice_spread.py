@@ -39,11 +39,12 @@ ROWS = (1, 5, 8)
 CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
+pool = int(sys.argv[2]) * 2**20
 from wfpass.pack import choose
 out = {}
 for n, k in %r:
     for m in %r:
-        d = choose.decide(torch.float32, k, n, m)
+        d = choose.decide(torch.float32, k, n, m, pool)
         out[f"{n}x{k} M={m}"] = {"clear": d.kernel, "source": d.source,
                                  "ratios": {c: [round(x, 3) for x in r] for c, r in d.ratios.items()}}
 print("RESULT " + json.dumps(out))
@@ -55,15 +56,16 @@ print("RESULT " + json.dumps(out))
 CHECK = r"""
 import json, statistics, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
+pool = int(sys.argv[2]) * 2**20
 from wfpass.pack import choose
 out = {}
 for n, k in %r:
     for m in %r:
-        d = choose.decide(torch.float32, k, n, m)
+        d = choose.decide(torch.float32, k, n, m, pool)
         if d.kernel == "plain":
             continue
         choose.ROUNDS, choose.SAMPLE_S = 21, 1e-2
-        times, _ = choose._time_candidates(torch.float32, k, n, choose.bucket(m))
+        times, _ = choose._time_candidates(torch.float32, k, n, choose.bucket(m), choose.pool_mib(pool))
         op = choose.op_cost_s()
         rs = [(t + op) / p for t, p in zip(times[d.kernel], times["plain"])]
         out[f"{n}x{k} M={m}"] = {"kernel": d.kernel, "median": statistics.median(rs), "worst": max(rs)}
@@ -71,9 +73,9 @@ print("RESULT " + json.dumps(out))
 """ % (SHAPES, ROWS)
 
 
-def run(threads: int, cache_dir: str, child: str = CHILD) -> dict:
+def run(threads: int, cache_dir: str, child: str = CHILD, pool_mib: int = 0) -> dict:
     env = {**os.environ, "WFPASS_CACHE_DIR": cache_dir}
-    r = subprocess.run([sys.executable, "-c", child, str(threads)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", child, str(threads), str(pool_mib)], env=env, capture_output=True, text=True,
                        timeout=600)
     if r.returncode:
         raise SystemExit(r.stderr[-3000:])
@@ -107,15 +109,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--busy", action="store_true", help="keep one core busy with a spinning process meanwhile")
     ap.add_argument("--json", default=None, help="write every process's rounds here")
+    ap.add_argument("--pool-mib", type=int, default=0,
+                    help="the weights the graph reads per call, in MiB (the decoder's: 18): each shape is timed "
+                         "with its weight cycling through that many MiB of copies, as wformat times it")
     args = ap.parse_args()
     spinner = None
     if args.busy:
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        fresh = [run(args.threads, "off") for _ in range(args.procs)]
+        fresh = [run(args.threads, "off", pool_mib=args.pool_mib) for _ in range(args.procs)]
         shared_dir = tempfile.mkdtemp(prefix="wfpass-choices-")
-        shared = [run(args.threads, shared_dir) for _ in range(args.procs)]
-        check = run(args.threads, shared_dir, CHECK)
+        shared = [run(args.threads, shared_dir, pool_mib=args.pool_mib) for _ in range(args.procs)]
+        check = run(args.threads, shared_dir, CHECK, pool_mib=args.pool_mib)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -125,7 +130,9 @@ def main() -> None:
                        "check": check}, f)
     keys = list(fresh[0])
     print(f"{args.procs} fresh processes, {args.threads} thread(s){', one core kept busy' if args.busy else ''}, "
-          f"{choose.ROUNDS} rounds of ~{choose.SAMPLE_S * 1e3:.0f} ms per candidate\n")
+          f"{choose.ROUNDS} rounds of ~{choose.SAMPLE_S * 1e3:.0f} ms per candidate"
+          + (f", each weight cycling through {choose.pool_mib(args.pool_mib * 2**20)} MiB of copies"
+             if args.pool_mib else "") + "\n")
     print("| shape | " + " | ".join(f"{name}: decisions" for name in RULES)
           + " | oneDNN / plain, median round per process, min-max |")
     print("|---|" + "---|" * (len(RULES) + 1))

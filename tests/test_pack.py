@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 
 import pytest
 import torch
@@ -501,7 +502,7 @@ def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_s
 
     seen = []
 
-    def decide(dtype, k, n, m):
+    def decide(dtype, k, n, m, pool_bytes=0):
         seen.append(m)
         times = {"plain": 10e-6, "onednn": 5e-6 if wins else 20e-6}
         ratios = {"onednn": [times["onednn"] / times["plain"]] * choose.ROUNDS}
@@ -555,6 +556,62 @@ def test_a_gain_must_be_clear_of_the_noise_to_make_a_copy():
     assert choose._best(decision([1.2] * n, mkl=[0.8] * n)) == "plain"  # MKL's larger copy needs MKL_MARGIN
 
 
+def test_spread_rounds_decide_where_every_quartile_agrees():
+    """Rounds spread by another machine's memory traffic (the weight cycling
+    through the model's bytes) still decide where the lower quartile, the
+    median and the upper quartile all agree on packing; where they do not,
+    they are not settled (measured again, then the plain GEMM)."""
+    from wfpass.pack import choose
+
+    def decision(ratios):
+        return choose.Decision("plain", {"plain": 1e-4, "onednn": 5e-5}, {"onednn": ratios}, {}, "measured", "")
+
+    spread_win = decision([0.3, 0.35, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.82])
+    assert spread_win.spread() > choose.NOISE
+    assert choose._settled(spread_win) and choose._best(spread_win) == "onednn"
+    spread_loss = decision([1.0, 1.2, 1.3, 2.0, 2.5, 2.6, 3.0, 3.5, 3.8, 4.5, 5.0])
+    assert spread_loss.spread() > choose.NOISE and choose._settled(spread_loss)
+    assert choose._best(spread_loss) == "plain"
+    undecided = decision([0.63, 0.68, 0.76, 0.79, 0.83, 0.88, 0.96, 1.67, 2.0, 2.39, 2.58])  # measured, 384x256 M=1
+    assert not choose._settled(undecided)
+    assert choose._settled(decision([0.84] * choose.ROUNDS))  # quiet rounds decide as before
+    # A near-tie, quiet: the margin inside the quartiles (it flipped between processes).
+    near_tie = decision([0.80, 0.81, 0.82, 0.83, 0.84, 0.85, 0.86, 0.87, 0.88, 0.89, 0.9])
+    assert near_tie.spread() <= choose.NOISE and not choose._settled(near_tie)
+
+
+def test_decisions_are_timed_among_the_graphs_weights(monkeypatch, tmp_path):
+    """Where the graph reads more than POOL_MIN_MIB of weights per call, a
+    decision is timed with the weight cycling through copies that fill those
+    bytes (a power of two in MiB), kept under a key of its own, and the row
+    says so; below it, the weight alone, as before."""
+    from wfpass.config import PackOptions
+    from wfpass.pack import choose, guards
+
+    monkeypatch.setenv("WFPASS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choose, "_DECIDED", {})
+    monkeypatch.setitem(choose._FILE_STATE, "path", None)
+    assert [choose.pool_mib(b) for b in (0, 2**19, 2**20, 3 * 2**20, int(18.6 * 2**20), 2**40)] == [0, 0, 1, 4, 16,
+                                                                                                      64]
+    seen = []
+    real = choose._time_candidates
+
+    def spy(dtype, k, n, mb, pool=0):
+        seen.append(pool)
+        return real(dtype, k, n, mb, pool)
+
+    monkeypatch.setattr(choose, "_time_candidates", spy)
+    choose.decide(torch.float32, 64, 96, 1, 2**21)
+    choose.decide(torch.float32, 64, 96, 1, 2**10)
+    assert seen[0] == 2 and seen[-1] == 0
+    keys = json.loads((tmp_path / "choices.json").read_text())
+    texts = [t for entries in keys.values() for t in entries]
+    assert "float32 96x64 M=1 pool=2MiB" in texts and "float32 96x64 M=1" in texts, texts
+    words = guards.describe_choice(PackOptions(), torch.float32, 64, 96, 1, 2**21)
+    assert "the weight cycling through 2 MiB of copies as among the graph's weights" in words, words
+    assert "cycling" not in guards.describe_choice(PackOptions(), torch.float32, 64, 96, 1, 2**10)
+
+
 def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes(monkeypatch, tmp_path):
     """Another process taking the cores spreads the rounds: the plain GEMM
     runs after ATTEMPTS measurements, the row says why, and the decision is
@@ -583,7 +640,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     assert len(calls) == choose.ATTEMPTS  # measured again before giving up
     assert (tmp_path / "choices.json").exists()
     words = guards.describe_choice(PackOptions(), torch.float32, 64, 48, 3)
-    assert "too noisy to decide" in words and "so that every process on this machine runs the same" in words
+    assert "the measurement could not decide" in words and "so that every process on this machine runs the same" in words
     # A later process (this one's decisions forgotten) reads it: plain, not measured.
     monkeypatch.setattr(choose, "_DECIDED", {})
     monkeypatch.setitem(choose._FILE_STATE, "path", None)
@@ -592,7 +649,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     assert d.kernel == "plain" and d.source == "file" and d.noisy
     assert len(calls) == choose.ATTEMPTS
     words = guards.describe_choice(PackOptions(), torch.float32, 64, 48, 3)
-    assert "too noisy to decide" in words and "by an earlier process on this machine" in words
+    assert "the measurement could not decide" in words and "by an earlier process on this machine" in words
     # The file deleted: measured again, quietly this time.
     (tmp_path / "choices.json").unlink()
     monkeypatch.setattr(choose, "_DECIDED", {})

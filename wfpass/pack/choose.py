@@ -15,7 +15,9 @@ round gives the ratio (candidate + the op's own call) / plain. A packed
 kernel is taken only where the median of its rounds is at most ``MARGIN``
 of the plain GEMM; MKL (a copy per row count, larger) must beat the plain
 GEMM and oneDNN that way by ``MKL_MARGIN``, round by round. Rounds spread
-wider than ``NOISE`` are measured again, up to ``ATTEMPTS`` times. The
+decide only where their lower quartile, median and upper quartile all
+decide alike whether to pack; otherwise (a near-tie, or rounds spread by
+another process) they are measured again, up to ``ATTEMPTS`` times. The
 median of 11 rounds of 2 ms moves less between processes than the
 second-worst of 7 rounds of 1 ms (the rule before this one, which a single
 slow round also swayed). The margin is wide on purpose: across fresh processes the median
@@ -27,6 +29,16 @@ and over, so it sits in the cache, and a model's real calls can gain more
 (MKL's kernel at one row on a 2752x256 weight: 0.90x of the plain GEMM's
 time warm, 0.52x with the weight coming from memory); but there MKL's copy
 is 11.8 MiB for a 2.8 MB weight, which the default budget refuses anyway.
+
+**Timed among the model's weights.** Where the graph reads more than
+``POOL_MIN_MIB`` of weights per call, each call of the timing takes the
+next of as many copies of the weight (and of its packed copy) as fill those
+bytes (``pool_mib``, a power of two), so the weight comes from where the
+model's calls find it, after the others went through the caches, not from
+the core's L2. On the bench decoder (18.6 MB of weights) a 2752x256 weight
+at one row took 45 us plain and 43 us with oneDNN timed alone, 147 us and
+70 us cycling through its weights' bytes; deciding the latter way took its
+1-token step from level with Inductor to 1.4-1.6x (docs/choice_spread.md).
 
 **Kept.** The decision, with the times it rested on, goes into
 ``choices.json`` in ``WFPASS_CACHE_DIR`` (default ``~/.cache/wfpass``; an
@@ -49,7 +61,9 @@ Row counts above ``EXACT_ROWS`` are measured at the next power of two
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -65,7 +79,8 @@ from .._torch import aot as _aot, kernels as _k, native as _native
 
 __all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "NOISE", "ATTEMPTS", "RULE",
            "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured",
-           "kernels_for_dtype", "Decision", "decide", "choices_file"]
+           "kernels_for_dtype", "Decision", "decide", "choices_file", "pool_mib", "POOL_MIN_MIB", "POOL_MAX_COPIES",
+           "POOL_MAX_MIB"]
 
 #: A packed kernel's median round must take at most this fraction of the
 #: plain GEMM's time.
@@ -114,10 +129,33 @@ NOISE = 0.3
 
 #: The decision rule's version, part of the decision file's key: decisions
 #: made by an earlier rule are measured again, not read.
-RULE = 5
+RULE = 6
 
 #: Row counts measured exactly; above it, at the next power of two.
 EXACT_ROWS = 8
+
+#: The weights a graph reads per call, above which a decision is timed with
+#: the weight cycling through copies that fill them (``pool_mib``): in the
+#: model each weight comes back after all the others went through the
+#: caches, so timing one weight over and over (it stays in the core's L2)
+#: measures another machine. Measured on the bench decoder's shapes (18.6 MB
+#: of weights; ``docs/choice_spread.md``): at one row a 2752x256 weight took
+#: 45 us plain / 43 us oneDNN timed alone, 147 / 70 us cycling through 18.6
+#: MB, and the decoder's 1-token step ran at the latter's bandwidth.
+POOL_MIN_MIB = 1
+#: At most this many copies of one weight, and this many MiB of copies.
+POOL_MAX_COPIES = 64
+POOL_MAX_MIB = 64
+
+
+def pool_mib(pool_bytes: int) -> int:
+    """The weights a graph reads per call, in MiB rounded to a power of two
+    (the nearest in log scale), for the decision's key; 0 below
+    ``POOL_MIN_MIB`` (the weight alone)."""
+    mib = pool_bytes / 2**20
+    if mib < POOL_MIN_MIB:
+        return 0
+    return int(min(POOL_MAX_MIB, 2 ** round(math.log2(mib))))
 
 
 def bucket(m: int) -> int:
@@ -222,8 +260,8 @@ def _machine() -> str:
 
 
 def _key_text(key: tuple) -> str:
-    dtype, k, n, mb, _threads = key
-    return f"{str(dtype).replace('torch.', '')} {n}x{k} M={mb}"
+    dtype, k, n, mb, _threads, pool = key
+    return f"{str(dtype).replace('torch.', '')} {n}x{k} M={mb}" + (f" pool={pool}MiB" if pool else "")
 
 
 def _load(path: str) -> dict:
@@ -285,27 +323,48 @@ def _timer(fn: Callable[[], object]) -> Callable[[int], float]:
     return run
 
 
-def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int):
-    """Each candidate's seconds per call in ``ROUNDS`` interleaved rounds, and its copy's bytes."""
+def _cycle(fns: List[Callable[[], object]]) -> Callable[[], object]:
+    """One call of the next of ``fns`` each time (one: itself)."""
+    if len(fns) == 1:
+        return fns[0]
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0):
+    """Each candidate's seconds per call in ``ROUNDS`` interleaved rounds, and
+    its copy's bytes. ``pool`` (MiB, ``pool_mib``): each call takes the next
+    of as many copies of the weight (and of its packed copy) as fill it, as
+    the model's calls find their weight after the others."""
     with _aot.outside_fake_mode(), torch.no_grad():
-        w = torch.randn(n, k).to(dtype)
+        wbytes = n * k * torch.empty((), dtype=dtype).element_size()
+        copies = max(1, min(POOL_MAX_COPIES, math.ceil(pool * 2**20 / wbytes))) if pool else 1
+        ws = [torch.randn(n, k).to(dtype) for _ in range(copies)]
         x = torch.randn(mb, k).to(dtype)
-        runs: Dict[str, Callable[[int], float]] = {"plain": _timer(lambda: F.linear(x, w))}
+        runs: Dict[str, Callable[[int], float]] = {
+            "plain": _timer(_cycle([lambda w=w: F.linear(x, w) for w in ws]))}
         nbytes: Dict[str, int] = {}
         for kern in kernels_for_dtype(dtype, mb):
             if kern == "onednn":
-                p = _k.onednn_pack(w)
-                nbytes[kern] = _k.onednn_nbytes(p)
-                runs[kern] = _timer(lambda p=p: _k.onednn_linear(x, p, None))
+                ps = [_k.onednn_pack(w) for w in ws]
+                nbytes[kern] = _k.onednn_nbytes(ps[0])
+                runs[kern] = _timer(_cycle([lambda p=p: _k.onednn_linear(x, p, None) for p in ps]))
             else:
-                p = _k.mkl_pack(w, mb)
+                p = _k.mkl_pack(ws[0], mb)
                 nbytes[kern] = _k.onednn_nbytes(p) if p.is_mkldnn else p.numel() * p.element_size()
-                runs[kern] = _timer(lambda p=p: _k.mkl_linear(x, p, w, None, mb))
+                if copies > 1 and copies * nbytes[kern] > POOL_MAX_MIB * 2**20 * 2:
+                    continue  # MKL's copies (about 4x the weight) would not fit: not a candidate here
+                ps = [p] + [_k.mkl_pack(w, mb) for w in ws[1:]]
+                runs[kern] = _timer(_cycle([lambda p=p, w=w: _k.mkl_linear(x, p, w, None, mb)
+                                            for p, w in zip(ps, ws)]))
         for _ in range(2):  # warm up (and the first reorder)
             first = {name: run(1) for name, run in runs.items()}
         # Enough calls per round for ~SAMPLE_S (at most 200 calls).
         per = max(first.values())
         reps = max(1, min(200, int(SAMPLE_S / max(per, 1e-7))))
+        # Cycling copies: each round goes through them all a few times, so
+        # no round is one lucky or unlucky pass over the caches.
+        reps = max(reps, 4 * copies) if copies > 1 else reps
         times: Dict[str, List[float]] = {name: [] for name in runs}
         for r in range(ROUNDS):
             order = list(runs.items())
@@ -316,19 +375,21 @@ def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int):
     return times, nbytes
 
 
-def decide(dtype: torch.dtype, k: int, n: int, m: int) -> Decision:
-    """The decision at this shape (``m`` rounded by ``bucket``): this
+def decide(dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> Decision:
+    """The decision at this shape (``m`` rounded by ``bucket``) for a graph
+    reading ``pool_bytes`` of weights per call (``pool_mib``): this
     process's, else the file's, else measured now (and kept in both)."""
     mb = bucket(m)
-    key = (dtype, k, n, mb, torch.get_num_threads())
+    pool = pool_mib(pool_bytes)
+    key = (dtype, k, n, mb, torch.get_num_threads(), pool)
     got = _DECIDED.get(key)
     if got is not None:
         return got
     got = _from_file(key)
     if got is None:
         for _ in range(ATTEMPTS):
-            got = _measure(dtype, k, n, mb)
-            if got.spread() <= NOISE:
+            got = _measure(dtype, k, n, mb, pool)
+            if _settled(got):
                 got.kernel = _best(got)
                 _to_file(key, got)
                 break
@@ -343,8 +404,8 @@ def decide(dtype: torch.dtype, k: int, n: int, m: int) -> Decision:
     return got
 
 
-def _measure(dtype: torch.dtype, k: int, n: int, mb: int) -> Decision:
-    times, nbytes = _time_candidates(dtype, k, n, mb)
+def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Decision:
+    times, nbytes = _time_candidates(dtype, k, n, mb, pool) if pool else _time_candidates(dtype, k, n, mb)
     op = op_cost_s()
     ratios = {name: [(t + op) / p for t, p in zip(ts, times["plain"])] for name, ts in times.items()
               if name != "plain"}
@@ -352,30 +413,52 @@ def _measure(dtype: torch.dtype, k: int, n: int, mb: int) -> Decision:
                     "measured", time.strftime("%Y-%m-%d"))
 
 
-def _best(d: Decision) -> str:
-    """The plain GEMM, unless a packed kernel's gain is clear (see the module's docstring)."""
+def _best(d: Decision, pick: Callable[[List[float]], float] = statistics.median) -> str:
+    """The plain GEMM, unless a packed kernel's gain is clear (see the module's
+    docstring); ``pick`` reads the rounds (the median; a quartile for
+    ``_settled``)."""
     best = "plain"
-    if "onednn" in d.ratios and _clear(d.ratios["onednn"], MARGIN):
+    if "onednn" in d.ratios and _clear(d.ratios["onednn"], MARGIN, pick):
         best = "onednn"
-    if "mkl" in d.ratios and _clear(d.ratios["mkl"], MKL_MARGIN):
+    if "mkl" in d.ratios and _clear(d.ratios["mkl"], MKL_MARGIN, pick):
         # MKL's copy is one per row count and larger: it must beat oneDNN too, round by round.
-        if best == "plain" or _clear([x / y for x, y in zip(d.ratios["mkl"], d.ratios["onednn"])], MKL_MARGIN):
+        if best == "plain" or _clear([x / y for x, y in zip(d.ratios["mkl"], d.ratios["onednn"])], MKL_MARGIN,
+                                     pick):
             best = "mkl"
     return best
 
 
-def _clear(ratios: List[float], margin: float) -> bool:
-    """A median round at most ``margin``."""
-    return bool(ratios) and statistics.median(ratios) <= margin
+def _clear(ratios: List[float], margin: float, pick: Callable[[List[float]], float] = statistics.median) -> bool:
+    """A median round (or ``pick``'s) at most ``margin``."""
+    return bool(ratios) and pick(ratios) <= margin
 
 
-def measure(dtype: torch.dtype, k: int, n: int, m: int) -> Dict[str, float]:
+def _quartile(q: int) -> Callable[[List[float]], float]:
+    def pick(rs: List[float]) -> float:
+        s = sorted(rs)
+        return s[q * (len(s) - 1) // 4]
+    return pick
+
+
+def _settled(d: Decision) -> bool:
+    """Can these rounds decide? Where the lower quartile, the median and the
+    upper quartile of the rounds all decide alike whether to pack. With the
+    weights cycling through the caches (``pool_mib``) another machine's
+    memory traffic spreads every round, yet a packed kernel at half the
+    plain GEMM's time wins in all of them; a near-tie (the margin inside the
+    rounds' quartiles) is what flipped from one process to the next, and is
+    measured again, then left to the plain GEMM."""
+    packs = {_best(d, pick) != "plain" for pick in (_quartile(1), statistics.median, _quartile(3))}
+    return len(packs) == 1
+
+
+def measure(dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> Dict[str, float]:
     """Median seconds per call of each candidate at this shape (``m``
     rounded by ``bucket``)."""
-    return decide(dtype, k, n, m).times
+    return decide(dtype, k, n, m, pool_bytes).times
 
 
-def measured(dtype: torch.dtype, k: int, n: int, m: int) -> Tuple[str, Dict[str, float]]:
+def measured(dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> Tuple[str, Dict[str, float]]:
     """The kernel to run at this shape, and the times that chose it."""
-    d = decide(dtype, k, n, m)
+    d = decide(dtype, k, n, m, pool_bytes)
     return d.kernel, d.times

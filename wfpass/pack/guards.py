@@ -17,33 +17,43 @@ from ..storage import unmovable
 from . import choose
 from .match import PackMatch
 
-__all__ = ["pack_problem", "describe_choice", "choose_kernel"]
+__all__ = ["pack_problem", "describe_choice", "choose_kernel", "graph_weight_bytes"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int) -> str:
-    """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``."""
+def graph_weight_bytes(ctx: PassContext) -> int:
+    """Bytes of the parameters the graph reads per call: the weights a
+    decision is timed among (``choose.pool_mib``)."""
+    return sum(r.tensor.numel() * r.tensor.element_size() for r in ctx.state_tensors() if r.kind == "parameter")
+
+
+def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
+    """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``, in a
+    graph reading ``pool_bytes`` of weights per call."""
     if opts.mode == "always":
         return "onednn" if _k.onednn_packs(dtype) else "plain"
-    return choose.measured(dtype, k, n, m)[0]
+    return choose.measured(dtype, k, n, m, pool_bytes)[0]
 
 
-def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int) -> str:
+def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The row's words for the choice at ``m`` rows."""
     if opts.mode == "always":
         return f"M={m}: oneDNN's packed kernel (pack.mode='always', not measured)"
-    d = choose.decide(dtype, k, n, m)
+    d = choose.decide(dtype, k, n, m, pool_bytes)
+    pool = choose.pool_mib(pool_bytes)
     us = {name: t * 1e6 for name, t in d.times.items()}
     op = choose.op_cost_s() * 1e6
     where = ("measured now" if d.source == "measured" else
              f"measured {d.when} by an earlier process on this machine ({choose.choices_file()})")
-    rounds = f"{choose.ROUNDS} interleaved rounds, {where}"
+    rounds = f"{choose.ROUNDS} interleaved rounds, {where}" + (
+        f", the weight cycling through {pool} MiB of copies as among the graph's weights" if pool else "")
     if d.noisy:
         path = choose.choices_file()
         by = "now" if d.source != "file" else f"on {d.when} by an earlier process on this machine"
-        return (f"M={m}: the plain GEMM: the measurement was too noisy to decide (its rounds spread "
-                f"{d.spread():.2f} of their median, over {choose.NOISE}: another process was using the cores; "
+        return (f"M={m}: the plain GEMM: the measurement could not decide (the quartiles of its rounds "
+                f"disagree on whether to pack, the rounds spread {d.spread():.2f} of their median: a near-tie, or "
+                f"another process using the cores or the memory; "
                 f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds {by}); "
                 + (f"kept in {path} so that every process on this machine runs the same (delete it to measure "
                    f"again)" if path else "kept for this process (WFPASS_CACHE_DIR is off)"))
@@ -178,8 +188,9 @@ def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     hint = _rows_hint(m.x)
     if hint is None:
         return "row count M symbolic with no size to measure at: left to the plain GEMM"
-    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, hint)
-    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, hint)
+    pool = graph_weight_bytes(ctx)
+    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, hint, pool)
+    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, hint, pool)
     if kernel == "plain":
         return f"row count M symbolic; measured at the size this graph was compiled for, {words}"
     m.kernel = ""
@@ -196,8 +207,9 @@ def _kernel_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
         return _symbolic_rows_choice(m, ctx)
     opts: PackOptions = ctx.config.pack
     t = m.weights[0].tensor
-    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, m.m)
-    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, m.m)
+    pool = graph_weight_bytes(ctx)
+    kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, m.m, pool)
+    words = describe_choice(opts, t.dtype, t.shape[1], m.rows, m.m, pool)
     if kernel == "plain":
         return words
     m.kernel, m.why = kernel, words

@@ -19,7 +19,7 @@ from .._torch import native as _native, tensors as _tensors
 from ..graph import PassContext, node_arg
 from ..linear.kernel import EagerBlock, EagerLayoutCheck
 from ..records import Record
-from .guards import choose_kernel, describe_choice
+from .guards import choose_kernel, describe_choice, graph_weight_bytes
 from .kernel import PackSite, note_weights, register_site
 from .match import PackMatch
 
@@ -76,10 +76,12 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
     w0 = m.weights[0].tensor
     dtype, k, n = w0.dtype, w0.shape[1], m.rows
 
-    def choose(rows: int, opts=opts, dtype=dtype, k=k, n=n, rec=rec) -> str:
-        kernel = choose_kernel(opts, dtype, k, n, rows)
+    pool = graph_weight_bytes(ctx)
+
+    def choose(rows: int, opts=opts, dtype=dtype, k=k, n=n, rec=rec, pool=pool) -> str:
+        kernel = choose_kernel(opts, dtype, k, n, rows, pool)
         if rows not in rec.detail["choices"]:
-            rec.detail["choices"][rows] = describe_choice(opts, dtype, k, n, rows)
+            rec.detail["choices"][rows] = describe_choice(opts, dtype, k, n, rows, pool)
             rec.reason = _reason(rec)
         return kernel
 
