@@ -556,6 +556,12 @@ def test_a_gain_must_be_clear_of_the_noise_to_make_a_copy():
     assert choose._best(decision([1.2] * n, mkl=[0.8] * n)) == "plain"  # MKL's larger copy needs MKL_MARGIN
 
 
+#: Rounds spread this wide (interquartile range over the median) decided
+#: nothing under the rule before the quartiles' (measured: at most 0.22 on
+#: an idle 2-core machine, 0.79 with 2 threads and a core busy).
+WIDE = 0.3
+
+
 def test_spread_rounds_decide_where_every_quartile_agrees():
     """Rounds spread by another machine's memory traffic (the weight cycling
     through the model's bytes) still decide where the lower quartile, the
@@ -567,17 +573,17 @@ def test_spread_rounds_decide_where_every_quartile_agrees():
         return choose.Decision("plain", {"plain": 1e-4, "onednn": 5e-5}, {"onednn": ratios}, {}, "measured", "")
 
     spread_win = decision([0.3, 0.35, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.82])
-    assert spread_win.spread() > choose.NOISE
+    assert spread_win.spread() > WIDE
     assert choose._settled(spread_win) and choose._best(spread_win) == "onednn"
     spread_loss = decision([1.0, 1.2, 1.3, 2.0, 2.5, 2.6, 3.0, 3.5, 3.8, 4.5, 5.0])
-    assert spread_loss.spread() > choose.NOISE and choose._settled(spread_loss)
+    assert spread_loss.spread() > WIDE and choose._settled(spread_loss)
     assert choose._best(spread_loss) == "plain"
     undecided = decision([0.63, 0.68, 0.76, 0.79, 0.83, 0.88, 0.96, 1.67, 2.0, 2.39, 2.58])  # measured, 384x256 M=1
     assert not choose._settled(undecided)
     assert choose._settled(decision([0.84] * choose.ROUNDS))  # quiet rounds decide as before
     # A near-tie, quiet: the margin inside the quartiles (it flipped between processes).
     near_tie = decision([0.80, 0.81, 0.82, 0.83, 0.84, 0.85, 0.86, 0.87, 0.88, 0.89, 0.9])
-    assert near_tie.spread() <= choose.NOISE and not choose._settled(near_tie)
+    assert near_tie.spread() <= WIDE and not choose._settled(near_tie)
 
 
 def test_decisions_are_timed_among_the_graphs_weights(monkeypatch, tmp_path):
@@ -636,7 +642,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     noisy = timed("noisy")
     monkeypatch.setattr(choose, "_time_candidates", lambda *a: calls.append(a) or noisy(*a))
     d = choose.decide(torch.float32, 64, 48, 3)
-    assert d.kernel == "plain" and d.source == "noisy" and d.noisy and d.spread() > choose.NOISE
+    assert d.kernel == "plain" and d.source == "noisy" and d.noisy and d.spread() > WIDE
     assert len(calls) == choose.ATTEMPTS  # measured again before giving up
     assert (tmp_path / "choices.json").exists()
     words = guards.describe_choice(PackOptions(), torch.float32, 64, 48, 3)
@@ -665,7 +671,7 @@ from wfpass.pack import choose, guards
 from wfpass.config import PackOptions
 # What is kept, not how noise is handled (a test of its own): a suite beside
 # another on two cores must not leave a decision unwritten.
-choose.NOISE = float("inf")
+choose._settled = lambda d: True
 for n, k, m in ((384, 256, 1), (2752, 256, 8), (256, 1376, 5)):
     d = choose.decide(torch.float32, k, n, m)
     print("DECISION", n, k, m, d.kernel, d.source)

@@ -46,9 +46,9 @@ empty value or ``off`` keeps decisions in the process only), keyed by this
 CPU's model name, the torch version and the thread count: later processes on
 this machine take it from there instead of timing again, so a compile while
 the machine is busy no longer bakes in whichever kernel won that moment. The
-report says which decisions came from the file. Rounds too spread to tell
-(``NOISE``: another process took the cores) are measured again; if all
-``ATTEMPTS`` are, the decision is the plain GEMM, and it is kept like any
+report says which decisions came from the file. Rounds that cannot decide
+(``_settled``: a near-tie, or another process on the cores or the memory)
+are measured again; if all ``ATTEMPTS`` cannot, the decision is the plain GEMM, and it is kept like any
 other, marked too noisy: later processes on this machine run the plain
 GEMM there too instead of measuring again, each on its own luck (with
 2 threads and a core busy, fresh processes measuring afresh agreed in
@@ -77,7 +77,7 @@ import torch.nn.functional as F
 
 from .._torch import aot as _aot, kernels as _k, native as _native
 
-__all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "NOISE", "ATTEMPTS", "RULE",
+__all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "ATTEMPTS", "RULE",
            "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured",
            "kernels_for_dtype", "Decision", "decide", "choices_file", "pool_mib", "POOL_MIN_MIB", "POOL_MAX_COPIES",
            "POOL_MAX_MIB"]
@@ -117,15 +117,6 @@ CLEAR_ROUND = 2
 
 #: Measurements of one shape before a noisy one decides the plain GEMM.
 ATTEMPTS = 3
-
-#: Rounds whose ratios spread wider than this (interquartile range over the
-#: median, ``Decision.spread``) decide nothing: measured again, and after
-#: ``ATTEMPTS`` the plain GEMM runs, kept for later processes too.
-#: Measured (``benchmarks/choice_spread.py``): at most 0.22 on this
-#: project's 2-core machine, idle or with one core busy at 1 thread, at 1 or
-#: 2 threads idle; 0.79 in the median with 2 threads
-#: and one core busy, where single rounds ran 5 to 400 times slower.
-NOISE = 0.3
 
 #: The decision rule's version, part of the decision file's key: decisions
 #: made by an earlier rule are measured again, not read.
