@@ -632,7 +632,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     rounds = {"noisy": [4e-6, 5e-6, 40e-6, 120e-6] * n, "quiet": [5e-6] * n}
 
     def timed(kind):
-        def fake(dtype, k, n_, mb):
+        def fake(dtype, k, n_, mb, pool=0):
             return {"plain": [40e-6] * choose.ROUNDS, "onednn": rounds[kind][:choose.ROUNDS]}, {"onednn": 4096}
         return fake
 

@@ -20,15 +20,11 @@ decide alike whether to pack; otherwise (a near-tie, or rounds spread by
 another process) they are measured again, up to ``ATTEMPTS`` times. The
 median of 11 rounds of 2 ms moves less between processes than the
 second-worst of 7 rounds of 1 ms (the rule before this one, which a single
-slow round also swayed). The margin is wide on purpose: across fresh processes the median
-of the same shape moved by up to 0.08 (0.88-0.96 for a 384x256 weight at 5
-rows), so a threshold near 1 flipped such near-ties from one process to the
-next (``benchmarks/choice_spread.py``, docs/choice_spread.md), and a gain
-that small is not worth a copy's memory. These timings call one weight over
-and over, so it sits in the cache, and a model's real calls can gain more
-(MKL's kernel at one row on a 2752x256 weight: 0.90x of the plain GEMM's
-time warm, 0.52x with the weight coming from memory); but there MKL's copy
-is 11.8 MiB for a 2.8 MB weight, which the default budget refuses anyway.
+slow round also swayed). The margin is wide on purpose: across fresh
+processes the median of the same shape moved by up to 0.08 (0.88-0.96 for a
+384x256 weight at 5 rows), so a threshold near 1 flipped such near-ties from
+one process to the next (``benchmarks/choice_spread.py``,
+docs/choice_spread.md), and a gain that small is not worth a copy's memory.
 
 **Timed among the model's weights.** Where the graph reads more than
 ``POOL_MIN_MIB`` of weights per call, each call of the timing takes the
@@ -48,8 +44,8 @@ this machine take it from there instead of timing again, so a compile while
 the machine is busy no longer bakes in whichever kernel won that moment. The
 report says which decisions came from the file. Rounds that cannot decide
 (``_settled``: a near-tie, or another process on the cores or the memory)
-are measured again; if all ``ATTEMPTS`` cannot, the decision is the plain GEMM, and it is kept like any
-other, marked too noisy: later processes on this machine run the plain
+are measured again; if all ``ATTEMPTS`` cannot, the decision is the plain
+GEMM, and it is kept like any other, marked too noisy: later processes on this machine run the plain
 GEMM there too instead of measuring again, each on its own luck (with
 2 threads and a core busy, fresh processes measuring afresh agreed in
 2 of 10, docs/choice_spread.md). Delete the file to measure again (after a
@@ -396,7 +392,7 @@ def decide(dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> D
 
 
 def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Decision:
-    times, nbytes = _time_candidates(dtype, k, n, mb, pool) if pool else _time_candidates(dtype, k, n, mb)
+    times, nbytes = _time_candidates(dtype, k, n, mb, pool)
     op = op_cost_s()
     ratios = {name: [(t + op) / p for t, p in zip(ts, times["plain"])] for name, ts in times.items()
               if name != "plain"}
