@@ -125,3 +125,27 @@ def test_size_asserts_benchmark_runs(capsys):
             if line.startswith("| gru1 |")]
     assert [r[1] for r in rows] == ["inference", "training step"], rows
     assert all(float(c) > 0 for r in rows for c in r[2:]), rows
+
+
+def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path):
+    """``pack_real_calls.py --quick`` (docs/choice_spread.md): every linear
+    shape of the small decoder (Q/K/V block, o, gate/up block, down) is
+    found by its recorded shapes at each length in both variants, with a
+    time, and the summary line counts the packed ones."""
+    import re
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.md"
+    r = subprocess.run([sys.executable, "pack_real_calls.py", "--quick", "--rounds", "1", "--calls", "2",
+                        "--tokens", "1", "5", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=str(ROOT / "benchmarks"), env={**__import__("os").environ, "WFPASS_CACHE_DIR": "off"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+            if re.match(r"\| \d+x\d+ \|", line)]
+    got = {(row[0], row[1]) for row in rows}
+    assert got == {(s, m) for s in ("128x64", "64x64", "344x64", "64x172") for m in ("1", "5")}, rows
+    for row in rows:
+        assert row[2] in ("plain", "onednn", "mkl"), row
+        assert float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0, row
+    assert re.search(r"slower than the plain GEMM on the real calls \(median round\): \d+ of \d+", out.read_text())

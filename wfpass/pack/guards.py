@@ -51,8 +51,8 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     if d.noisy:
         path = choose.choices_file()
         by = "now" if d.source != "file" else f"on {d.when} by an earlier process on this machine"
-        return (f"M={m}: the plain GEMM: the measurement could not decide (the quartiles of its rounds "
-                f"disagree on whether to pack, the rounds spread {d.spread():.2f} of their median: a near-tie, or "
+        return (f"M={m}: the plain GEMM: the measurement could not decide (its rounds' quartiles "
+                f"do not hold their median's verdict on whether to pack, the rounds spread {d.spread():.2f} of their median: a near-tie, or "
                 f"another process using the cores or the memory; "
                 f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds {by}); "
                 + (f"kept in {path} so that every process on this machine runs the same (delete it to measure "
