@@ -27,6 +27,7 @@ fresh folder unless given), so the check is of this process's choices.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -76,10 +77,7 @@ def _key(evt) -> Key:
 
 
 def _rows(shape) -> int:
-    m = 1
-    for s in shape[:-1]:
-        m *= s
-    return m
+    return math.prod(shape[:-1])
 
 
 def linear_us(prof, calls: int) -> Dict[Key, float]:

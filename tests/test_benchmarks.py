@@ -132,6 +132,7 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
     shape of the small decoder (Q/K/V block, o, gate/up block, down) is
     found by its recorded shapes at each length in both variants, with a
     time, and the summary line counts the packed ones."""
+    import os
     import re
     import subprocess
     import sys
@@ -139,7 +140,7 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
     out = tmp_path / "t.md"
     r = subprocess.run([sys.executable, "pack_real_calls.py", "--quick", "--rounds", "1", "--calls", "2",
                         "--tokens", "1", "5", "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       cwd=str(ROOT / "benchmarks"), env={**__import__("os").environ, "WFPASS_CACHE_DIR": "off"})
+                       cwd=str(ROOT / "benchmarks"), env={**os.environ, "WFPASS_CACHE_DIR": "off"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
             if re.match(r"\| \d+x\d+ \|", line)]

@@ -19,9 +19,8 @@ to pack only where the upper-quartile round is no slower than the plain
 GEMM, and to run the plain GEMM only where the lower-quartile round does not
 gain the margin either (``_settled``); otherwise (a near-tie, or rounds
 spread by another process) they are measured again, up to ``ATTEMPTS``
-times. The
-median of 11 rounds of 2 ms moves less between processes than the
-second-worst of 7 rounds of 1 ms (the rule before this one, which a single
+times. The median of 11 rounds of 2 ms moves less between processes than
+the second-worst of 7 rounds of 1 ms (the rule before this one, which a single
 slow round also swayed). The margin is wide on purpose: across fresh
 processes the median of the same shape moved by up to 0.08 (0.88-0.96 for a
 384x256 weight at 5 rows), so a threshold near 1 flipped such near-ties from
@@ -47,8 +46,8 @@ the machine is busy no longer bakes in whichever kernel won that moment. The
 report says which decisions came from the file. Rounds that cannot decide
 (``_settled``: a near-tie, or another process on the cores or the memory)
 are measured again; if all ``ATTEMPTS`` cannot, the decision is the plain
-GEMM, and it is kept like any other, marked too noisy: later processes on this machine run the plain
-GEMM there too instead of measuring again, each on its own luck (with
+GEMM, and it is kept like any other, marked too noisy: later processes on
+this machine run the plain GEMM there too instead of measuring again, each on its own luck (with
 2 threads and a core busy, fresh processes measuring afresh agreed in
 2 of 10, docs/choice_spread.md). Delete the file to measure again (after a
 torch upgrade the key changes by itself).
@@ -443,13 +442,13 @@ def _settled(d: Decision) -> bool:
     quartile inside the margin) is measured again, then left to the plain
     GEMM.
 
-    With the weights cycling through the caches (``pool_mib``) the rounds
-    spread: a 2752x256 weight at one row, oneDNN at 0.50-0.56x of the plain
-    GEMM's time in the median round of 10 fresh processes, had its upper
-    quartile anywhere in 0.56-0.91x. Rule 6 asked the upper quartile for the
-    margin (0.85) too, so 1 process in 10 left that clear winner to the
-    plain GEMM, and a static 1-token decode at 0.94x of Inductor instead of
-    1.3-1.6x (docs/choice_spread.md)."""
+    Rule 6 asked the upper quartile for the margin (0.85) too. With the
+    candidates in one fixed order (``_time_candidates``) that changes no
+    clear gain: in 10 fresh processes timing the bench decoder's shapes,
+    every clear gain's upper quartile was within the margin anyway; it
+    settles near-ties instead (8 of 120 decisions there had a median within
+    the margin and an upper quartile in 0.86-0.91, docs/choice_spread.md),
+    which rule 6 measured again and then left to the plain GEMM."""
     if _best(d) != "plain":
         return _best(d, _quartile(3), margins=(1.0, 1.0)) != "plain"
     return _best(d, _quartile(1)) == "plain"

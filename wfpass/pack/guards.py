@@ -52,8 +52,8 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
         path = choose.choices_file()
         by = "now" if d.source != "file" else f"on {d.when} by an earlier process on this machine"
         return (f"M={m}: the plain GEMM: the measurement could not decide (its rounds' quartiles "
-                f"do not hold their median's verdict on whether to pack, the rounds spread {d.spread():.2f} of their median: a near-tie, or "
-                f"another process using the cores or the memory; "
+                f"do not hold their median's verdict on whether to pack, the rounds spread {d.spread():.2f} "
+                f"of their median: a near-tie, or another process using the cores or the memory; "
                 f"{choose.ATTEMPTS} measurements of {choose.ROUNDS} interleaved rounds {by}); "
                 + (f"kept in {path} so that every process on this machine runs the same (delete it to measure "
                    f"again)" if path else "kept for this process (WFPASS_CACHE_DIR is off)"))
