@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import pipeline
 
-__all__ = ["Config", "LinearOptions", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "DEFAULT_SEQ_THRESHOLD",
+__all__ = ["Config", "LinearOptions", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "CPU_RNN_KERNELS", "DEFAULT_SEQ_THRESHOLD",
            "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
@@ -71,6 +71,8 @@ class LinearOptions:
 #: (``wfpass.apply`` graphs, the ``seq_threshold="auto"`` measurement).
 UNFUSED_IMPLS = ("auto", "loop")
 CUDA_RNN_PATHS = ("eager", "cudnn")
+#: The kernels of a CPU RNN above the threshold (``RnnOptions.cpu_kernel``).
+CPU_RNN_KERNELS = ("auto", "eager", "cxx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +97,22 @@ class RnnOptions:
                    without wfpass; ``"cudnn"`` puts each into the compiled
                    graph as one cuDNN call reading the flat block (checked
                    on fake CUDA tensors, not yet measured on a GPU).
+    cpu_kernel:    the kernels of a float32 CPU RNN above the threshold:
+                   ``"auto"`` (default) wfpass's C++ loop where it was
+                   measured faster than eager's kernels (docs/rnn.md): every
+                   GRU and plain RNN, and a small LSTM (hidden size <= 64
+                   with batch <= 32, or <= 128 with batch <= 4; static
+                   sizes), on a CPU with AVX-512; the kernels eager PyTorch
+                   runs otherwise (oneDNN's LSTM, ATen's GRU and RNN);
+                   ``"eager"``: those kernels always; ``"cxx"``: the C++
+                   loop wherever it can run.
     """
 
     seq_threshold: Union[int, str, None] = None  # per device: DEFAULT_SEQ_THRESHOLD
     unfused_impl: str = "auto"
     auto_lengths: Tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     cuda: str = "eager"
+    cpu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seq_threshold is not None and self.seq_threshold != "auto":
@@ -112,6 +124,9 @@ class RnnOptions:
             raise ValueError(f"wfpass option 'rnn.unfused_impl' must be one of {UNFUSED_IMPLS}, got {self.unfused_impl!r}")
         if self.cuda not in CUDA_RNN_PATHS:
             raise ValueError(f"wfpass option 'rnn.cuda' must be one of {CUDA_RNN_PATHS}, got {self.cuda!r}")
+        if self.cpu_kernel not in CPU_RNN_KERNELS:
+            raise ValueError(f"wfpass option 'rnn.cpu_kernel' must be one of {CPU_RNN_KERNELS}, "
+                             f"got {self.cpu_kernel!r}")
         lengths = self.auto_lengths
         if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (tuple, list)):
             raise TypeError(f"wfpass option 'rnn.auto_lengths' must be a tuple of ints, got {lengths!r}")

@@ -13,6 +13,14 @@ that carry their own derivative formulas:
   eager PyTorch runs for a CPU LSTM (oneDNN), whose backward is
   ``mkldnn_rnn_layer_backward``. The graph holds one op per layer whatever
   the length T, so compile time does not grow with T.
+* ``cxx``: a float32 GRU or plain RNN, or a small LSTM (``cxx_serves``), as
+  wfpass's C++ loop, ``wfpass::packed_layer`` (``packed_bilayer`` for both
+  directions of a bidirectional layer) over the full batch: per step
+  oneDNN's small-GEMM kernel and AVX-512 gate math, and a backward of its
+  own. oneDNN's LSTM layer call has a fixed cost of tens of microseconds
+  (its primitive, a reorder of the weights on every call) that a small
+  LSTM's kernel time does not hide; ATen's GRU and RNN kernels run a
+  dozen ops a step.
 * ``loop``: the unfused path, for T <= ``seq_threshold``: the input
   projection of all steps as one GEMM, then one recurrent GEMM and the gate
   math per step (T is small here, so the unrolled graph is too).
@@ -44,10 +52,11 @@ import torch.nn.functional as F
 from .._torch import kernels as _kernels
 from .cpu import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
 from .cpu import native_layer  # registers wfpass::rnn_layer, which native_path calls
+from .cpu import packed_layer  # noqa: F401  (registers wfpass::packed_layer, which cxx_path calls)
 from .cuda.cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "choose_path", "kernel_words", "no_onednn_reason",
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "cxx_path", "cxx_serves", "choose_path", "kernel_words", "no_onednn_reason",
            "paths_differ", "RnnForward"]
 
 
@@ -199,6 +208,90 @@ def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
     return out, torch.cat([h for h, _ in finals], 0)
 
 
+def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
+    """A CPU RNN as wfpass's C++ loop, one op per layer: the packed-batch
+    kernel over the full batch (``data`` ``[T, B, I]``, no batch sizes),
+    ``wfpass::packed_layer`` for one direction, ``packed_bilayer`` for both
+    (at once where torch has two threads); dropout between layers like
+    ``nn.LSTM``. ``need_grad``: the op with an autograd formula, which keeps
+    the workspace its backward reads; else its twin ``_fw``. Returns
+    ``(out, h_n, c_n)``, ``c_n`` None but for an LSTM.
+
+    Graph (2-layer LSTM, T 4, batch 4, training)::
+
+        before: rnn_mkldnn(x, [None, None], w_ih_l0, ...)   # oneDNN, a layer a call
+        after:  rnn_cxx(x, [None, None], w_ih_l0, ...)      # inside, traced:
+                out0, h0, c0, ws0 = wfpass.packed_layer(x, empty, w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0,
+                                                        None, None, None, "LSTM", False, True)
+                out1, h1, c1, ws1 = wfpass.packed_layer(out0.view(4, 4, 64), empty, w_ih_l1, ...)
+    """
+    if spec.batch_first:
+        x = x.transpose(0, 1)
+    T, B = x.shape[0], x.shape[1]
+    per, D = spec.weights_per_layer, spec.directions
+    lstm = spec.mode == "LSTM"
+    h0, c0 = hx[0], (hx[1] if lstm else None)
+    # The op's own "no batch sizes": an empty int64 tensor, an allocation in
+    # the compiled graph and no kernel.
+    no_sizes = x.new_empty(0, dtype=torch.int64)
+    suffix = "" if need_grad else "_fw"
+    one = getattr(torch.ops.wfpass, "packed_layer" + suffix).default
+    two = getattr(torch.ops.wfpass, "packed_bilayer" + suffix).default
+    hs, cs = [], []
+    layer_in = x
+    for layer in range(spec.num_layers):
+        k = layer * D
+        h = None if h0 is None else h0[k : k + D]
+        c = None if c0 is None else c0[k : k + D]
+        w = ws[k * per : (k + D) * per]
+        if D == 1:
+            b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
+            out, hy, cy, _ws = one(layer_in, no_sizes, w[0], w[1], b_ih, b_hh, None, h, c, spec.mode, False,
+                                   need_grad)
+        else:
+            out, hy, cy, *_ws = two(layer_in, no_sizes, list(w), h, c, spec.mode, has_b, False, need_grad)
+        out = out.view(T, B, out.shape[1])
+        hs.append(hy)
+        cs.append(cy)
+        if p > 0 and train and layer < spec.num_layers - 1:
+            out = F.dropout(out, p, True)
+        layer_in = out
+    out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
+    return out, torch.cat(hs, 0), (torch.cat(cs, 0) if lstm else None)
+
+
+def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int]) -> bool:
+    """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``?
+    A float32 CPU RNN without projections, the C++ loop's fast steps
+    available (the C++ kernels, an AVX-512 CPU), and:
+
+    * a GRU or plain RNN at any size, static or symbolic: the loop ran
+      1.3-4x faster than ATen's kernels (``native``) from T 4, batch 4,
+      hidden 64 to T 50, batch 64, hidden 512, at 1 and 2 threads;
+    * an LSTM with static sizes, only a small one: hidden size <= 64 with
+      batch <= 32, or <= 128 with batch <= 4, where the loop was faster
+      than oneDNN's layer call in inference and training, at 1 and 2
+      threads. Larger ones are oneDNN's: its GEMMs over the batch win
+      there, and with two threads it splits them.
+
+    ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
+    Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
+    from .._torch import native as _native
+
+    choice = spec.options.cpu_kernel
+    if choice == "eager" or x.device.type != "cpu" or spec.proj_size != 0 or x.dtype != torch.float32:
+        return False
+    if not _native.fast_loop():
+        return False
+    if choice == "cxx" or spec.mode != "LSTM":
+        return True
+    batch = x.shape[0 if spec.batch_first else 1]
+    if steps is None or not isinstance(batch, int):
+        return False
+    H = spec.hidden_size
+    return (H <= 64 and batch <= 32) or (H <= 128 and batch <= 4)
+
+
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int) -> str:
     """The path for a call of ``steps`` time steps (None: symbolic, unknown
     until run time): ``loop`` at or below the threshold, else one op per
@@ -210,6 +303,8 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
         return "loop"
     if x.device.type == "cuda" and spec.options.cuda == "cudnn":
         return "cudnn"
+    if cxx_serves(spec, x, steps):
+        return "cxx"
     if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
         return "mkldnn"
     if x.device.type == "cpu" and spec.mode in native_layer.MODES:
@@ -229,6 +324,10 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
     calls are counted in: ``("oneDNN LSTM", "onednn_lstm_calls")``."""
     if path == "mkldnn":
         return "oneDNN LSTM", "onednn_lstm_calls"
+    if path == "cxx":
+        name = {"LSTM": "LSTM", "GRU": "GRU"}.get(spec.mode, "RNN")
+        return (f"C++ {name} loop (per step oneDNN's small-GEMM kernel and AVX-512 gate math)",
+                "cxx_loop_calls")
     if path == "cudnn":
         return "cuDNN", "cudnn_calls"
     if path == "packed":
@@ -288,7 +387,7 @@ class RnnForward:
         spec = self.spec
         p = spec.dropout
         ws, has_b = weights, spec.has_biases
-        if self.path not in ("mkldnn", "native", "cudnn") and any(h is None for h in hx):
+        if self.path not in ("mkldnn", "native", "cudnn", "cxx") and any(h is None for h in hx):
             # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
         need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
@@ -296,6 +395,14 @@ class RnnForward:
             out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad, self.train)
         elif self.path == "mkldnn":
             out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif self.path == "cxx" and all(h is None or h.dtype == x.dtype for h in hx):
+            out, hy, cy = cxx_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif self.path == "cxx":
+            # A state of another dtype: eager's kernels, which raise eager's error.
+            if spec.mode == "LSTM":
+                out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+            else:
+                (out, hy), cy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad), None
         elif self.path == "native":
             out, hy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
             cy = None

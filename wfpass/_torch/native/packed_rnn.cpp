@@ -597,10 +597,26 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
   return {out, h_n, c_n, train ? ws : at::empty({0}, opts)};
 }
 
+// A full batch: data [T, B, I] with an empty batch_sizes, every one of the
+// T steps B rows (a plain, unpacked RNN input). The same kernels run over
+// its T * B rows; the graph that calls them then needs no batch_sizes tensor
+// of its own (a constant Inductor would have to build per call). Returns the
+// rows [T * B, I] and the batch sizes, or data and batch_sizes as given.
+std::pair<Tensor, Tensor> as_rows(const Tensor& data, const Tensor& batch_sizes, const char* op) {
+  if (data.dim() != 3) return {data, batch_sizes};
+  TORCH_CHECK(batch_sizes.numel() == 0, op, ": data of 3 dimensions is a full batch [T, B, I] and takes an empty "
+              "batch_sizes, got ", batch_sizes.numel(), " batch sizes");
+  const int64_t T = data.size(0), B = data.size(1);
+  TORCH_CHECK(T > 0 && B > 0, op, ": a full batch [T, B, I] needs T >= 1 and B >= 1, got ", data.sizes());
+  return {data.reshape({T * B, data.size(2)}), at::full({T}, B, at::TensorOptions().dtype(at::kLong))};
+}
+
 Fw packed_layer(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
                 const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
                 c10::string_view mode_name, bool reverse, bool train) {
-  return layer_forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode_name, reverse, train, Tensor());
+  const auto rows = as_rows(data, batch_sizes, "wfpass::packed_layer");
+  return layer_forward(rows.first, rows.second, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode_name, reverse, train,
+                       Tensor());
 }
 
 using Bw = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
@@ -677,7 +693,7 @@ Bw lstm_backward_fast(const Steps& s, bool reverse, const Tensor& data, const Te
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
-Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
                          const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
                          const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& workspace,
                          const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name,
@@ -845,6 +861,19 @@ Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Te
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
+// The gradient of data has data's shape: [T, B, I] for a full batch.
+Bw packed_layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
+                         const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                         const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& workspace,
+                         const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name,
+                         bool reverse) {
+  const auto rows = as_rows(data, batch_sizes, "wfpass::packed_layer_backward");
+  Bw r = layer_backward(rows.first, rows.second, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
+                        grad_out, grad_hn, grad_cn, mode_name, reverse);
+  if (data.dim() == 3) std::get<0>(r) = std::get<0>(r).view(data.sizes());
+  return r;
+}
+
 // wfpass::packed_bilayer (and its twin packed_bilayer_fw, the same without
 // an autograd kernel): both directions of a bidirectional layer in one call,
 // into one [N, 2 Hout] output (packed_layer.py), and its backward. On the
@@ -915,8 +944,10 @@ void both(bool together, const F& run) {
 
 using Bi = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-Bi packed_bilayer(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0,
+Bi packed_bilayer(const Tensor& data_in, const Tensor& batch_sizes_in, at::TensorList weights, const Opt& h0,
                   const Opt& c0, c10::string_view mode_name, bool has_biases, bool has_proj, bool train) {
+  const auto rows = as_rows(data_in, batch_sizes_in, "wfpass::packed_bilayer");
+  const Tensor &data = rows.first, &batch_sizes = rows.second;
   const Pair p(weights, has_biases, has_proj);
   check_pair(p, parse_mode(mode_name), data, batch_sizes, h0, c0, "wfpass::packed_bilayer");
   const int64_t Hout = p.hout();
@@ -936,10 +967,12 @@ Bi packed_bilayer(const Tensor& data, const Tensor& batch_sizes, at::TensorList 
 
 // Each direction's packed_layer_backward, the two data gradients summed.
 std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
-    const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const Opt& h0, const Opt& c0,
+    const Tensor& data_in, const Tensor& batch_sizes_in, at::TensorList weights, const Opt& h0, const Opt& c0,
     const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& ws_f, const Tensor& ws_b,
     const Opt& grad_out, const Opt& grad_hn, const Opt& grad_cn, c10::string_view mode_name, bool has_biases,
     bool has_proj) {
+  const auto rows = as_rows(data_in, batch_sizes_in, "wfpass::packed_bilayer_backward");
+  const Tensor &data = rows.first, &batch_sizes = rows.second;
   const Pair p(weights, has_biases, has_proj);
   const Mode mode = parse_mode(mode_name);
   const char* op = "wfpass::packed_bilayer_backward";
@@ -978,7 +1011,7 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
     if (has_proj) d_w.push_back(std::get<5>(r[d]));
   }
   const auto empty = at::empty({0}, data.options());
-  return {at::add(std::get<0>(r[0]), std::get<0>(r[1])), d_w,
+  return {at::add(std::get<0>(r[0]), std::get<0>(r[1])).view(data_in.sizes()), d_w,
           h0.has_value() ? at::cat({std::get<6>(r[0]), std::get<6>(r[1])}, 0) : empty,
           lstm && c0.has_value() ? at::cat({std::get<7>(r[0]), std::get<7>(r[1])}, 0) : empty};
 }

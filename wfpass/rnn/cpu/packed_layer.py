@@ -74,6 +74,13 @@ Workspace layout (``train=True``; what the backward reads, post-activation):
   GEMM writes r, z and hn in one contiguous block)
 * RNN  ``[N, 0]``: the backward needs only ``out``.
 
+A full batch: ``data`` ``[T, B, I]`` (a plain RNN input, every step B
+rows) with an empty ``batch_sizes`` is the packed batch of T steps of B
+rows each, ``data.reshape(T * B, I)``; out and the workspace then have
+``T * B`` rows, and the gradient of ``data`` has data's shape. This is how a
+compiled graph runs a small LSTM through this loop (``rnn/paths.py``,
+``cxx_path``) without building a batch_sizes tensor of its own.
+
 ``train=False`` returns an empty workspace (``[0]``) and the op cannot be
 differentiated; the kernels still use a workspace-shaped scratch inside.
 """
@@ -84,8 +91,8 @@ from typing import Optional
 import torch
 
 from ..ops import define_rnn_op
-from .packed_layer_py import (MODES, _packed_layer, check_args, check_shapes, gate_count, known_different,
-                              workspace_width)
+from .packed_layer_py import (MODES, _packed_layer, as_rows, check_args, check_shapes, gate_count,
+                              known_different, workspace_width)
 from .packed_layer_py_backward import _packed_layer_backward
 from ..packed.meta import batch_of
 
@@ -108,12 +115,20 @@ def _fake_states(states, L: int, op: str = "wfpass::packed_layer") -> None:
             raise RuntimeError(f"{op}: {name} must have shape ({L}, batch_sizes[0], {w}), got {tuple(s.shape)}")
 
 
+def _batch(full, h0, c0, batch_sizes):
+    """B of a fake call: the full batch's, else the states', else batch_sizes'."""
+    if full is not None:
+        return full
+    return h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
+
+
 def _packed_layer_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
     check_args(mode, w_hr, c0)
+    data, batch_sizes, full = as_rows(data, batch_sizes)
     H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
     _fake_states(((h0, Hout, "h0"), (c0, H, "c0")), 1)
     N = data.shape[0]
-    B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
+    B = _batch(full, h0, c0, batch_sizes)
     c_n = data.new_empty((1, B, H)) if mode == "LSTM" else data.new_empty(0)
     ws = data.new_empty((N, workspace_width(mode, H))) if train else data.new_empty(0)
     return data.new_empty((N, Hout)), data.new_empty((1, B, Hout)), c_n, ws
@@ -127,7 +142,8 @@ def _like(t: Optional[torch.Tensor], ref: torch.Tensor):
 def _packed_layer_backward_fake(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
                                 grad_out, grad_hn, grad_cn, mode, reverse):
     check_args(mode, w_hr, c0)
-    H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
+    rows, _, _ = as_rows(data, batch_sizes, "wfpass::packed_layer_backward")
+    H, Hout = check_shapes(mode, rows, w_ih, w_hh, b_ih, b_hh, w_hr)
     _fake_states(((h0, Hout, "h0"), (c0, H, "c0"), (grad_hn, Hout, "grad_hn")), 1, "wfpass::packed_layer_backward")
     return tuple(_like(t, data) for t in (data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0))
 
@@ -207,11 +223,12 @@ def _bilayer(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, tra
 def _bilayer_fake(data, batch_sizes, weights, h0, c0, mode, has_biases, has_proj, train):
     (w_ih, w_hh, b_ih, b_hh, w_hr), back = _directions(weights, has_biases, has_proj)
     check_args(mode, w_hr, c0)
+    data, batch_sizes, full = as_rows(data, batch_sizes, "wfpass::packed_bilayer")
     H, Hout = check_shapes(mode, data, w_ih, w_hh, b_ih, b_hh, w_hr)
     check_shapes(mode, data, *back)
     _fake_states(((h0, Hout, "h0"), (c0, H, "c0")), 2, "wfpass::packed_bilayer")
     N = data.shape[0]
-    B = h0.shape[1] if h0 is not None else (c0.shape[1] if c0 is not None else batch_of(batch_sizes))
+    B = _batch(full, h0, c0, batch_sizes)
     c_n = data.new_empty((2, B, H)) if mode == "LSTM" else data.new_empty(0)
     ws = [data.new_empty((N, workspace_width(mode, H))) if train else data.new_empty(0) for _ in (0, 1)]
     return data.new_empty((N, 2 * Hout)), data.new_empty((2, B, Hout)), c_n, *ws

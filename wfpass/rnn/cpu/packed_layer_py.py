@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..._torch import kernels as _kernels
 
-__all__ = ["MODES", "gate_count", "workspace_width", "check_args", "hidden_sizes", "known_different",
+__all__ = ["MODES", "gate_count", "workspace_width", "as_rows", "check_args", "hidden_sizes", "known_different",
            "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear",
            "onednn_rows", "onednn_t_rows"]
 
@@ -127,6 +127,34 @@ def check_states(states, data, L: int, B, op: str = "wfpass::packed_layer") -> N
             raise RuntimeError(f"{op}: {name} must have shape {(L, B, w)} (batch_sizes[0] = {B} sequences), "
                                f"got {tuple(s.shape)}")
         _check_like(s, data, op, name)
+
+
+def as_rows(data, batch_sizes, op: str = "wfpass::packed_layer"):
+    """``(rows, batch_sizes, B)``. A full batch, ``data`` ``[T, B, I]`` with
+    an empty ``batch_sizes`` (a plain RNN input, every step B rows), as its
+    ``T * B`` rows ``[T * B, I]`` and the batch sizes of its T steps (left
+    empty for a fake tensor, which is never read); B is that batch, or None
+    for packed rows ``[N, I]``, returned as given. The C++ kernels'
+    ``as_rows``: a graph that calls the op on a full batch needs no
+    batch_sizes tensor of its own."""
+    if data.dim() != 3:
+        return data, batch_sizes, None
+    if batch_sizes.numel() != 0:
+        raise RuntimeError(f"{op}: data of 3 dimensions is a full batch [T, B, I] and takes an empty batch_sizes, "
+                           f"got {batch_sizes.numel()} batch sizes")
+    T, B = data.shape[0], data.shape[1]
+    rows = data.reshape(T * B, data.shape[2])
+    if isinstance(data, _fake_type()) or data.device.type == "meta":
+        return rows, batch_sizes, B
+    if T < 1 or B < 1:
+        raise RuntimeError(f"{op}: a full batch [T, B, I] needs T >= 1 and B >= 1, got {list(data.shape)}")
+    return rows, torch.full((T,), B, dtype=torch.int64), B
+
+
+def _fake_type():
+    from ..._torch.tensors import fake_tensor_type
+
+    return fake_tensor_type()
 
 
 def steps(batch_sizes: torch.Tensor, N: int, op: str = "wfpass::packed_layer") -> Tuple[list, list]:
@@ -320,6 +348,7 @@ def layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, re
 
 
 def _packed_layer(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, train):
+    data, batch_sizes, _ = as_rows(data, batch_sizes)
     L = layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse)
     # out= ops below would refuse inputs that require grad; the autograd
     # formula is the op's, not these calls'.

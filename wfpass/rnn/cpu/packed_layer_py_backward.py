@@ -11,7 +11,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .packed_layer_py import LayerCall, check_states, use_onednn, layer_call, onednn_rows, onednn_t_rows
+from .packed_layer_py import (LayerCall, as_rows, check_states, use_onednn, layer_call, onednn_rows,
+                              onednn_t_rows)
 
 __all__ = ["carry", "check_grads"]  # packed_layer.py registers the kernel; these serve packed_lstm_runs.py too
 
@@ -105,6 +106,8 @@ class _Back(NamedTuple):
 
 def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, h_n, c_n, workspace,
                            grad_out, grad_hn, grad_cn, mode, reverse):
+    shape = data.shape  # d_data has it: [T, B, I] for a full batch (as_rows)
+    data, batch_sizes, _ = as_rows(data, batch_sizes, "wfpass::packed_layer_backward")
     L = layer_call(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, mode, reverse, workspace)
     check_grads(L, data, out, grad_out, grad_hn, grad_cn if mode == "LSTM" else None)
     # Few fresh N-row buffers, no throwaway ones: each costs page faults (the
@@ -123,7 +126,7 @@ def _packed_layer_backward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, w_hr, h0, 
             else:
                 grads = _rnn_backward(L, data, out, bw, mode == "RNN_RELU", w_ih, w_hh, b_ih, b_hh)
         d_h0 = bw.hcar.unsqueeze(0) if h0 is not None else data.new_empty(0)
-    return (*grads, d_w_hr, d_h0, d_c0)
+    return (grads[0].view(shape), *grads[1:], d_w_hr, d_h0, d_c0)
 
 
 def check_grads(L: LayerCall, data, out, grad_out, grad_hn, grad_cn,
