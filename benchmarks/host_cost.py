@@ -4,6 +4,7 @@ and where the time beyond eager goes, part by part.
 
     python benchmarks/host_cost.py --threads 1,2 --cpp-wrapper --json docs/host_cost.json
     python benchmarks/host_cost.py --from-json docs/host_cost.json   # the tables of docs/host_cost.md again
+    python benchmarks/host_cost.py --from-json docs/host_cost.json --compare docs/host_cost_before.json
     python benchmarks/host_cost.py --guards --cases lstm2,gru1,lm1   # Dynamo's guard evaluation per call
     python benchmarks/host_cost.py --quick            # a smoke run: two cases, a few seconds of timing
 
@@ -435,6 +436,25 @@ def tables(results: List[dict], command: str) -> List[str]:
     return lines
 
 
+def compare(before: List[dict], after: List[dict]) -> List[str]:
+    """Before / after: wformat against the default and against eager, per
+    case, step and thread count present in both runs (each run's own
+    interleaved rounds: compare ratios, not times)."""
+    old = {(r["case"], r["threads"]): r for r in before}
+    lines = ["| threads | case | step | wformat vs default, before | after | wformat vs eager, before | after |",
+             "|---|---|---|---|---|---|---|"]
+    for r in after:
+        b = old.get((r["case"], r["threads"]))
+        if b is None:
+            continue
+        for step in STEPS:
+            fb, fa = row_figures(b, step), row_figures(r, step)
+            vd = [f"{f['vs_default'][0]:.2f}x" if "vs_default" in f else "-" for f in (fb, fa)]
+            ve = [f"{f['vs_eager'][0]:.2f}x" for f in (fb, fa)]
+            lines.append(f"| {r['threads']} | {r['case']} | {step} | {vd[0]} | {vd[1]} | {ve[0]} | {ve[1]} |")
+    return lines
+
+
 def targets(results: List[dict]) -> List[str]:
     """The targets, each against every case and step it concerns: how many
     meet it, and the worst."""
@@ -475,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown tables here")
     ap.add_argument("--json", default=None, help="write the raw samples here")
     ap.add_argument("--from-json", default=None, help="make the tables from a --json file of an earlier run")
+    ap.add_argument("--compare", default=None,
+                    help="with --from-json: a before / after table against this earlier --json file")
     ap.add_argument("--guards", action="store_true",
                     help="instead: Dynamo's guard evaluation per inference call, wformat and the floor's Linear "
                          "(with and without skip_guard_eval_unsafe), for --cases (default: lstm2)")
@@ -503,6 +525,9 @@ def main(argv=None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             saved = json.load(f)
+        if a.compare:
+            with open(a.compare) as f:
+                return emit(compare(json.load(f)["results"], saved["results"]), a.out)
         return emit(tables(saved["results"], saved["command"]), a.out)
     names = a.cases.split(",") if a.cases else (QUICK_CASES if a.quick else tuple(CASES))
     bad = [n for n in names if n not in CASES]

@@ -127,6 +127,24 @@ def test_size_asserts_benchmark_runs(capsys):
     assert all(float(c) > 0 for r in rows for c in r[2:]), rows
 
 
+def test_cpu_rnn_kernels_benchmark_times_both_kernels_per_step(capsys):
+    """``cpu_rnn_kernels.py`` (docs/rnn.md): both kernels of each size timed
+    in both steps, the ratios their quotients, and what auto takes."""
+    from wfpass._torch import native
+
+    if not native.fast_loop():
+        pytest.skip("the C++ loop's fast steps need the C++ kernels and AVX-512")
+    _load("cpu_rnn_kernels").main(["--quick"])
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| LSTM |") or line.startswith("| GRU |")]
+    rows = list({tuple(r): r for r in rows}.values())  # printed as it goes and again in the table
+    assert [r[0] for r in rows] == ["LSTM", "GRU"], rows
+    for r in rows:
+        ei, li, xi, et, lt, xt = map(float, r[5:11])
+        assert abs(xi - ei / li) < 0.01 * xi and abs(xt - et / lt) < 0.01 * xt, r
+        assert r[11] == "loop", r  # both sizes are small: the loop
+
+
 def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path):
     """``pack_real_calls.py --quick`` (docs/choice_spread.md): every linear
     shape of the small decoder (Q/K/V block, o, gate/up block, down) is

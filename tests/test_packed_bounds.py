@@ -382,7 +382,9 @@ LAYER_CASES = [
     ("fewer features", "LSTM", lambda a: dict(data=a["data"][:, :3]),
      r"input.size\(-1\) must be equal to input_size. Expected 5 \(w_ih's columns\), got 3"),
     ("more features", "GRU", lambda a: dict(data=torch.randn(11, 40)), "Expected 5 \\(w_ih's columns\\), got 40"),
-    ("data 3-D", "GRU", lambda a: dict(data=a["data"][:, None]), "data must be 2-D"),
+    # 3-D data is a full batch [T, B, I], which takes no batch sizes (test_cxx_rnn.py)
+    ("data 3-D", "GRU", lambda a: dict(data=a["data"][:, None]), "full batch .* empty batch_sizes"),
+    ("data 4-D", "GRU", lambda a: dict(data=a["data"][:, None, None]), "data must be 2-D"),
     ("w_ih rows not gates", "LSTM", lambda a: dict(w_ih=a["w_ih"][:-1]), "w_ih must be 2-D with 4 rows a hidden unit"),
     ("w_hh of another hidden size", "LSTM", lambda a: dict(w_hh=a["w_hh"][:, :4]), r"w_hh must have shape \(24, 6\)"),
     ("b_ih short", "GRU", lambda a: dict(b_ih=a["b_ih"][:5]), r"b_ih must have shape \(18\)"),

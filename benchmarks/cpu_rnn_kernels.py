@@ -1,0 +1,150 @@
+"""One RNN layer on the CPU: eager's kernels against wfpass's C++ loop.
+
+Behind ``rnn={"cpu_kernel": "auto"}`` (docs/rnn.md, "CPU kernels"): for each
+mode and size, one layer and one direction, float32, called as the compiled
+graph calls it, with no autograd around it:
+
+* eager's kernel: for an LSTM oneDNN's LSTM layer (``wfpass::lstm_layer``,
+  i.e. ``aten.mkldnn_rnn_layer`` and its backward), for a GRU or plain RNN
+  ``wfpass::rnn_layer`` (ATen's kernels); what ``cpu_kernel="eager"`` runs;
+* the C++ loop: ``wfpass::packed_layer`` over the full batch ``[T, B, I]``
+  (per step oneDNN's small-GEMM kernel and AVX-512 gate math);
+
+each in inference (the forward, no workspace) and training (the forward
+with its workspace, then the backward with a gradient for the output). The
+four variants of a size are timed in interleaved rounds (``--rounds``, the
+order rotated, each sample at least ``--sample-s`` of calls); a time is the
+median over rounds, a ratio eager's time / the loop's (above 1: the loop is
+faster). The last columns say what ``cpu_kernel="auto"`` takes at that size
+and in which steps that kernel was the faster one here.
+
+    python benchmarks/cpu_rnn_kernels.py --threads 1
+    python benchmarks/cpu_rnn_kernels.py --threads 2
+    python benchmarks/cpu_rnn_kernels.py --quick        # a smoke run (tests/test_benchmarks.py)
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import List, Optional
+
+import torch
+
+#: (mode, T, B, I, H): the small sizes the rule takes the loop for, the
+#: edges of its LSTM bound, and larger ones where oneDNN's layer wins.
+SIZES = [
+    ("LSTM", 4, 4, 32, 64), ("LSTM", 16, 1, 32, 64), ("LSTM", 8, 16, 64, 64), ("LSTM", 32, 4, 64, 64),
+    ("LSTM", 4, 32, 64, 64), ("LSTM", 16, 1, 128, 128), ("LSTM", 64, 4, 64, 128), ("LSTM", 16, 8, 128, 128),
+    ("LSTM", 16, 16, 128, 128), ("LSTM", 32, 8, 256, 256), ("LSTM", 16, 4, 512, 512),
+    ("GRU", 4, 4, 32, 64), ("GRU", 16, 1, 32, 64), ("GRU", 16, 8, 128, 128), ("GRU", 64, 4, 64, 128),
+    ("GRU", 50, 64, 256, 512),
+    ("RNN_TANH", 4, 4, 32, 64), ("RNN_TANH", 16, 8, 128, 128), ("RNN_TANH", 50, 64, 256, 512),
+]
+QUICK = [("LSTM", 4, 4, 32, 64), ("GRU", 4, 4, 32, 64)]
+GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1}
+
+
+def _calls(mode: str, T: int, B: int, I: int, H: int):
+    """The four calls of one size: eager's and the loop's, inference and training."""
+    ops = torch.ops.wfpass
+    g = torch.Generator().manual_seed(0)
+    G = GATES[mode]
+    x = torch.randn(T, B, I, generator=g)
+    w = [torch.randn(G * H, I, generator=g) * 0.1, torch.randn(G * H, H, generator=g) * 0.1,
+         torch.randn(G * H, generator=g) * 0.1, torch.randn(G * H, generator=g) * 0.1]
+    grad = torch.randn(T, B, H, generator=g)
+    rows = grad.reshape(T * B, H)
+    none = torch.empty(0, dtype=torch.int64)
+
+    if mode == "LSTM":
+        def eager_inf():
+            ops.lstm_layer_fw(x, *w, None, None, False, H, True, False)
+
+        def eager_train():
+            y, hy, cy, ws = ops.lstm_layer_fw(x, *w, None, None, False, H, True, True)
+            ops.lstm_layer_backward(x, *w, None, None, y, hy, cy, grad, None, None, False, H, True, ws)
+    else:
+        def eager_inf():
+            ops.rnn_layer_fw(x, *w, None, mode, False)
+
+        def eager_train():
+            y, _ = ops.rnn_layer_fw(x, *w, None, mode, False)
+            ops.rnn_layer_backward(x, *w, None, y, grad, None, mode, False)
+
+    def loop_inf():
+        ops.packed_layer_fw(x, none, *w, None, None, None, mode, False, False)
+
+    def loop_train():
+        r = ops.packed_layer_fw(x, none, *w, None, None, None, mode, False, True)
+        ops.packed_layer_backward(x, none, *w, None, None, None, *r, rows, None, None, mode, False)
+
+    return {"eager inference": eager_inf, "loop inference": loop_inf, "eager training": eager_train,
+            "loop training": loop_train}
+
+
+def _rule(mode: str, T: int, B: int, I: int, H: int) -> bool:
+    """Does ``cpu_kernel="auto"`` take the loop at this size?"""
+    from wfpass.config import RnnOptions
+    from wfpass.rnn.paths import cxx_serves
+    from wfpass.rnn.spec import RnnSpec
+
+    spec = RnnSpec(name="rnn", mode=mode, input_size=I, hidden_size=H, proj_size=0, num_layers=1,
+                   bidirectional=False, batch_first=False, has_biases=True, dropout=0.0, threshold=2, offsets=(),
+                   numel=0, options=RnnOptions())
+    return cxx_serves(spec, torch.empty(T, B, I), T)
+
+
+def run(sizes, rounds: int, sample_s: float) -> List[str]:
+    import wfpass  # noqa: F401
+    from wfpass._torch import native
+    from wfpass.rnn.cpu import lstm_layer, native_layer, packed_layer  # noqa: F401  (the ops)
+    from wfpass.tools.bench_timing import interleaved
+
+    if not native.fast_loop():
+        raise SystemExit(f"the C++ loop's fast steps do not run here ({native.status() or 'no AVX-512'}): "
+                         "cpu_kernel='auto' keeps eager's kernels, nothing to compare")
+    lines = [f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
+             f"{rounds} interleaved rounds, median us per layer call; x = eager's time / the loop's",
+             "",
+             "| mode | T | batch | input | hidden | eager inference | loop inference | x | eager training | "
+             "loop training | x | auto takes | faster in |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    wrong = 0
+    for size in sizes:
+        t = interleaved(_calls(*size), rounds=rounds, min_s=sample_s)
+        us = {k: v.median * 1e6 for k, v in t.items()}
+        xi = us["eager inference"] / us["loop inference"]
+        xt = us["eager training"] / us["loop training"]
+        loop = _rule(*size)
+        # Was the kernel auto takes the faster one, per step?
+        won = [step for step, x in (("inference", xi), ("training", xt)) if (x >= 1) == loop]
+        verdict = "both" if len(won) == 2 else (f"{won[0]} only" if won else "neither")
+        wrong += len(won) < 2
+        lines.append(f"| {size[0]} | {' | '.join(str(v) for v in size[1:])} | {us['eager inference']:.1f} | "
+                     f"{us['loop inference']:.1f} | {xi:.2f} | {us['eager training']:.1f} | "
+                     f"{us['loop training']:.1f} | {xt:.2f} | {'loop' if loop else 'eager'} | {verdict} |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    lines.append(f"auto took the faster kernel in both steps at {len(sizes) - wrong} of {len(sizes)} sizes")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--sample-s", type=float, default=0.1)
+    ap.add_argument("--quick", action="store_true", help="two sizes, one round: a smoke run")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.quick:
+        lines = run(QUICK, 1, 0.002)
+    else:
+        lines = run(SIZES, a.rounds, a.sample_s)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
