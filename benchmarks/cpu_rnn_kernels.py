@@ -16,7 +16,8 @@ four variants of a size are timed in interleaved rounds (``--rounds``, the
 order rotated, each sample at least ``--sample-s`` of calls); a time is the
 median over rounds, a ratio eager's time / the loop's (above 1: the loop is
 faster). The last columns say what ``cpu_kernel="auto"`` takes at that size
-and in which steps that kernel was the faster one here.
+(inference / training where they differ) and in which steps that kernel was
+the faster one here.
 
     python benchmarks/cpu_rnn_kernels.py --threads 1
     python benchmarks/cpu_rnn_kernels.py --threads 2
@@ -83,8 +84,8 @@ def _calls(mode: str, T: int, B: int, I: int, H: int):
             "loop training": loop_train}
 
 
-def _rule(mode: str, T: int, B: int, I: int, H: int) -> bool:
-    """Does ``cpu_kernel="auto"`` take the loop at this size?"""
+def _rule(mode: str, T: int, B: int, I: int, H: int, train: bool = False) -> bool:
+    """Does ``cpu_kernel="auto"`` take the loop at this size (in a training graph: ``train``)?"""
     from wfpass.config import RnnOptions
     from wfpass.rnn.paths import cxx_serves
     from wfpass.rnn.spec import RnnSpec
@@ -92,7 +93,7 @@ def _rule(mode: str, T: int, B: int, I: int, H: int) -> bool:
     spec = RnnSpec(name="rnn", mode=mode, input_size=I, hidden_size=H, proj_size=0, num_layers=1,
                    bidirectional=False, batch_first=False, has_biases=True, dropout=0.0, threshold=2, offsets=(),
                    numel=0, options=RnnOptions())
-    return cxx_serves(spec, torch.empty(T, B, I), T)
+    return cxx_serves(spec, torch.empty(T, B, I), T, train)
 
 
 def run(sizes, rounds: int, sample_s: float) -> List[str]:
@@ -116,14 +117,16 @@ def run(sizes, rounds: int, sample_s: float) -> List[str]:
         us = {k: v.median * 1e6 for k, v in t.items()}
         xi = us["eager inference"] / us["loop inference"]
         xt = us["eager training"] / us["loop training"]
-        loop = _rule(*size)
+        loop = {"inference": _rule(*size), "training": _rule(*size, train=True)}
         # Was the kernel auto takes the faster one, per step?
-        won = [step for step, x in (("inference", xi), ("training", xt)) if (x >= 1) == loop]
+        won = [step for step, x in (("inference", xi), ("training", xt)) if (x >= 1) == loop[step]]
         verdict = "both" if len(won) == 2 else (f"{won[0]} only" if won else "neither")
         wrong += len(won) < 2
+        takes = {k: "loop" if v else "eager" for k, v in loop.items()}
+        takes = takes["inference"] if takes["inference"] == takes["training"] else " / ".join(takes.values())
         lines.append(f"| {size[0]} | {' | '.join(str(v) for v in size[1:])} | {us['eager inference']:.1f} | "
                      f"{us['loop inference']:.1f} | {xi:.2f} | {us['eager training']:.1f} | "
-                     f"{us['loop training']:.1f} | {xt:.2f} | {'loop' if loop else 'eager'} | {verdict} |")
+                     f"{us['loop training']:.1f} | {xt:.2f} | {takes} | {verdict} |")
         print(lines[-1], flush=True)
     lines.append("")
     lines.append(f"auto took the faster kernel in both steps at {len(sizes) - wrong} of {len(sizes)} sizes")

@@ -260,8 +260,9 @@ def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_
     return out, torch.cat(hs, 0), (torch.cat(cs, 0) if lstm else None)
 
 
-def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int]) -> bool:
+def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool = False) -> bool:
     """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``?
+    ``train``: the call is differentiated (a training graph).
     A float32 CPU RNN without projections, the C++ loop's fast steps
     available (the C++ kernels, an AVX-512 CPU), and:
 
@@ -271,8 +272,10 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int]) -> bool:
     * an LSTM with static sizes, only a small one: hidden size <= 64 with
       batch <= 32, or <= 128 with batch <= 4, where the loop was faster
       than oneDNN's layer call in inference and training, at 1 and 2
-      threads. Larger ones are oneDNN's: its GEMMs over the batch win
-      there, and with two threads it splits them.
+      threads; in training also hidden <= 128 with batch <= 8, where the
+      loop's backward won (1.16x at 1 thread, 1.01x at 2) though oneDNN's
+      forward was faster. Larger ones are oneDNN's: its GEMMs over the
+      batch win there, and with two threads it splits them.
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
@@ -289,10 +292,10 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int]) -> bool:
     if steps is None or not isinstance(batch, int):
         return False
     H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (H <= 128 and batch <= 4)
+    return (H <= 64 and batch <= 32) or (H <= 128 and batch <= (8 if train else 4))
 
 
-def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int) -> str:
+def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:
     """The path for a call of ``steps`` time steps (None: symbolic, unknown
     until run time): ``loop`` at or below the threshold, else one op per
     layer: oneDNN's LSTM layer (``mkldnn``) or ATen's native GRU / plain RNN
@@ -303,7 +306,7 @@ def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold:
         return "loop"
     if x.device.type == "cuda" and spec.options.cuda == "cudnn":
         return "cudnn"
-    if cxx_serves(spec, x, steps):
+    if cxx_serves(spec, x, steps, train):
         return "cxx"
     if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
         return "mkldnn"

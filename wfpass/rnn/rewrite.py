@@ -127,7 +127,7 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
     steps = _static_steps(s)
     n = _compile_threshold(ctx, s, spec, record)
-    path = choose_path(spec, ref, steps, n)
+    path = choose_path(spec, ref, steps, n, trains(s))
     why_not = no_onednn_reason(spec, ref)
     if why_not:
         record.detail["kernel"] = why_not
@@ -165,7 +165,7 @@ def planned_kernels(s: RnnCall) -> str:
     steps = _static_steps(s)
     if spec.threshold == "auto":
         return "; threshold N measured when compiled (seq_threshold='auto')"
-    words = kernel_words(spec, choose_path(spec, ref, steps, spec.threshold), ref)[0]
+    words = kernel_words(spec, choose_path(spec, ref, steps, spec.threshold, trains(s)), ref)[0]
     return f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
 
 
