@@ -277,6 +277,31 @@ def test_the_rule_takes_the_loop_for_small_lstms_and_every_gru(H, B, expect):
 
 
 @fast
+def test_a_training_graph_and_an_inference_graph_name_their_own_kernels():
+    """Hidden 128, batch 4: the training graph takes the C++ loop, the
+    no_grad graph oneDNN's layer; the row keeps a bucket for each (a cell
+    loop folded into one call included: the fold notes that its steps are
+    differentiated)."""
+    from wfpass.tools.bench_models import CellLoop
+
+    for model, x in ((Net(H=128), torch.randn(6, 4, 16)), (CellLoop(16, 128), torch.randn(6, 4, 16))):
+        ref = copy.deepcopy(model)
+        fn = torch.compile(model, backend="wformat")
+        out, ref_out = fn(x), ref(x)
+        out = out[0] if isinstance(out, tuple) else out
+        ref_out = ref_out[0] if isinstance(ref_out, tuple) else ref_out
+        out.sum().backward()
+        ref_out.sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            fn(x)
+        row = _row(model)
+        assert row.detail["paths"] == {"T=6, training": "cxx", "T=6": "mkldnn"}, row.detail
+        assert row.stats["cxx_loop_calls"] == 1 and row.stats["onednn_lstm_calls"] == 1, row.stats
+
+
+@fast
 def test_the_option_picks_the_kernel():
     torch.manual_seed(0)
     x = torch.randn(6, 3, 16)

@@ -127,14 +127,18 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
     steps = _static_steps(s)
     n = _compile_threshold(ctx, s, spec, record)
-    path = choose_path(spec, ref, steps, n, trains(s))
+    train = trains(s)
+    path = choose_path(spec, ref, steps, n, train)
     why_not = no_onednn_reason(spec, ref)
     if why_not:
         record.detail["kernel"] = why_not
     # Counted by length, as the report's threshold reads: GRUs and plain
     # RNNs run the same kernels on both sides of N on the CPU.
     counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
-    _count_at_site(ctx, site, w_nodes, counter, spec, path, ref, f"T={steps if steps is not None else 'symbolic'}", n)
+    bucket = f"T={steps if steps is not None else 'symbolic'}"
+    if train and path != choose_path(spec, ref, steps, n, False):
+        bucket += ", training"  # its own kernel (an LSTM the C++ loop takes in training only)
+    _count_at_site(ctx, site, w_nodes, counter, spec, path, ref, bucket, n)
     return path
 
 
@@ -231,8 +235,12 @@ def new_group(ctx: PassContext, spec: RnnSpec, ws, names, how, detail, overlap: 
 
 
 def trains(s: RnnCall) -> bool:
-    """Whether the call's output takes a gradient in this graph (a training graph)."""
+    """Whether the call's output takes a gradient in this graph (a training
+    graph). A call the cell-loop fold made has no traced value: its steps'
+    answer, noted on it (``cells/rewrite.py``)."""
     out = meta_value(s.node)
+    if out is None and "wfpass_trains" in s.node.meta:
+        return bool(s.node.meta["wfpass_trains"])
     first = out[0] if isinstance(out, (tuple, list)) and out else out
     return isinstance(first, torch.Tensor) and first.requires_grad
 

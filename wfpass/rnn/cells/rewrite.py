@@ -43,6 +43,11 @@ def rewrite_loop(ctx: PassContext, layers: List[Chain], label: str, site=None) -
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in layers[0].first.node.meta:
             call.meta[key] = layers[0].first.node.meta[key]
+    # The new call has no traced value of its own: whether it is
+    # differentiated (what picks its kernel: rewrite.trains) is the steps'.
+    step = layers[0].first.node.meta.get("example_value")
+    first = step[0] if isinstance(step, (tuple, list)) and step else step
+    call.meta["wfpass_trains"] = isinstance(first, torch.Tensor) and first.requires_grad
     out, hn, cn = _results(g, call, lstm, moved)
     _replace_outputs(g, layers, cells, out, hn, cn)
     _erase_steps(g, cells, lstm, label)
