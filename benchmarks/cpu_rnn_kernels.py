@@ -21,6 +21,7 @@ the faster one here.
 
     python benchmarks/cpu_rnn_kernels.py --threads 1
     python benchmarks/cpu_rnn_kernels.py --threads 2
+    python benchmarks/cpu_rnn_kernels.py --lm --threads 1   # the LSTM LM's training step on both kernels
     python benchmarks/cpu_rnn_kernels.py --quick        # a smoke run (tests/test_benchmarks.py)
 """
 from __future__ import annotations
@@ -133,15 +134,68 @@ def run(sizes, rounds: int, sample_s: float) -> List[str]:
     return lines
 
 
+def lm_steps(shapes, rounds: int, sample_s: float) -> List[str]:
+    """The LSTM language model of ``python -m wfpass bench`` (Embedding 500
+    -> 2-layer LSTM 128 -> Linear 500), a training step (forward,
+    ``sum().backward()``, SGD, zero_grad) at each ``(T, batch)``: eager,
+    ``torch.compile``'s default, and wformat with ``cpu_kernel="eager"``
+    and ``"cxx"``, each its own copy and forward code object, interleaved
+    rounds, medians (ms). Where the per-layer tables tie, the whole step
+    decides."""
+    import copy
+
+    import wfpass
+    from wfpass.tools.bench import own_code
+    from wfpass.tools.bench_models import RnnLM
+    from wfpass.tools.bench_timing import interleaved
+
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds, "
+             "median ms per training step",
+             "", "| T | batch | eager | default | wformat, cpu_kernel='eager' | wformat, 'cxx' | eager's kernel / the loop |",
+             "|---|---|---|---|---|---|---|"]
+    for T, B in shapes:
+        torch.manual_seed(0)
+        base = RnnLM(vocab=500, hidden=128, layers=2)
+        x = torch.randint(0, 500, (T, B))
+        models = {"eager": own_code(copy.deepcopy(base)),
+                  "default": torch.compile(own_code(copy.deepcopy(base)), dynamic=False)}
+        for k in ("eager", "cxx"):
+            models["wf " + k] = torch.compile(own_code(copy.deepcopy(base)), dynamic=False,
+                                              backend=wfpass.backend(rnn={"cpu_kernel": k}))
+
+        def step(m):
+            opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+
+            def run():
+                m(x).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return run
+
+        fns = {k: step(m) for k, m in models.items()}
+        for f in fns.values():
+            for _ in range(3):
+                f()
+        ms = {k: v.median * 1e3 for k, v in interleaved(fns, rounds=rounds, min_s=sample_s).items()}
+        lines.append(f"| {T} | {B} | {ms['eager']:.3f} | {ms['default']:.3f} | {ms['wf eager']:.3f} | "
+                     f"{ms['wf cxx']:.3f} | {ms['wf eager'] / ms['wf cxx']:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sample-s", type=float, default=0.1)
     ap.add_argument("--quick", action="store_true", help="two sizes, one round: a smoke run")
+    ap.add_argument("--lm", action="store_true",
+                    help="instead: the LSTM language model's training step at T 16 and 64, batch 8, both kernels")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    if a.quick:
+    if a.lm:
+        lines = lm_steps([(16, 8), (64, 8)], a.rounds, max(a.sample_s, 0.2))
+    elif a.quick:
         lines = run(QUICK, 1, 0.002)
     else:
         lines = run(SIZES, a.rounds, a.sample_s)

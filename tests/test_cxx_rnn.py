@@ -262,8 +262,8 @@ def test_the_rule_takes_the_loop_for_small_lstms_and_every_gru(H, B, expect):
                    bidirectional=False, batch_first=False, has_biases=True, dropout=0.0, threshold=2, offsets=(),
                    numel=0, options=RnnOptions())
     assert choose_path(spec, torch.randn(10, B, 8), 10, 2) == expect
-    # A training graph also takes the loop up to hidden 128 with batch 4, where its backward won.
-    train_expect = "cxx" if H <= 128 and B <= 4 or H <= 64 and B <= 32 else expect
+    # A training graph also takes the loop up to hidden 128 with batch 8, where its backward won.
+    train_expect = "cxx" if H <= 128 and B <= 8 or H <= 64 and B <= 32 else expect
     assert choose_path(spec, torch.randn(10, B, 8), 10, 2, train=True) == train_expect
     assert choose_path(spec, torch.randn(10, B, 8), None, 2) == "mkldnn"  # a symbolic length: oneDNN's
     assert choose_path(spec, torch.randn(10, B, 8, dtype=torch.float64), 10, 2) != "cxx"

@@ -102,7 +102,7 @@ class RnnOptions:
                    measured faster than eager's kernels (docs/rnn.md): every
                    GRU and plain RNN, and a small LSTM (hidden size <= 64
                    with batch <= 32; in training also <= 128 with batch
-                   <= 4; static sizes), on a CPU with AVX-512; the kernels eager PyTorch
+                   <= 8; static sizes), on a CPU with AVX-512; the kernels eager PyTorch
                    runs otherwise (oneDNN's LSTM, ATen's GRU and RNN);
                    ``"eager"``: those kernels always; ``"cxx"``: the C++
                    loop wherever it can run.

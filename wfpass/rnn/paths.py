@@ -272,11 +272,13 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     * an LSTM with static sizes, only a small one: hidden size <= 64 with
       batch <= 32, where the loop was faster than oneDNN's layer call in
       inference and training, at 1 and 2 threads; in training also hidden
-      <= 128 with batch <= 4, where the loop's backward won (1.13-1.64x)
-      though oneDNN's forward was as fast at 1 thread and faster at 2
-      (0.76-0.96x at hidden 128, two threads splitting its GEMMs), so
-      inference keeps oneDNN there. At batch 8 training tied (1.04-1.08x
-      at 1 thread, 0.95-0.99x at 2): oneDNN's. Larger ones are oneDNN's.
+      <= 128 with batch <= 8, where the loop's backward won (1.13-1.64x
+      per layer up to batch 4; at batch 8 a tie per layer, 0.95-1.08x, but
+      the LSTM LM's whole training step ran 1.01-1.48x faster on the loop
+      than on oneDNN at T 16 and 64, 1 and 2 threads), though oneDNN's
+      forward was as fast at 1 thread and faster at 2 (0.76-0.96x at hidden
+      128, two threads splitting its GEMMs), so inference keeps oneDNN
+      there. Larger ones are oneDNN's.
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
@@ -293,7 +295,7 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     if steps is None or not isinstance(batch, int):
         return False
     H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= 4)
+    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= 8)
 
 
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:
