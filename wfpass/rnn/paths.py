@@ -267,18 +267,18 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     available (the C++ kernels, an AVX-512 CPU), and:
 
     * a GRU or plain RNN at any size, static or symbolic: the loop ran
-      1.3-4x faster than ATen's kernels (``native``) from T 4, batch 4,
-      hidden 64 to T 50, batch 64, hidden 512, at 1 and 2 threads;
+      1.4-4.1x faster than ATen's kernels (``native``) in training and
+      1.6-4.7x in inference (one tie, 0.99x, at the largest GRU with 2
+      threads), from T 4, batch 4, hidden 64 to T 50, batch 64, hidden 512;
     * an LSTM with static sizes, only a small one: hidden size <= 64 with
       batch <= 32, where the loop was faster than oneDNN's layer call in
       inference and training, at 1 and 2 threads; in training also hidden
-      <= 128 with batch <= 8, where the loop's backward won (1.13-1.64x
-      per layer up to batch 4; at batch 8 a tie per layer, 0.95-1.08x, but
-      the LSTM LM's whole training step ran 1.01-1.48x faster on the loop
-      than on oneDNN at T 16 and 64, 1 and 2 threads), though oneDNN's
-      forward was as fast at 1 thread and faster at 2 (0.76-0.96x at hidden
-      128, two threads splitting its GEMMs), so inference keeps oneDNN
-      there. Larger ones are oneDNN's.
+      <= 128 with batch <= 8, where the loop's training call won (1.05-1.54x
+      per layer; at batch 8 close, but the LSTM LM's whole training step
+      ran 1.07-1.45x faster on the loop than on oneDNN at T 16 and 64, 1
+      and 2 threads), though oneDNN's forward ties at 1 thread and wins at
+      2 from batch 8 (0.77-0.83x: two threads splitting its GEMMs), so
+      inference keeps oneDNN there. Larger ones are oneDNN's.
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
@@ -397,22 +397,20 @@ class RnnForward:
             # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
         need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
-        if self.path == "cudnn":
-            out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad, self.train)
-        elif self.path == "mkldnn":
-            out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
-        elif self.path == "cxx" and all(h is None or h.dtype == x.dtype for h in hx):
-            out, hy, cy = cxx_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
-        elif self.path == "cxx":
+        path = self.path
+        if path == "cxx" and any(h is not None and h.dtype != x.dtype for h in hx):
             # A state of another dtype: eager's kernels, which raise eager's error.
-            if spec.mode == "LSTM":
-                out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
-            else:
-                (out, hy), cy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad), None
-        elif self.path == "native":
+            path = "mkldnn" if spec.mode == "LSTM" else "native"
+        if path == "cudnn":
+            out, hy, cy = cudnn_call(spec, x, hx, ws, need_grad, self.train)
+        elif path == "mkldnn":
+            out, hy, cy = mkldnn_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif path == "cxx":
+            out, hy, cy = cxx_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
+        elif path == "native":
             out, hy = native_path(spec, x, hx, ws, has_b, self.train, p, need_grad)
             cy = None
-        elif self.path == "loop":
+        elif path == "loop":
             outs = _loop(spec, x, hx, ws, has_b, self.train, p)
             out, hy, cy = outs[0], outs[1], (outs[2] if spec.mode == "LSTM" else None)
         elif spec.mode == "LSTM":

@@ -1044,7 +1044,7 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
   const bool lstm = mode == Mode::LSTM;
   Bw r[2];
   both(fast(data), [&](int64_t d) {
-    r[d] = packed_layer_backward(data, batch_sizes, p.w(d, 0), p.w(d, 1), p.b_ih(d), p.b_hh(d), p.w_hr(d),
+    r[d] = layer_backward(data, batch_sizes, p.w(d, 0), p.w(d, 1), p.b_ih(d), p.b_hh(d), p.w_hr(d),
                                  half(h0, 0, d, 1), half(c0, 0, d, 1), out.narrow(1, d * Hout, Hout),
                                  h_n.narrow(0, d, 1), lstm ? c_n.narrow(0, d, 1) : c_n, d == 0 ? ws_f : ws_b,
                                  half(grad_out, 1, d, Hout), half(grad_hn, 0, d, 1),

@@ -78,8 +78,9 @@ A full batch: ``data`` ``[T, B, I]`` (a plain RNN input, every step B
 rows) with an empty ``batch_sizes`` is the packed batch of T steps of B
 rows each, ``data.reshape(T * B, I)``; out and the workspace then have
 ``T * B`` rows, and the gradient of ``data`` has data's shape. This is how a
-compiled graph runs a small LSTM through this loop (``rnn/paths.py``,
-``cxx_path``) without building a batch_sizes tensor of its own.
+compiled graph runs a GRU, a plain RNN or a small LSTM through this loop
+(``rnn/paths.py``, ``cxx_path``) without building a batch_sizes tensor of
+its own.
 
 ``train=False`` returns an empty workspace (``[0]``) and the op cannot be
 differentiated; the kernels still use a workspace-shaped scratch inside.

@@ -30,6 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..._torch import kernels as _kernels
+from ..._torch.tensors import fake_tensor_type
 
 __all__ = ["MODES", "gate_count", "workspace_width", "as_rows", "check_args", "hidden_sizes", "known_different",
            "check_shapes", "check_states", "steps", "LayerCall", "layer_call", "use_onednn", "onednn_linear",
@@ -144,17 +145,11 @@ def as_rows(data, batch_sizes, op: str = "wfpass::packed_layer"):
                            f"got {batch_sizes.numel()} batch sizes")
     T, B = data.shape[0], data.shape[1]
     rows = data.reshape(T * B, data.shape[2])
-    if isinstance(data, _fake_type()) or data.device.type == "meta":
+    if isinstance(data, fake_tensor_type()) or data.device.type == "meta":
         return rows, batch_sizes, B
     if T < 1 or B < 1:
         raise RuntimeError(f"{op}: a full batch [T, B, I] needs T >= 1 and B >= 1, got {list(data.shape)}")
     return rows, torch.full((T,), B, dtype=torch.int64), B
-
-
-def _fake_type():
-    from ..._torch.tensors import fake_tensor_type
-
-    return fake_tensor_type()
 
 
 def steps(batch_sizes: torch.Tensor, N: int, op: str = "wfpass::packed_layer") -> Tuple[list, list]:
