@@ -42,7 +42,7 @@ __all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "parallel_direc
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
-_HEADERS = ("fast_rnn.h",)
+_HEADERS = ("fast_rnn.h", "fast_gates.h")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]
@@ -73,12 +73,19 @@ def status() -> str:
 
 def fast_loop() -> bool:
     """Do the packed RNN kernels run their fp32 steps on the raw-pointer
-    loop (``fast_rnn.cpp``: oneDNN's small-GEMM ukernel and AVX-512 gate
-    math)? False without the C++ kernels, on a CPU without AVX-512, or with
-    ``WFPASS_FAST_LOOP=0``."""
+    loop (``fast_rnn.cpp``: oneDNN's small-GEMM ukernel and vectorized gate
+    math, AVX-512F or AVX2 with FMA)? False without the C++ kernels, on a
+    CPU with neither, or with ``WFPASS_FAST_LOOP=0``."""
     if _FAST[0] is None:
         _FAST[0] = loaded() and bool(torch.ops.wfpass.native_fast_loop())
     return _FAST[0]
+
+
+def fast_isa() -> str:
+    """The instruction set of the loop's gate math: ``"avx512f"``,
+    ``"avx2"`` (AVX2 with FMA; also on an AVX-512 CPU with
+    ``WFPASS_FAST_ISA=avx2``), or ``""`` where :func:`fast_loop` is false."""
+    return str(torch.ops.wfpass.native_fast_isa()) if fast_loop() else ""
 
 
 def parallel_directions() -> bool:

@@ -8,9 +8,10 @@
 // 2.11.0, 2.13.0 and 2.15.0) runs that GEMM in 8 us, on raw pointers; the gate math becomes one
 // pass over the step's rows instead of eight ATen calls.
 //
-// The functions carry __attribute__((target("avx512f"))) and run only where
-// fast_loop() found AVX-512F at run time, so the library itself is built
-// for any x86-64 CPU. exp, sigmoid and tanh are Cephes' single-precision
+// The gate math (fast_gates.h) is compiled twice, for AVX-512F and for
+// AVX2 with FMA, each under __attribute__((target(...))); fast_loop() picks
+// one at run time (AVX-512F where the CPU has it), so the library itself is
+// built for any x86-64 CPU. exp, sigmoid and tanh are Cephes' single-precision
 // formulas (max error ~2 ulp for exp); they differ from ATen's (SLEEF) in
 // the last bits, so the C++ and Python kernels agree to rounding, not
 // bit for bit, on this path.
@@ -41,30 +42,50 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const fl
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, A, B, C, false);
 }
 
-bool probe() {
+// An environment variable's value, lower case and trimmed ("" where unset).
+std::string env_word(const char* name) {
+  const char* env = std::getenv(name);
+  std::string v(env != nullptr ? env : "");
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  v.erase(0, v.find_first_not_of(" \t"));
+  v.erase(v.find_last_not_of(" \t") + 1);
+  return v;
+}
+
+enum class Isa { none, avx2, avx512 };
+
+Isa probe() {
   // Off as WFPASS_NATIVE is (wfpass/_torch/native/__init__.py): 0, false, no, off.
-  if (const char* env = std::getenv("WFPASS_FAST_LOOP")) {
-    std::string v(env);
-    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    v.erase(0, v.find_first_not_of(" \t"));
-    v.erase(v.find_last_not_of(" \t") + 1);
-    if (v == "0" || v == "false" || v == "no" || v == "off") return false;
-  }
+  const std::string off = env_word("WFPASS_FAST_LOOP");
+  if (off == "0" || off == "false" || off == "no" || off == "off") return Isa::none;
 #ifdef WFPASS_X86
-  if (!__builtin_cpu_supports("avx512f")) return false;
+  Isa isa = Isa::none;
+  if (__builtin_cpu_supports("avx512f"))
+    isa = Isa::avx512;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    isa = Isa::avx2;
+  // WFPASS_FAST_ISA=avx2 runs the AVX2 loop on an AVX-512 CPU too: how the
+  // tests check both on one machine.
+  if (isa == Isa::avx512 && env_word("WFPASS_FAST_ISA") == "avx2") isa = Isa::avx2;
+  if (isa == Isa::none) return isa;
   // The ukernel refuses (throws) where oneDNN's ukernel API is not built in
   // or the CPU is not one it has kernels for; check it answers, and right.
   try {
     const float a[2] = {1.f, 2.f}, b[2] = {3.f, 4.f};
     float c[1] = {0.5f};
     gemm(1, 1, 2, a, 2, b, 1, c, 1, true);
-    return c[0] == 11.5f;
+    return c[0] == 11.5f ? isa : Isa::none;
   } catch (const std::exception&) {
-    return false;
+    return Isa::none;
   }
 #else
-  return false;
+  return Isa::none;
 #endif
+}
+
+Isa isa() {
+  static const Isa v = probe();
+  return v;
 }
 
 }  // namespace
@@ -137,179 +158,21 @@ void gemm_tn_rows(int64_t R, int64_t M, int64_t N, const float* A, int64_t lda, 
   });
 }
 
-bool fast_loop() {
-  static const bool ok = probe();
-  return ok;
+bool fast_loop() { return isa() != Isa::none; }
+
+const char* fast_isa() {
+  switch (isa()) {
+    case Isa::avx512:
+      return "avx512f";
+    case Isa::avx2:
+      return "avx2";
+    default:
+      return "";
+  }
 }
 
 #ifdef WFPASS_X86
 namespace {
-
-#define WF_T __attribute__((target("avx512f"), always_inline)) inline
-#define WF_F __attribute__((target("avx512f")))
-
-WF_T __m512 splat(float v) { return _mm512_set1_ps(v); }
-
-// Lanes j .. j + 16 of a row of width W: all, or the tail's.
-WF_T __mmask16 lanes(int64_t j, int64_t W) {
-  const int64_t w = W - j;
-  return w >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << w) - 1u);
-}
-
-WF_T __m512 ld(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-WF_T void st(__mmask16 m, float* p, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-
-// Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
-// polynomial, times 2^n (scalef). NaN stays NaN.
-WF_T __m512 exp16(__m512 x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  __m512 y = _mm512_min_ps(_mm512_max_ps(x, splat(-87.5f)), splat(88.5f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, splat(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), y);
-  r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-  __m512 p = splat(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, splat(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, splat(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, splat(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, splat(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, splat(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.f)));
-  return _mm512_mask_blend_ps(nan, _mm512_scalef_ps(p, n), x);
-}
-
-WF_T __m512 sigmoid16(__m512 x) {
-  const __m512 one = splat(1.f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-// Cephes tanhf: x + x^3 P(x^2) below |x| = 0.625, else 1 - 2 / (exp(2|x|) + 1)
-// with x's sign (written through exp(-2|x|) <= 1, so it cannot overflow).
-WF_T __m512 tanh16(__m512 x) {
-  const __m512 ax = _mm512_abs_ps(x), one = splat(1.f);
-  const __m512 e = exp16(_mm512_mul_ps(ax, splat(-2.f)));
-  __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-  // Copy x's sign bit onto big (integer ops: the float ones need AVX-512DQ).
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
-  big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big), sign));
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 p = splat(-5.70498872745E-3f);
-  p = _mm512_fmadd_ps(p, z, splat(2.06390887954E-2f));
-  p = _mm512_fmadd_ps(p, z, splat(-5.37397155531E-2f));
-  p = _mm512_fmadd_ps(p, z, splat(1.33314422036E-1f));
-  p = _mm512_fmadd_ps(p, z, splat(-3.33332819422E-1f));
-  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, splat(0.625f), _CMP_LT_OQ), big, small);
-}
-
-WF_F static void lstm_step(int64_t n, int64_t H, float* ws, const float* c_prev, int64_t ldcp, float* h, int64_t ldh) {
-  for (int64_t r = 0; r < n; ++r) {
-    float* w = ws + r * 6 * H;
-    const float* cp = c_prev + r * ldcp;
-    float* hr = h + r * ldh;
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      const __m512 i = sigmoid16(ld(m, w + j)), f = sigmoid16(ld(m, w + H + j));
-      const __m512 g = tanh16(ld(m, w + 2 * H + j)), o = sigmoid16(ld(m, w + 3 * H + j));
-      const __m512 c = _mm512_fmadd_ps(i, g, _mm512_mul_ps(f, ld(m, cp + j)));
-      const __m512 tc = tanh16(c);
-      st(m, w + j, i);
-      st(m, w + H + j, f);
-      st(m, w + 2 * H + j, g);
-      st(m, w + 3 * H + j, o);
-      st(m, w + 4 * H + j, c);
-      st(m, w + 5 * H + j, tc);
-      st(m, hr + j, _mm512_mul_ps(o, tc));
-    }
-  }
-}
-
-WF_F static void gru_step(int64_t n, int64_t H, float* ws, const float* h_prev, int64_t ldp, float* h, int64_t ldh) {
-  for (int64_t r = 0; r < n; ++r) {
-    float* w = ws + r * 4 * H;
-    const float* hp = h_prev + r * ldp;
-    float* hr = h + r * ldh;
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      const __m512 rg = sigmoid16(ld(m, w + j)), z = sigmoid16(ld(m, w + H + j));
-      const __m512 nn = tanh16(_mm512_fmadd_ps(rg, ld(m, w + 2 * H + j), ld(m, w + 3 * H + j)));
-      st(m, w + j, rg);
-      st(m, w + H + j, z);
-      st(m, w + 3 * H + j, nn);
-      st(m, hr + j, _mm512_fmadd_ps(z, _mm512_sub_ps(ld(m, hp + j), nn), nn));
-    }
-  }
-}
-
-WF_F static void rnn_step(int64_t n, int64_t H, float* h, int64_t ldh, bool relu) {
-  for (int64_t r = 0; r < n; ++r) {
-    float* hr = h + r * ldh;
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      const __m512 x = ld(m, hr + j);
-      st(m, hr + j, relu ? _mm512_max_ps(x, _mm512_setzero_ps()) : tanh16(x));
-    }
-  }
-}
-
-WF_F static void incoming(int64_t n, int64_t W, const float* g, int64_t ldg, const float* carry, int64_t ldc, float* dh,
-                   int64_t lddh) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < W; j += 16) {
-      const __mmask16 m = lanes(j, W);
-      const __m512 c = ld(m, carry + r * ldc + j);
-      st(m, dh + r * lddh + j, g ? _mm512_add_ps(ld(m, g + r * ldg + j), c) : c);
-    }
-}
-
-// dc = ccar + dh o (1 - tanh(c)^2); the pre-activations' gradients
-// dc g i (1 - i), dc c_prev f (1 - f), dc i (1 - g^2), dh tanh(c) o (1 - o)
-// into dg; ccar = dc f (dL/dc_prev).
-WF_F static void lstm_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh, const float* ws,
-                                    const float* cp, int64_t ldcp, float* dg, float* ccar) {
-  const __m512 one = splat(1.f);
-  for (int64_t r = 0; r < n; ++r) {
-    const float* w = ws + r * 6 * H;
-    float* d = dg + r * 4 * H;
-    float* cc = ccar + r * H;
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      const __m512 h = ld(m, dh + r * lddh + j), i = ld(m, w + j), f = ld(m, w + H + j);
-      const __m512 g = ld(m, w + 2 * H + j), o = ld(m, w + 3 * H + j), tc = ld(m, w + 5 * H + j);
-      const __m512 dc = _mm512_fmadd_ps(_mm512_mul_ps(h, o), _mm512_fnmadd_ps(tc, tc, one), ld(m, cc + j));
-      st(m, d + j, _mm512_mul_ps(_mm512_mul_ps(dc, g), _mm512_fnmadd_ps(i, i, i)));
-      st(m, d + H + j, _mm512_mul_ps(_mm512_mul_ps(dc, ld(m, cp + r * ldcp + j)), _mm512_fnmadd_ps(f, f, f)));
-      st(m, d + 2 * H + j, _mm512_mul_ps(_mm512_mul_ps(dc, i), _mm512_fnmadd_ps(g, g, one)));
-      st(m, d + 3 * H + j, _mm512_mul_ps(_mm512_mul_ps(h, tc), _mm512_fnmadd_ps(o, o, o)));
-      st(m, cc + j, _mm512_mul_ps(dc, f));
-    }
-  }
-}
-
-WF_F static void gru_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh, const float* z, int64_t ldz,
-                            float* dg, float* hcar) {
-  for (int64_t r = 0; r < n; ++r) {
-    float* d = dg + r * 3 * H;
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      const __m512 h = ld(m, dh + r * lddh + j);
-      st(m, d + j, _mm512_mul_ps(ld(m, d + j), h));
-      st(m, d + H + j, _mm512_mul_ps(ld(m, d + H + j), h));
-      st(m, d + 2 * H + j, _mm512_mul_ps(ld(m, d + 2 * H + j), h));
-      st(m, hcar + r * H + j, _mm512_mul_ps(h, ld(m, z + r * ldz + j)));
-    }
-  }
-}
-
-WF_F static void rnn_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh, float* dpre, int64_t ldp) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < H; j += 16) {
-      const __mmask16 m = lanes(j, H);
-      float* p = dpre + r * ldp + j;
-      st(m, p, _mm512_mul_ps(ld(m, p), ld(m, dh + r * lddh + j)));
-    }
-}
-
 
 // The rows a step reads its state from, as a pointer and leading dim; where
 // sequences join (a reversed step) the two pieces are copied into buf.
@@ -331,88 +194,161 @@ const float* prev_rows(const float* states, int64_t lds, const float* init, int6
 
 }  // namespace
 
+// The step functions, once per ISA (fast_gates.h says what each defines).
+namespace avx512 {
+
+#define WF_T __attribute__((target("avx512f"), always_inline)) inline
+#define WF_F __attribute__((target("avx512f")))
+
+using V = __m512;
+using Mask = __mmask16;
+constexpr int64_t kW = 16;
+
+WF_T Mask lanes(int64_t j, int64_t W) {
+  const int64_t w = W - j;
+  return w >= 16 ? (Mask)0xFFFF : (Mask)((1u << w) - 1u);
+}
+WF_T V ld(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+WF_T void st(Mask m, float* p, V v) { _mm512_mask_storeu_ps(p, m, v); }
+WF_T V splat(float v) { return _mm512_set1_ps(v); }
+WF_T V add(V a, V b) { return _mm512_add_ps(a, b); }
+WF_T V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+WF_T V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+WF_T V div(V a, V b) { return _mm512_div_ps(a, b); }
+WF_T V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+WF_T V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+WF_T V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+WF_T V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+WF_T V absv(V x) { return _mm512_abs_ps(x); }
+// x's sign bit onto mag (integer ops: the float ones need AVX-512DQ).
+WF_T V with_sign(V mag, V x) {
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+WF_T V lt_select(V a, V b, V t, V f) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), f, t); }
+
+// Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
+// polynomial, times 2^n (scalef, exact up to 2^128). NaN stays NaN.
+WF_T V exp_v(V x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const V y = vmin(vmax(x, splat(-87.5f)), splat(88.5f));
+  const V n = _mm512_roundscale_ps(mul(y, splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = fnmadd(n, splat(0.693359375f), y);
+  r = fnmadd(n, splat(-2.12194440e-4f), r);
+  V p = splat(1.9875691500E-4f);
+  p = fmadd(p, r, splat(1.3981999507E-3f));
+  p = fmadd(p, r, splat(8.3334519073E-3f));
+  p = fmadd(p, r, splat(4.1665795894E-2f));
+  p = fmadd(p, r, splat(1.6666665459E-1f));
+  p = fmadd(p, r, splat(5.0000001201E-1f));
+  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
+  return _mm512_mask_blend_ps(nan, _mm512_scalef_ps(p, n), x);
+}
+
+#include "fast_gates.h"
+
+#undef WF_T
+#undef WF_F
+}  // namespace avx512
+
+// AVX2 with FMA: 8 lanes, a tail through an integer lane mask (maskload
+// reads nothing outside it), full vectors through plain loads and stores
+// (AMD's masked stores are microcoded).
+namespace avx2 {
+
+#define WF_T __attribute__((target("avx2,fma"), always_inline)) inline
+#define WF_F __attribute__((target("avx2,fma")))
+
+using V = __m256;
+struct Mask {
+  bool full;
+  __m256i bits;
+};
+constexpr int64_t kW = 8;
+
+WF_T Mask lanes(int64_t j, int64_t W) {
+  const int64_t w = W - j;
+  if (w >= 8) return {true, _mm256_set1_epi32(-1)};
+  return {false, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(w)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))};
+}
+WF_T V ld(Mask m, const float* p) { return m.full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m.bits); }
+WF_T void st(Mask m, float* p, V v) {
+  if (m.full)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, m.bits, v);
+}
+WF_T V splat(float v) { return _mm256_set1_ps(v); }
+WF_T V add(V a, V b) { return _mm256_add_ps(a, b); }
+WF_T V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+WF_T V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+WF_T V div(V a, V b) { return _mm256_div_ps(a, b); }
+WF_T V vmin(V a, V b) { return _mm256_min_ps(a, b); }
+WF_T V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+WF_T V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+WF_T V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+WF_T V absv(V x) { return _mm256_andnot_ps(splat(-0.f), x); }
+WF_T V with_sign(V mag, V x) { return _mm256_or_ps(mag, _mm256_and_ps(x, splat(-0.f))); }
+WF_T V lt_select(V a, V b, V t, V f) { return _mm256_blendv_ps(f, t, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+
+// AVX-512's expf, with 2^n built in the exponent bits (AVX2 has no scalef):
+// x is clamped to Cephes' MAXLOGF (88.376...), not 88.5, so n <= 127 stays
+// a finite power of two. Only exp itself differs there (sigmoid and tanh
+// read it where it is ~1e38 against 1).
+WF_T V exp_v(V x) {
+  const V nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const V y = vmin(vmax(x, splat(-87.5f)), splat(88.3762626647949f));
+  const V n = _mm256_round_ps(mul(y, splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = fnmadd(n, splat(0.693359375f), y);
+  r = fnmadd(n, splat(-2.12194440e-4f), r);
+  V p = splat(1.9875691500E-4f);
+  p = fmadd(p, r, splat(1.3981999507E-3f));
+  p = fmadd(p, r, splat(8.3334519073E-3f));
+  p = fmadd(p, r, splat(4.1665795894E-2f));
+  p = fmadd(p, r, splat(1.6666665459E-1f));
+  p = fmadd(p, r, splat(5.0000001201E-1f));
+  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_blendv_ps(mul(p, _mm256_castsi256_ps(e)), x, nan);
+}
+
+#include "fast_gates.h"
+
+#undef WF_T
+#undef WF_F
+}  // namespace avx2
+
+// Each entry point runs one ISA's loop, chosen once per process (isa()).
+#define WF_ISA_CALL(fn, ...) \
+  (isa() == Isa::avx512 ? avx512::fn(__VA_ARGS__) : avx2::fn(__VA_ARGS__))
+
 void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
                   const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
                   float* hbuf, float* cbuf, float* hpre) {
-  const int64_t G = 4 * H, L = 6 * H;
-  for (const Step& st : steps) {
-    int64_t lh = 0, lc = 0;
-    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, Hout, st, lh);
-    const float* cp = prev_rows(ws + 4 * H, L, c0, ldc, cbuf, H, st, lc);
-    float* w = ws + st.r0 * L;
-    float* h = out + st.r0 * ldo;
-    gemm(st.n, G, Hout, hp, lh, whh_t, G, w, L, true);
-    if (whr_t != nullptr) {
-      lstm_step(st.n, H, w, cp, lc, hpre, H);
-      gemm(st.n, Hout, H, hpre, H, whr_t, Hout, h, ldo, false);
-    } else {
-      lstm_step(st.n, H, w, cp, lc, h, ldo);
-    }
-  }
+  WF_ISA_CALL(lstm_forward, steps, H, Hout, ws, out, ldo, h0, ldh, c0, ldc, whh_t, whr_t, hbuf, cbuf, hpre);
 }
-
 void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
                  int64_t ldh, const float* whh_t, float* hbuf) {
-  for (const Step& st : steps) {
-    int64_t lh = 0;
-    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
-    float* w = ws + st.r0 * 4 * H;
-    gemm(st.n, 3 * H, H, hp, lh, whh_t, 3 * H, w, 4 * H, true);  // into r | z | hn
-    gru_step(st.n, H, w, hp, lh, out + st.r0 * ldo, ldo);
-  }
+  WF_ISA_CALL(gru_forward, steps, H, ws, out, ldo, h0, ldh, whh_t, hbuf);
 }
-
 void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
                  const float* whh_t, float* hbuf, bool relu) {
-  for (const Step& st : steps) {
-    int64_t lh = 0;
-    const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
-    float* h = out + st.r0 * ldo;
-    gemm(st.n, H, H, hp, lh, whh_t, H, h, ldo, true);
-    rnn_step(st.n, H, h, ldo, relu);
-  }
+  WF_ISA_CALL(rnn_forward, steps, H, out, ldo, h0, ldh, whh_t, hbuf, relu);
 }
-
 void lstm_backward(const std::vector<Step>& steps, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
                    const float* ws, const float* c0, int64_t ldc, float* cbuf, float* dg, const float* w_hh,
                    const float* w_hr, float* dh, float* dhp) {
-  const int64_t G = 4 * H;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {  // the forward's steps, last first
-    const int64_t r0 = it->r0, n = it->n;
-    float* d = dh + (w_hr != nullptr ? r0 * Hout : 0);
-    incoming(n, Hout, g != nullptr ? g + r0 * Hout : nullptr, Hout, hcar, Hout, d, Hout);
-    const float* x = d;
-    int64_t lx = Hout;
-    if (w_hr != nullptr) {  // through the projection: dL/d(o * tanh(c))
-      gemm(n, H, Hout, d, Hout, w_hr, H, dhp, H, false);
-      x = dhp;
-      lx = H;
-    }
-    int64_t lc = 0;
-    const float* cp = prev_rows(ws + 4 * H, 6 * H, c0, ldc, cbuf, H, *it, lc);
-    lstm_step_backward(n, H, x, lx, ws + r0 * 6 * H, cp, lc, dg + r0 * G, ccar);
-    gemm(n, Hout, G, dg + r0 * G, G, w_hh, Hout, hcar, Hout, false);  // dL/dh_prev
-  }
+  WF_ISA_CALL(lstm_backward, steps, H, Hout, g, hcar, ccar, ws, c0, ldc, cbuf, dg, w_hh, w_hr, dh, dhp);
 }
-
 void gru_backward(const Rows& rows, int64_t H, const float* g, float* hcar, const float* ws, float* dg,
                   const float* w_hh, float* dh) {
-  for (const auto& [r0, n] : rows) {
-    float* d = dh + r0 * H;
-    incoming(n, H, g != nullptr ? g + r0 * H : nullptr, H, hcar, H, d, H);
-    gru_step_backward(n, H, d, H, ws + r0 * 4 * H + H, 4 * H, dg + r0 * 3 * H, hcar);
-    gemm(n, H, 3 * H, dg + r0 * 3 * H, 3 * H, w_hh, H, hcar, H, true);  // dh * z + dg @ W_hh
-  }
+  WF_ISA_CALL(gru_backward, rows, H, g, hcar, ws, dg, w_hh, dh);
 }
-
 void rnn_backward(const Rows& rows, int64_t H, const float* g, float* hcar, float* dpre, const float* w_hh,
                   float* dh) {
-  for (const auto& [r0, n] : rows) {
-    incoming(n, H, g != nullptr ? g + r0 * H : nullptr, H, hcar, H, dh, H);
-    rnn_step_backward(n, H, dh, H, dpre + r0 * H, H);
-    gemm(n, H, H, dpre + r0 * H, H, w_hh, H, hcar, H, false);
-  }
+  WF_ISA_CALL(rnn_backward, rows, H, g, hcar, dpre, w_hh, dh);
 }
+#undef WF_ISA_CALL
 
 #else  // not x86-64 with GCC/Clang: fast_loop() is false and these are never called.
 

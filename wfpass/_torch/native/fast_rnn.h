@@ -1,7 +1,8 @@
 // Raw-pointer pieces of the packed RNN loop (fast_rnn.cpp): the per-step
 // recurrent GEMM on oneDNN's small-GEMM ukernel, and each cell's gate math
-// as one AVX-512 pass over the step's rows. packed_rnn.cpp calls them where
-// fast_loop() says yes (fp32, an AVX-512 CPU, the ukernel answering), and
+// as one vector pass over the step's rows (AVX-512F, or AVX2 with FMA).
+// packed_rnn.cpp calls them where fast_loop() says yes (fp32, such a CPU,
+// the ukernel answering), and
 // keeps its ATen calls otherwise.
 #pragma once
 
@@ -12,9 +13,12 @@
 namespace wfpass_fast {
 
 // Can the step functions below run here? Asked once per process: the CPU
-// has AVX-512F, oneDNN's fp32 ukernel answers a probe, and WFPASS_FAST_LOOP
-// is not 0 / false / no / off.
+// has AVX-512F or AVX2 with FMA, oneDNN's fp32 ukernel answers a probe, and
+// WFPASS_FAST_LOOP is not 0 / false / no / off. fast_isa() names the gate
+// math's instruction set: "avx512f", "avx2" (also on an AVX-512 CPU with
+// WFPASS_FAST_ISA=avx2), or "" where fast_loop() is false.
 bool fast_loop();
+const char* fast_isa();
 
 // C[M, N] = A[M, K] . B[K, N] (+ bias[N] on every row, where given), in
 // blocks of rows: the big GEMMs over all packed rows, written straight into

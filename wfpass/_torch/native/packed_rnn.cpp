@@ -1083,6 +1083,7 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
 // with OpenMP: wfpass/_torch/native, parallel_directions).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def("native_fast_loop() -> bool", []() { return wfpass_fast::fast_loop(); });
+  m.def("native_fast_isa() -> str", []() { return std::string(wfpass_fast::fast_isa()); });
   m.def("native_openmp() -> bool", []() {
 #ifdef _OPENMP
     return true;
