@@ -17,7 +17,7 @@ time per step, the variants interleaved inside every round so machine noise
 hits them alike. Eager's padded LSTM is oneDNN's kernel; its padded GRU is
 ATen's per-step loop. The op runs on its C++ kernel (``wfpass/_torch/native``)
 when it builds, else on its Python kernel, and its fp32 steps on the
-raw-pointer loop on an AVX-512 CPU (``WFPASS_FAST_LOOP=0``: ATen calls):
+raw-pointer loop on an AVX-512 or AVX2 CPU (``WFPASS_FAST_LOOP=0``: ATen calls):
 the first line says which.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, T + 1, (B,), generator=g).sort(descending=True).values
-    loop = "raw-pointer loop (fp32, AVX-512)" if native.fast_loop() else "ATen calls"
+    loop = f"raw-pointer loop (fp32, {native.fast_isa_words()})" if native.fast_loop() else "ATen calls"
     print(f"torch {torch.__version__}, {args.threads} thread(s); op kernel: {native.status()}; the loop's steps: {loop}")
     print(f"I = {I}, H = {H}, B = {B}, T = {T}, lengths {lengths.tolist()} "
           f"({int(lengths.sum())} of {int(lengths[0]) * B} padded steps valid); "

@@ -8,7 +8,7 @@ graph calls it, with no autograd around it:
   i.e. ``aten.mkldnn_rnn_layer`` and its backward), for a GRU or plain RNN
   ``wfpass::rnn_layer`` (ATen's kernels); what ``cpu_kernel="eager"`` runs;
 * the C++ loop: ``wfpass::packed_layer`` over the full batch ``[T, B, I]``
-  (per step oneDNN's small-GEMM kernel and AVX-512 gate math);
+  (per step oneDNN's small-GEMM kernel and AVX-512 or AVX2 gate math);
 
 each in inference (the forward, no workspace) and training (the forward
 with its workspace, then the backward with a gradient for the output). The
@@ -104,10 +104,12 @@ def run(sizes, rounds: int, sample_s: float) -> List[str]:
     from wfpass.tools.bench_timing import interleaved
 
     if not native.fast_loop():
-        raise SystemExit(f"the C++ loop's fast steps do not run here ({native.status() or 'no AVX-512'}): "
+        why = "neither AVX-512 nor AVX2 with FMA" if native.load() is None else native.status()
+        raise SystemExit(f"the C++ loop's fast steps do not run here ({why}): "
                          "cpu_kernel='auto' keeps eager's kernels, nothing to compare")
-    lines = [f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
-             f"{rounds} interleaved rounds, median us per layer call; x = eager's time / the loop's",
+    lines = [f"torch {torch.__version__}, {platform.machine()} ({native.fast_isa_words()} gate math), "
+             f"{torch.get_num_threads()} thread(s), {rounds} interleaved rounds, median us per layer call; "
+             "x = eager's time / the loop's",
              "",
              "| mode | T | batch | input | hidden | eager inference | loop inference | x | eager training | "
              "loop training | x | auto takes | faster in |",

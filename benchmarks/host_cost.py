@@ -297,6 +297,9 @@ def worker(case: str, threads: int, rounds: int, min_s: float, profile_steps: in
     result["check_us"] = {n: _check_cost(c, min_s, rounds) for n, c in recorded.items() if c}
     result["rewritten"] = {n: sorted({r.pattern for r in wfpass.report(models[n][0]).rewritten})
                            for n in names if n.startswith("wformat")}
+    from wfpass._torch import native
+
+    result["loop_isa"] = native.fast_isa_words() or "none"
     return result
 
 
@@ -391,6 +394,8 @@ def tables(results: List[dict], command: str) -> List[str]:
              "batch of 4 under torch.compile's default minus the same eagerly, timed in the same rounds (the "
              "cost of a compiled call with nothing to gain in it); *beyond floor*: wformat - eager - floor, per "
              "round. *check*: wfpass's per-call layout check of one compiled graph, timed directly.", ""]
+    isas = sorted({r.get("loop_isa", "not recorded") for r in results})
+    lines[-1:-1] = [f"wfpass's C++ loop's gate math in these runs: {', '.join(isas)} (`python -m wfpass doctor`).", ""]
     by_threads: Dict[int, List[dict]] = {}
     for r in results:
         by_threads.setdefault(r["threads"], []).append(r)

@@ -133,7 +133,7 @@ def test_cpu_rnn_kernels_benchmark_times_both_kernels_per_step(capsys):
     from wfpass._torch import native
 
     if not native.fast_loop():
-        pytest.skip("the C++ loop's fast steps need the C++ kernels and AVX-512")
+        pytest.skip("the C++ loop's fast steps need the C++ kernels and AVX-512 or AVX2 with FMA")
     _load("cpu_rnn_kernels").main(["--quick"])
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| LSTM |") or line.startswith("| GRU |")]

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,7 +29,8 @@ from wfpass.rnn.cpu import packed_layer  # noqa: F401  (registers the ops)
 from wfpass.rnn.cpu.packed_layer_py import _packed_layer
 from wfpass.rnn.cpu.packed_layer_py_backward import _packed_layer_backward
 
-fast = pytest.mark.skipif(not native.fast_loop(), reason="the C++ loop's fast steps need the C++ kernels and AVX-512")
+fast = pytest.mark.skipif(not native.fast_loop(),
+                          reason="the C++ loop's fast steps need the C++ kernels and AVX-512 or AVX2 with FMA")
 ops = torch.ops.wfpass
 NO_SIZES = torch.empty(0, dtype=torch.int64)
 
@@ -270,10 +275,56 @@ def test_the_rule_takes_the_loop_for_small_lstms_and_every_gru(H, B, expect):
     onednn = dataclasses.replace(spec, options=RnnOptions(cpu_kernel="eager"))
     assert choose_path(onednn, torch.randn(10, B, 8), 10, 2) == "mkldnn"
     gru = dataclasses.replace(spec, mode="GRU")
-    assert choose_path(gru, torch.randn(10, B, 8), 10, 2) == "cxx"  # every GRU, any size
-    assert choose_path(gru, torch.randn(10, B, 8), None, 2) == "cxx"
+    if native.fast_isa() == "avx512f":  # every GRU, any size (AVX2: below)
+        assert choose_path(gru, torch.randn(10, B, 8), 10, 2) == "cxx"
+        assert choose_path(gru, torch.randn(10, B, 8), None, 2) == "cxx"
     assert choose_path(dataclasses.replace(gru, options=RnnOptions(cpu_kernel="eager")), torch.randn(10, B, 8),
                        10, 2) == "native"
+
+
+@fast
+@pytest.mark.parametrize("isa", ["avx512f", "avx2"])
+def test_the_rule_for_grus_and_plain_rnns_follows_the_isa(isa, monkeypatch):
+    """With AVX-512 every GRU and plain RNN takes the loop; with AVX2 only,
+    whose per-step GEMMs are slower, a GRU up to hidden 128 in inference and
+    256 in training, a plain RNN up to 256, static or symbolic sizes."""
+    from wfpass.config import RnnOptions
+    from wfpass.rnn.paths import choose_path
+    from wfpass.rnn.spec import RnnSpec
+
+    monkeypatch.setattr(native, "fast_isa", lambda: isa)
+    for mode in ("GRU", "RNN_TANH", "RNN_RELU"):
+        for H in (64, 128, 256, 512):
+            spec = RnnSpec(name="rnn", mode=mode, input_size=8, hidden_size=H, proj_size=0, num_layers=1,
+                           bidirectional=False, batch_first=False, has_biases=True, dropout=0.0, threshold=2,
+                           offsets=(), numel=0, options=RnnOptions())
+            x = torch.randn(10, 4, 8)
+            for steps in (10, None):
+                for train in (False, True):
+                    bound = 256 if train or mode != "GRU" else 128
+                    loop = isa == "avx512f" or H <= bound
+                    assert choose_path(spec, x, steps, 2, train=train) == ("cxx" if loop else "native"), \
+                        (mode, H, steps, train)
+            eager = dataclasses.replace(spec, options=RnnOptions(cpu_kernel="eager"))
+            assert choose_path(eager, x, 10, 2) == "native"
+            cxx = dataclasses.replace(spec, options=RnnOptions(cpu_kernel="cxx"))
+            assert choose_path(cxx, x, 10, 2) == "cxx"
+
+
+@pytest.mark.skipif(not native.fast_loop() or native.fast_isa() != "avx512f",
+                    reason="on a CPU without AVX-512 the whole suite runs the AVX2 build")
+def test_the_avx2_build_equals_eager_on_an_avx512_cpu():
+    """The gate math is compiled twice (fast_gates.h); an AVX-512 machine
+    runs the AVX2 one only when asked (WFPASS_FAST_ISA=avx2): the packed
+    layer's equality tests against eager, in a process that asks."""
+    env = dict(os.environ, WFPASS_FAST_ISA="avx2")
+    code = ("import sys, pytest; from wfpass._torch import native; assert native.fast_isa() == 'avx2'; "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_packed_layer.py', "
+            "'tests/test_cxx_rnn.py', '-k', 'equals_eager or as_eager or wider_layers or saturated or given_states']))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
 
 @fast

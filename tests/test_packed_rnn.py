@@ -184,7 +184,7 @@ def test_inference_equal_to_eager_on_onednns_lstm_run_by_run(name, dtype):
     """Without grad, a CPU LSTM without a projection runs oneDNN's LSTM
     layer over each run of equal batch size (``wfpass::packed_lstm_runs``)
     where the per-step loop has no raw-pointer path for its dtype (bf16;
-    fp32 without AVX-512 or with ``WFPASS_FAST_LOOP=0``); with a
+    fp32 on a CPU with neither AVX-512 nor AVX2, or with ``WFPASS_FAST_LOOP=0``); with a
     projection, for GRUs, and fp32 on the raw-pointer loop, the per-step
     loop. Equal to eager (bf16: 3e-2), h_n and c_n included, in one graph."""
     kwargs, T, lengths, with_h0 = CASES[name]

@@ -120,7 +120,7 @@ def test_rnn_rows_name_the_kernel_per_length_with_its_calls():
     m = Two()
     x = torch.randn(12, 3, 4)
     # A small LSTM (hidden 8, batch 3) runs wfpass's C++ loop where its fast
-    # steps can run (AVX-512), oneDNN's LSTM elsewhere (cpu_lstm="auto").
+    # steps can run (AVX-512 or AVX2), oneDNN's LSTM elsewhere (cpu_lstm="auto").
     words, counter = (("C++ LSTM loop", "cxx_loop_calls") if native.fast_loop()
                       else ("oneDNN LSTM", "onednn_lstm_calls"))
     plan = {r.params[0].split(".")[0]: r.reason for r in wfpass.explain(Two(), x).records}
@@ -160,7 +160,7 @@ def test_packed_rnn_row_names_its_kernel():
     else:
         assert row.stats["packed_loop_calls"] == 1, row.stats
     if native.fast_loop():
-        assert "oneDNN's small-GEMM kernel and AVX-512 gate math" in row.reason, row.reason
+        assert f"oneDNN's small-GEMM kernel and {native.fast_isa_words()} gate math" in row.reason, row.reason
     # a bidirectional LSTM: packed_bilayer_fw runs both directions at once where it can
     assert ("two directions at once" in row.reason) == native.parallel_directions(), row.reason
     f(x.requires_grad_(), lengths)

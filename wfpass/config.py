@@ -100,9 +100,11 @@ class RnnOptions:
     cpu_kernel:    the kernels of a float32 CPU RNN above the threshold:
                    ``"auto"`` (default) wfpass's C++ loop where it was
                    measured faster than eager's kernels (docs/rnn.md): every
-                   GRU and plain RNN, and a small LSTM (hidden size <= 64
-                   with batch <= 32; in training also <= 128 with batch
-                   <= 8; static sizes), on a CPU with AVX-512; the kernels eager PyTorch
+                   GRU and plain RNN (with AVX2 only: up to hidden 256, a
+                   GRU's inference up to 128), and a small LSTM (hidden
+                   size <= 64 with batch <= 32; in training also <= 128
+                   with batch <= 8; static sizes), on a CPU with AVX-512
+                   or AVX2 with FMA; the kernels eager PyTorch
                    runs otherwise (oneDNN's LSTM, ATen's GRU and RNN);
                    ``"eager"``: those kernels always; ``"cxx"``: the C++
                    loop wherever it can run.

@@ -264,12 +264,18 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``?
     ``train``: the call is differentiated (a training graph).
     A float32 CPU RNN without projections, the C++ loop's fast steps
-    available (the C++ kernels, an AVX-512 CPU), and:
+    available (the C++ kernels, a CPU with AVX-512F or AVX2 with FMA), and:
 
-    * a GRU or plain RNN at any size, static or symbolic: the loop ran
-      1.4-4.1x faster than ATen's kernels (``native``) in training and
-      1.6-4.7x in inference (one tie, 0.99x, at the largest GRU with 2
-      threads), from T 4, batch 4, hidden 64 to T 50, batch 64, hidden 512;
+    * a GRU or plain RNN, static or symbolic sizes: with AVX-512 at any
+      size: the loop ran 1.4-4.1x faster than ATen's kernels (``native``)
+      in training and 1.6-4.7x in inference (one tie, 0.99x, at the largest
+      GRU with 2 threads), from T 4, batch 4, hidden 64 to T 50, batch 64,
+      hidden 512. With AVX2 only (an AMD EPYC without AVX-512) its per-step
+      GEMMs are slower: up to hidden 128 it won both steps (1.16-3.06x, one
+      tie at 0.96x), at hidden 256 only training (1.06-1.49x) and a plain
+      RNN's inference (1.21-1.40x) while a GRU's inference lost (0.68-0.94x),
+      and at hidden 512 it lost but once (0.55-1.00x, one 1.11x); so there a GRU takes it up to
+      hidden 128 in inference and 256 in training, a plain RNN up to 256;
     * an LSTM with static sizes, only a small one: hidden size <= 64 with
       batch <= 32, where the loop was faster than oneDNN's layer call in
       inference and training, at 1 and 2 threads; in training also hidden
@@ -278,7 +284,9 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       ran 1.07-1.45x faster on the loop than on oneDNN at T 16 and 64, 1
       and 2 threads), though oneDNN's forward ties at 1 thread and wins at
       2 from batch 8 (0.77-0.83x: two threads splitting its GEMMs), so
-      inference keeps oneDNN there. Larger ones are oneDNN's.
+      inference keeps oneDNN there. Larger ones are oneDNN's. The same
+      bounds held with AVX2 (1.04-2.55x where taken, ties at 0.96-0.99x
+      with 2 threads).
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
@@ -289,8 +297,13 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
         return False
     if not _native.fast_loop():
         return False
-    if choice == "cxx" or spec.mode != "LSTM":
+    if choice == "cxx":
         return True
+    if spec.mode != "LSTM":
+        if _native.fast_isa() == "avx512f":
+            return True
+        H = spec.hidden_size
+        return H <= 128 or (H <= 256 and (train or spec.mode != "GRU"))
     batch = x.shape[0 if spec.batch_first else 1]
     if steps is None or not isinstance(batch, int):
         return False
@@ -331,8 +344,10 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
     if path == "mkldnn":
         return "oneDNN LSTM", "onednn_lstm_calls"
     if path == "cxx":
+        from .._torch import native as _native
+
         name = {"LSTM": "LSTM", "GRU": "GRU"}.get(spec.mode, "RNN")
-        return (f"C++ {name} loop (per step oneDNN's small-GEMM kernel and AVX-512 gate math)",
+        return (f"C++ {name} loop (per step oneDNN's small-GEMM kernel and {_native.fast_isa_words()} gate math)",
                 "cxx_loop_calls")
     if path == "cudnn":
         return "cuDNN", "cudnn_calls"
@@ -343,7 +358,7 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
             both = ("; a layer's two directions at once where torch has 2+ threads"
                     if spec.bidirectional and _native.parallel_directions() else "")
             return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
-                    f"AVX-512 gate math{both})"), "packed_loop_calls"
+                    f"{_native.fast_isa_words()} gate math{both})"), "packed_loop_calls"
         return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
     if path == "packed_onednn":
         return "oneDNN LSTM over each run of equal batch size (each sequence's valid steps)", "packed_onednn_calls"

@@ -64,8 +64,9 @@ def lines() -> List[str]:
     if why is None:
         how = f"built in {native.build_seconds():.1f} s" if native.build_seconds() else "from the cache"
         out.append(f"C++ kernels: in use ({how}: {native.library_path()}; -std={native.cxx_standard()})")
-        fast = ("yes (oneDNN's small-GEMM kernel, AVX-512 gate math)" if native.fast_loop()
-                else "no (a CPU without AVX-512, oneDNN's small-GEMM kernel not answering, or WFPASS_FAST_LOOP=0)")
+        fast = (f"yes (oneDNN's small-GEMM kernel, {native.fast_isa_words()} gate math)" if native.fast_loop()
+                else "no (a CPU with neither AVX-512 nor AVX2 with FMA, oneDNN's small-GEMM kernel not answering, "
+                     "or WFPASS_FAST_LOOP=0)")
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
         both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
                 else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")

@@ -88,6 +88,12 @@ def fast_isa() -> str:
     return str(torch.ops.wfpass.native_fast_isa()) if fast_loop() else ""
 
 
+def fast_isa_words() -> str:
+    """:func:`fast_isa` as the report and ``doctor`` say it: ``"AVX-512"``,
+    ``"AVX2"``, or ``""``."""
+    return {"avx512f": "AVX-512", "avx2": "AVX2"}.get(fast_isa(), "")
+
+
 def parallel_directions() -> bool:
     """Can a bidirectional packed layer run its two directions at once,
     forward and backward (``wfpass::packed_bilayer`` on the raw-pointer

@@ -6,11 +6,11 @@ kernels compute it, and what the workspace holds.
 The Python kernels run where the C++ kernels
 (``_torch/native/packed_rnn.cpp``, registered for the CPU key, which comes
 first) are not loaded (``WFPASS_NATIVE=0``). They give the C++ kernels'
-bits where those take their ATen loop (bf16, fp16; fp32 on a CPU without
-AVX-512 or with ``WFPASS_FAST_LOOP=0``): both make the same ATen calls in
-the same order (``tests/test_packed_layer.py`` checks it), so a change here
-is a change there. fp32 on an AVX-512 CPU runs the C++ kernels'
-raw-pointer loop (``_torch/native/fast_rnn.cpp``: the same steps on
+bits where those take their ATen loop (bf16, fp16; fp32 on a CPU with
+neither AVX-512 nor AVX2 with FMA, or with ``WFPASS_FAST_LOOP=0``): both
+make the same ATen calls in the same order (``tests/test_packed_layer.py``
+checks it), so a change here is a change there. fp32 on a CPU with either runs
+the C++ kernels' raw-pointer loop (``_torch/native/fast_rnn.cpp``: the same steps on
 oneDNN's small-GEMM kernel and hand-vectorized gate math), which agrees
 with these kernels to rounding.
 

@@ -61,7 +61,7 @@ def usable(mode: str, proj_size: int, x: torch.Tensor, need_grad: bool) -> bool:
     """Whether a packed RNN's layers run here: CPU LSTMs without a
     projection, in a dtype oneDNN's LSTM runs on this machine, without
     grad, where the per-step loop has no raw-pointer path for the dtype
-    (``native.serves``: fp32 on an AVX-512 CPU, oneDNN on). Measured on one layer
+    (``native.serves``: fp32 on an AVX-512 or AVX2 CPU, oneDNN on). Measured on one layer
     (docs/packed_layer.md): the loop's ATen path 3.97 ms, this op 2.65 ms,
     the raw-pointer loop 1.59 ms. With grad the loop always stays: its own
     backward beat this op's recompute (10.49 ms against 12.85 ms for a
