@@ -34,14 +34,16 @@ from typing import List, Optional
 import torch
 
 #: (mode, T, B, I, H): the small sizes the rule takes the loop for, the
-#: edges of its LSTM bound, and larger ones where oneDNN's layer wins.
+#: edges of its LSTM bound, larger ones where oneDNN's layer wins, and
+#: hidden 256 and 512, where a GRU's and a plain RNN's bound lies with AVX2.
 SIZES = [
     ("LSTM", 4, 4, 32, 64), ("LSTM", 16, 1, 32, 64), ("LSTM", 8, 16, 64, 64), ("LSTM", 32, 4, 64, 64),
     ("LSTM", 4, 32, 64, 64), ("LSTM", 16, 1, 128, 128), ("LSTM", 64, 4, 64, 128), ("LSTM", 16, 8, 128, 128),
     ("LSTM", 16, 16, 128, 128), ("LSTM", 32, 8, 256, 256), ("LSTM", 16, 4, 512, 512),
     ("GRU", 4, 4, 32, 64), ("GRU", 16, 1, 32, 64), ("GRU", 16, 8, 128, 128), ("GRU", 64, 4, 64, 128),
-    ("GRU", 50, 64, 256, 512),
-    ("RNN_TANH", 4, 4, 32, 64), ("RNN_TANH", 16, 8, 128, 128), ("RNN_TANH", 50, 64, 256, 512),
+    ("GRU", 32, 16, 256, 256), ("GRU", 50, 64, 256, 512),
+    ("RNN_TANH", 4, 4, 32, 64), ("RNN_TANH", 16, 8, 128, 128), ("RNN_TANH", 32, 16, 256, 256),
+    ("RNN_TANH", 50, 64, 256, 512),
 ]
 QUICK = [("LSTM", 4, 4, 32, 64), ("GRU", 4, 4, 32, 64)]
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1}

@@ -540,14 +540,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"host_cost: unknown cases {bad}; known: {list(CASES)}")
     results = []
     t0 = time.perf_counter()
+    command = "python benchmarks/host_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for threads in (int(t) for t in a.threads.split(",")):
         for n in names:
             print(f"[{time.perf_counter() - t0:6.0f} s] {CASES[n][0]}, {threads} thread(s)", file=sys.stderr, flush=True)
             results.append(_run_case(n, threads, a))
-    command = "python benchmarks/host_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": command.strip(), "results": results}, f, indent=1)
+            if a.json:  # after every case: a run cut short keeps what it measured
+                with open(a.json, "w") as f:
+                    json.dump({"command": command.strip(), "results": results}, f, indent=1)
     return emit(tables(results, command.strip()), a.out)
 
 

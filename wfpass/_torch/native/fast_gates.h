@@ -10,11 +10,28 @@
 //   ld(m, p), st(m, p, v) masked load (zeros outside) and store
 //   splat, add, sub, mul, div, vmin, vmax, fmadd (a b + c), fnmadd (c - a b)
 //   absv(x), with_sign(mag, x), lt_select(a, b, t, f) (a < b ? t : f)
-//   exp_v(x)              Cephes' expf, NaN kept
+//   kExpMax, round_v(x), times_pow2(p, n), keep_nan(r, x)   exp_v's parts
 //
 // so both ISAs run the same formulas; they differ from ATen's (SLEEF) in the
-// last bits, and from each other only where exp_v clamps (see each ISA's).
+// last bits, and from each other only above exp_v's clamp (kExpMax).
 // Not a header to include anywhere else: it has no include guard by design.
+
+// Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
+// polynomial, times 2^n. NaN stays NaN.
+WF_T V exp_v(V x) {
+  const V y = vmin(vmax(x, splat(-87.5f)), splat(kExpMax));
+  const V n = round_v(mul(y, splat(1.44269504088896341f)));
+  V r = fnmadd(n, splat(0.693359375f), y);
+  r = fnmadd(n, splat(-2.12194440e-4f), r);
+  V p = splat(1.9875691500E-4f);
+  p = fmadd(p, r, splat(1.3981999507E-3f));
+  p = fmadd(p, r, splat(8.3334519073E-3f));
+  p = fmadd(p, r, splat(4.1665795894E-2f));
+  p = fmadd(p, r, splat(1.6666665459E-1f));
+  p = fmadd(p, r, splat(5.0000001201E-1f));
+  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
+  return keep_nan(times_pow2(p, n), x);
+}
 
 WF_T V sigmoid_v(V x) {
   const V one = splat(1.f);

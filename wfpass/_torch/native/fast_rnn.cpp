@@ -227,23 +227,12 @@ WF_T V with_sign(V mag, V x) {
 }
 WF_T V lt_select(V a, V b, V t, V f) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), f, t); }
 
-// Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
-// polynomial, times 2^n (scalef, exact up to 2^128). NaN stays NaN.
-WF_T V exp_v(V x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const V y = vmin(vmax(x, splat(-87.5f)), splat(88.5f));
-  const V n = _mm512_roundscale_ps(mul(y, splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = fnmadd(n, splat(0.693359375f), y);
-  r = fnmadd(n, splat(-2.12194440e-4f), r);
-  V p = splat(1.9875691500E-4f);
-  p = fmadd(p, r, splat(1.3981999507E-3f));
-  p = fmadd(p, r, splat(8.3334519073E-3f));
-  p = fmadd(p, r, splat(4.1665795894E-2f));
-  p = fmadd(p, r, splat(1.6666665459E-1f));
-  p = fmadd(p, r, splat(5.0000001201E-1f));
-  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
-  return _mm512_mask_blend_ps(nan, _mm512_scalef_ps(p, n), x);
-}
+// exp_v's ISA parts (fast_gates.h): scalef makes p 2^n exactly up to
+// 2^128, so x is clamped at 88.5.
+constexpr float kExpMax = 88.5f;
+WF_T V round_v(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+WF_T V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
+WF_T V keep_nan(V r, V x) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x); }
 
 #include "fast_gates.h"
 
@@ -291,26 +280,17 @@ WF_T V absv(V x) { return _mm256_andnot_ps(splat(-0.f), x); }
 WF_T V with_sign(V mag, V x) { return _mm256_or_ps(mag, _mm256_and_ps(x, splat(-0.f))); }
 WF_T V lt_select(V a, V b, V t, V f) { return _mm256_blendv_ps(f, t, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
 
-// AVX-512's expf, with 2^n built in the exponent bits (AVX2 has no scalef):
-// x is clamped to Cephes' MAXLOGF (88.376...), not 88.5, so n <= 127 stays
-// a finite power of two. Only exp itself differs there (sigmoid and tanh
-// read it where it is ~1e38 against 1).
-WF_T V exp_v(V x) {
-  const V nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const V y = vmin(vmax(x, splat(-87.5f)), splat(88.3762626647949f));
-  const V n = _mm256_round_ps(mul(y, splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = fnmadd(n, splat(0.693359375f), y);
-  r = fnmadd(n, splat(-2.12194440e-4f), r);
-  V p = splat(1.9875691500E-4f);
-  p = fmadd(p, r, splat(1.3981999507E-3f));
-  p = fmadd(p, r, splat(8.3334519073E-3f));
-  p = fmadd(p, r, splat(4.1665795894E-2f));
-  p = fmadd(p, r, splat(1.6666665459E-1f));
-  p = fmadd(p, r, splat(5.0000001201E-1f));
-  p = fmadd(p, mul(r, r), add(r, splat(1.f)));
+// exp_v's ISA parts: AVX2 has no scalef, so 2^n is built in the exponent
+// bits, and x is clamped at Cephes' MAXLOGF (88.376...), not 88.5, so that
+// n <= 127 stays a finite power of two. Only exp itself differs from the
+// AVX-512 one there (sigmoid and tanh read it where it is ~1e38 against 1).
+constexpr float kExpMax = 88.3762626647949f;
+WF_T V round_v(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+WF_T V times_pow2(V p, V n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_blendv_ps(mul(p, _mm256_castsi256_ps(e)), x, nan);
+  return mul(p, _mm256_castsi256_ps(e));
 }
+WF_T V keep_nan(V r, V x) { return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 
 #include "fast_gates.h"
 
