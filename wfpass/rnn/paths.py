@@ -271,11 +271,11 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       in training and 1.6-4.7x in inference (one tie, 0.99x, at the largest
       GRU with 2 threads), from T 4, batch 4, hidden 64 to T 50, batch 64,
       hidden 512. With AVX2 only (an AMD EPYC without AVX-512) its per-step
-      GEMMs are slower: up to hidden 128 it won both steps (1.16-3.06x, one
-      tie at 0.96x), at hidden 256 only training (1.06-1.49x) and a plain
-      RNN's inference (1.21-1.40x) while a GRU's inference lost (0.68-0.94x),
-      and at hidden 512 it lost but once (0.55-1.00x, one 1.11x); so there a GRU takes it up to
-      hidden 128 in inference and 256 in training, a plain RNN up to 256;
+      GEMMs are slower: up to hidden 128 it won both steps (1.39-3.71x); at
+      hidden 256 a plain RNN's both (1.08-1.44x), a GRU's training at 1
+      thread (1.20x, 0.89x at 2) but not its inference (0.77-0.88x); at
+      hidden 512 it lost (0.53-1.00x). So there a GRU takes it up to hidden
+      128 in inference and 256 in training, a plain RNN up to 256;
     * an LSTM with static sizes, only a small one: hidden size <= 64 with
       batch <= 32, where the loop was faster than oneDNN's layer call in
       inference and training, at 1 and 2 threads; in training also hidden
@@ -285,8 +285,8 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       and 2 threads), though oneDNN's forward ties at 1 thread and wins at
       2 from batch 8 (0.77-0.83x: two threads splitting its GEMMs), so
       inference keeps oneDNN there. Larger ones are oneDNN's. The same
-      bounds held with AVX2 (1.04-2.55x where taken, ties at 0.96-0.99x
-      with 2 threads).
+      bounds held with AVX2 (where taken: 1.10-2.35x in training,
+      1.12-1.40x in inference; ties at 0.93-0.98x with 2 threads).
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
