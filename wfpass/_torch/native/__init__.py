@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path"]
+__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp")
