@@ -343,3 +343,25 @@ def test_kernel_import_check_finds_a_kernel_importing_the_matcher():
              "wfpass.rnn.cuda.cudnn": {"wfpass.rnn.cells.match"},
              "wfpass.rnn.paths": {"wfpass.rnn.match"}}
     assert _kernel_imports_of_format_side(graph) == ["wfpass.rnn.cuda.cudnn imports wfpass.rnn.cells.match"]
+
+
+def test_every_cxx_source_and_header_ships_in_the_package():
+    """A wheel or a non-editable install carries only the package-data globs
+    of pyproject.toml: a C++ source or header the build names but the globs
+    miss builds on a developer's checkout and fails on a user's machine."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    data = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["wfpass._torch.native"]
+    tree = ast.parse((ROOT / "_torch" / "native" / "__init__.py").read_text())
+    named = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("_SOURCES", "_HEADERS") for t in node.targets):
+            named += [e.value for e in node.value.elts]
+    assert any(n.endswith(".h") for n in named) and any(n.endswith(".cpp") for n in named), named
+    missed = [n for n in named if not any(fnmatch.fnmatch(n, g) for g in globs)]
+    assert not missed, f"pyproject.toml's package-data for wfpass._torch.native misses {missed}"
+    on_disk = {p.name for p in (ROOT / "_torch" / "native").iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == set(named), (on_disk, named)

@@ -25,6 +25,7 @@ warning about CUDA that a CPU user must not see.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -204,27 +205,65 @@ def _first_error(stderr: str) -> str:
     return lines[-1][:400] if lines else "no output"
 
 
+def _compile_and_link(cxx: str, flags: list, out: Path, work: Path) -> subprocess.CompletedProcess:
+    """Each source to an object file, as many at once as there are cores
+    (the build is most of a fresh checkout's first import: about 100 s on a
+    2-core machine in one g++ call), then one link. Returns the first
+    failed step's result, else the link's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(src: str) -> subprocess.CompletedProcess:
+        obj = work / (Path(src).stem + ".o")
+        return subprocess.run([cxx] + flags + ["-c", str(_HERE / src), "-o", str(obj)], capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(one, _SOURCES))
+    for r in results:
+        if r.returncode != 0:
+            return r
+    objs = [str(work / (Path(s).stem + ".o")) for s in _SOURCES]
+    return subprocess.run([cxx] + flags + objs + _LIBS + ["-o", str(out)], capture_output=True, text=True)
+
+
 def _build(target: Path) -> None:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
     flags = _flags()
-    cmd = [cxx] + flags + [str(_HERE / s) for s in _SOURCES] + _LIBS
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two processes building at once
-    # (benchmark workers) each finish with a whole file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    # (benchmark workers, test workers) each finish with a whole file.
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+    tmp = work / target.name
     try:
-        r = subprocess.run(cmd + ["-o", tmp], capture_output=True, text=True)
+        r = _compile_and_link(cxx, flags, tmp, work)
         if r.returncode != 0 and "-fopenmp" in flags:  # a compiler without OpenMP: build serial kernels
-            r = subprocess.run([c for c in cmd if c != "-fopenmp"] + ["-o", tmp], capture_output=True, text=True)
+            r = _compile_and_link(cxx, [c for c in flags if c != "-fopenmp"], tmp, work)
         if r.returncode != 0:
             raise RuntimeError(f"{Path(cxx).name} -std={cxx_standard()} failed: {_first_error(r.stderr)}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """One build per cache folder at a time: processes started together
+    (test workers, benchmark workers) wait for the first one's library
+    instead of each spending the build's minutes. Where ``fcntl`` is
+    missing each process builds its own, which the rename keeps safe."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(target.parent / (target.name + ".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load() -> Optional[str]:
@@ -241,9 +280,11 @@ def load() -> Optional[str]:
         target = library_path()
         try:
             if not target.exists():
-                t = time.perf_counter()
-                _build(target)
-                BUILD_S[0] = time.perf_counter() - t
+                with _build_lock(target):
+                    if not target.exists():  # another process may have built it while we waited
+                        t = time.perf_counter()
+                        _build(target)
+                        BUILD_S[0] = time.perf_counter() - t
             torch.ops.load_library(str(target))
         except Exception as e:  # noqa: BLE001 - any failure: the Python kernels, and say why
             why = f"the C++ build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
