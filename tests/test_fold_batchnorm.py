@@ -263,7 +263,10 @@ class ConvBnLinearsLstm(nn.Module):
 # Every inner compiler, several channel counts, alone and next to the other
 # formats; each model is called with three batch sizes, so Dynamo recompiles
 # with a dynamic batch after the first call. Inductor compiles are slow on
-# CI's 2 cores: two channel counts there.
+# CI's 2 cores: two channel counts there (5 in fp32, 8 in bf16), one per
+# model: the conv-BN model alone at 5 channels in fp32 (alone in bf16 is
+# test_inductor_folded_bf16_eval's), next to the other formats at 8 in bf16.
+# Both dtypes of both models run under eager and aot_eager.
 _FOLD_MATRIX = {"eager": (3, 5, 8, 16), "aot_eager": (3, 5, 8, 16), "inductor": (5, 8)}
 
 
@@ -271,6 +274,8 @@ _FOLD_MATRIX = {"eager": (3, 5, 8, 16), "aot_eager": (3, 5, 8, 16), "inductor": 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
 def test_fold_every_inner_compiler_and_channel_count(inner, neighbours):
     for i, c in enumerate(_FOLD_MATRIX[inner]):
+        if inner == "inductor" and i != int(neighbours):
+            continue
         torch._dynamo.reset()
         dtype = (torch.float32, torch.bfloat16)[i % 2]
         if neighbours:
@@ -315,7 +320,11 @@ def test_new_examples_take_the_inputs_symbols_not_fresh_ones(inner):
             m.float()  # the format's definition: fp32 BatchNorm tensors
     fn = torch.compile(model, backend=wfpass.backend(inner=inner), dynamic=True)
     for n in (4, 5, 4):
-        x = torch.randn(n, 3, 8 + n, 8, dtype=torch.bfloat16)
+        # Image sizes vary with the batch, except under Inductor, whose conv
+        # specialises them (each new one a recompile that says nothing of
+        # wfpass): there the batch alone varies, on the graph compiled with
+        # dynamic=True, which is where the compile used to fail.
+        x = torch.randn(n, 3, 8 + n if inner != "inductor" else 12, 8, dtype=torch.bfloat16)
         strict = n != 4 and inner != "inductor"
         ctx = torch._dynamo.config.patch(error_on_recompile=True) if strict else contextlib.nullcontext()
         with ctx:

@@ -32,7 +32,13 @@ def _decoder():
     from wfpass.tools.bench_models import Decoder
 
     torch.manual_seed(0)
-    return Decoder(d=64, layers=2, heads=4, kv_heads=2, ffn=96)
+    # One layer: a group's row, its counters and its per-call choice are the
+    # same in every layer, and Dynamo's traces (two per test) cost per layer.
+    return Decoder(d=64, layers=1, heads=4, kv_heads=2, ffn=96)
+
+
+#: Sibling groups of one decoder layer (of the HF Llama below too): Q/K/V and gate/up.
+GROUPS = 2
 
 
 def _graphs() -> int:
@@ -63,16 +69,20 @@ def test_decoder_forward_after_a_dynamic_recompile_fuses_at_small_row_counts():
             got, want = compiled(x), ref(x)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
     assert _graphs() - before == 2, "one static graph, one symbolic: no recompile per length"
-    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=4)
+    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=GROUPS)
 
 
 def test_decoder_training_step_after_a_dynamic_recompile_equals_eager():
     """Forward, ``(out * R).sum()`` with a fixed random R, backward: the
     output and every parameter's gradient equal eager's, relative to the
-    largest gradient of the step."""
+    largest gradient of the step. (Inner aot_eager: the rewrite and its
+    per-call choice are wfpass's; a training step through Inductor after a
+    dynamic recompile is ``test_batch_of_two_and_biases_train_like_eager``'s,
+    and the decoder's forward through Inductor the test above. Inductor's
+    compiles of this model's training graphs took 35 s on CI's 2 cores.)"""
     model = _decoder().train()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="wformat")
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
     before = _graphs()
     for n in LENGTHS:
         x = torch.randn(1, n, 64)
@@ -89,7 +99,7 @@ def test_decoder_training_step_after_a_dynamic_recompile_equals_eager():
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     assert _graphs() - before == 2, "one static graph, one symbolic: no recompile per length"
-    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=4)
+    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=GROUPS)
 
 
 @pytest.mark.parametrize("pack", ["off", "always"])
@@ -114,21 +124,23 @@ def test_the_symbolic_graph_has_one_block_call_per_group_and_packing_takes_it(pa
     blocks = [n for n in calls if n.target is fused_linear]
     packed = [n for n in calls if n.target is torch.ops.wfpass.packed_linear.default]
     if pack == "off":
-        assert len(blocks) == 4 and len(linears) == 4, symbolic.graph  # o and down stay single linears
+        assert len(blocks) == GROUPS and len(linears) == 2, symbolic.graph  # o and down stay single linears
         assert all(b.args[3][2] == 4 for b in blocks)  # chosen per call at fused_max_rows=4
     else:
-        assert not blocks and not linears and len(packed) == 8, symbolic.graph
-    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=4)
+        assert not blocks and not linears and len(packed) == GROUPS + 2, symbolic.graph
+    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=GROUPS)
 
 
 def test_hf_llama_forward_after_a_dynamic_recompile():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=wfpass.backend(pack={"mode": "off"}))
+    # Inner aot_eager: what this test adds is an HF model's graph through the
+    # rewrite; the decoder forward test above runs the same path under Inductor.
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", pack={"mode": "off"}))
     before = _graphs()
     with torch.no_grad():
         for n in LENGTHS:
@@ -137,7 +149,7 @@ def test_hf_llama_forward_after_a_dynamic_recompile():
             want = ref(input_ids=ids, use_cache=False).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
     assert _graphs() - before == 2
-    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=4)
+    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=GROUPS)
 
 
 @pytest.mark.parametrize("path", ["fused", "split"])
@@ -186,7 +198,7 @@ def test_a_checkpointed_region_chooses_per_call_and_trains_like_eager():
             assert (p.grad - q.grad).abs().max().item() / scale < 1e-5
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=4)
+    _assert_rows_say_each_path(wfpass.report(model).find("linear", "rewritten"), groups=GROUPS)
 
 
 @pytest.mark.parametrize("k_bias", [False, True], ids=["some-biases", "all-biases"])

@@ -40,6 +40,14 @@ def _sgd_step_close(model, ref, rtol=1e-5, atol=1e-5):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
 
 
+def _backend(inductor: bool):
+    """``backend="wformat"`` (Inductor, what users run) for one case of each
+    test function; the others through ``inner="aot_eager"``, which traces
+    the same forward and backward (AOTAutograd) after the same wfpass
+    rewrite, without an Inductor compile each."""
+    return "wformat" if inductor else wfpass.backend(inner="aot_eager")
+
+
 def _flat(out):
     seq, state = out
     return [seq.data] + (list(state) if isinstance(state, tuple) else [state])
@@ -54,7 +62,7 @@ def test_outside_packed_sequence_without_h0(kind, layers, bidirectional):
     torch.manual_seed(0)
     model = _rnn(kind, layers, bidirectional)
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend="wformat")
+    fn = torch.compile(model, backend=_backend((kind, layers, bidirectional) == ("LSTM", 2, False)))
     for lengths in ([6, 4, 3, 1], [5, 5, 2], [7, 1]):  # one graph serves every batch
         model.zero_grad(), ref.zero_grad()
         x = torch.randn(max(lengths), len(lengths), 5)
@@ -114,7 +122,7 @@ def test_dynamic_true_and_a_dropout_changed_between_calls(kind):
     torch.manual_seed(0)
     model = PackPadModel(kind)
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend="wformat", dynamic=True)
+    fn = torch.compile(model, backend=_backend(kind == "LSTM"), dynamic=True)
     for i, (x, lengths) in enumerate(_batches()):
         if i == 2:  # p = 1 drops everything between the layers: deterministic, and visible
             model.rnn.dropout = ref.rnn.dropout = 1.0
@@ -141,7 +149,7 @@ def test_autocast_bf16_inside_the_compiled_function(kind, layers, bidirectional,
     torch.manual_seed(0)
     model = PackPadModel(kind, layers, bidirectional, autocast=torch.bfloat16)
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend="wformat")
+    fn = torch.compile(model, backend=_backend((kind, layers, bidirectional) == ("LSTM", 2, False)))
     x, lengths = next(_batches())
     with torch.set_grad_enabled(grad):
         out, exp = fn(x, lengths), ref(x, lengths)
@@ -207,7 +215,7 @@ class M(nn.Module):
         return pad_packed_sequence(s.rnn(pack_padded_sequence(x, l, enforce_sorted=False))[0])[0]
 torch.manual_seed(0)
 m = M(); ref = copy.deepcopy(m)
-c = torch.compile(m, backend="wformat")
+c = torch.compile(m, backend={backend})
 for lengths in ([6, 4, 3, 1], [2, 5, 1, 3], [6, 4, 3, 1]):
     x = torch.randn(6, 4, 5)
     torch.testing.assert_close(c(x, torch.tensor(lengths)), ref(x, torch.tensor(lengths)))
@@ -224,8 +232,12 @@ def test_allow_rnn_set_by_the_user_keeps_the_packed_rnn_in_the_graph(when):
     eager LSTM and no row). wfpass keeps the user's True for every backend
     and still takes the packed call of a wformat trace."""
     line = "torch._dynamo.config.allow_rnn = True"
+    # "before" end to end through Inductor; "after" through aot_eager (what
+    # it checks is Dynamo's capture and wfpass's row, ahead of the inner
+    # compiler), which spares a fresh process its Inductor compiles.
+    backend = '"wformat"' if when == "before" else 'wfpass.backend(inner="aot_eager")'
     out = _run_in_subprocess(_ALLOW_RNN_CASE.format(before=line if when == "before" else "",
-                                                    after=line if when == "after" else ""))
+                                                    after=line if when == "after" else "", backend=backend))
     rows = eval(out.split("ROWS ", 1)[1].splitlines()[0])
     assert rows and all(a == "rewritten" for a, _, _ in rows), out
     assert sum(f for _, f, _ in rows) + sum(e for _, _, e in rows) == 3, out  # every call is on the row
@@ -240,12 +252,17 @@ def test_recompile_limit_reached_is_on_the_row_with_its_calls():
     torch.manual_seed(0)
     model = PackedLSTM()
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend="wformat")
-    limit = torch._dynamo.config.recompile_limit
-    sizes = range(1, limit + 6)
-    for B in sizes:
-        x = torch.randn(B, B, 5)
-        torch.testing.assert_close(fn(x, list(range(1, B + 1))), ref(x, list(range(1, B + 1))))
+    # aot_eager: the limit is Dynamo's, reached before any inner compiler
+    # runs, and each of the ``limit`` compiles through Inductor cost seconds.
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+    # A limit of 3 instead of Dynamo's default 8: the same limit reached,
+    # with 5 compiles fewer before it.
+    with torch._dynamo.config.patch(recompile_limit=3):
+        limit = torch._dynamo.config.recompile_limit
+        sizes = range(1, limit + 6)
+        for B in sizes:
+            x = torch.randn(B, B, 5)
+            torch.testing.assert_close(fn(x, list(range(1, B + 1))), ref(x, list(range(1, B + 1))))
     rows = wfpass.report(model).find("rnn", "rewritten")
     compiled = sum(r.stats.get("fused_calls", 0) for r in rows)
     eager = sum(r.stats.get("eager_calls", 0) for r in rows)

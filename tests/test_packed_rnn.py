@@ -277,7 +277,12 @@ def test_inductor_training_steps(batch_first):
     ATen returns as a transposed view)."""
     model = PackedModel(kind="LSTM", layers=2, bidirectional=True, batch_first=batch_first)
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend="wformat")
+    # dynamic=True: one Inductor graph (forward and backward) serves the
+    # three batches, its ops' strides checked against their fakes at every
+    # step; by default the first batch got a static graph and the second a
+    # dynamic recompile, two Inductor compiles for the same checks (a static
+    # packed graph through Inductor, trained: test_regional_compilation).
+    fn = torch.compile(model, backend="wformat", dynamic=True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
     for step, (T, lengths) in enumerate([(6, [6, 2, 5]), (8, [3, 8, 1, 7]), (5, [5, 5])]):
         x, L = _batch(T, lengths, batch_first, seed=step)

@@ -88,7 +88,13 @@ def test_rnn_grads_equal_eager_in_every_graph_context(context, cls, layers, T):
     torch.manual_seed(0)
     model = RnnContext(cls, context, layers)
     ref = copy.deepcopy(model)
-    fn = torch.compile(model, backend=wfpass.backend(inner="inductor"))
+    # Inductor (what users run) for every context of the 3-layer LSTM and for
+    # every class in the "residual" context (the one that broke weight_hh's
+    # grads); the other cases check the same rewrite and its gradient
+    # formulas under aot_eager, without an Inductor compile of each (24 of
+    # them took about 80 s on CI's 2 cores).
+    inner = "inductor" if (cls is nn.LSTM and layers == 3) or context == "residual" else "aot_eager"
+    fn = torch.compile(model, backend=wfpass.backend(inner=inner))
     x = torch.randn(T, 2, 8, requires_grad=True)
     R = torch.randn(T, 2, 8)
     args = [x] + ([_state(cls, model, x, torch.float32)] if context == "given_state" else [])
@@ -346,7 +352,9 @@ def test_twenty_models_compiled_and_deleted_leave_nothing_alive():
     """Compile, call and delete models holding every format (sibling linears,
     a bias-free LSTM, eval conv-BN folding): what stays alive does not grow
     with the number of models, neither real tensors (blocks, zero biases,
-    folded weights) nor compile-time fakes."""
+    folded weights) nor compile-time fakes. (Six models after the warm-up,
+    once twenty: one model's tensors are about 10 KB and its compile's fakes
+    about 30, so two models kept alive already pass both bounds below.)"""
 
     def one():
         m = Everything().eval()
@@ -362,13 +370,13 @@ def test_twenty_models_compiled_and_deleted_leave_nothing_alive():
         one()
         torch._dynamo.reset()
     base_layouts, (base_real, base_fake) = live_layouts(), _live_tensors()
-    for _ in range(20):
+    for _ in range(6):
         one()
         torch._dynamo.reset()
     real, fake = _live_tensors()
     assert live_layouts() <= base_layouts  # at most the last model's, until the next compile replaces it
     assert real - base_real < 16 * 1024, f"{real - base_real} bytes of real tensors kept alive"
-    # (about 30 fakes per compile of this model: 600 if the compiles were kept)
+    # (about 30 fakes per compile of this model: 180 if the six compiles were kept)
     assert fake <= base_fake + 10, (fake, base_fake)
 
 
