@@ -212,16 +212,16 @@ def _compile_and_link(cxx: str, flags: list, out: Path, work: Path) -> subproces
     failed step's result, else the link's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(src: str) -> subprocess.CompletedProcess:
-        obj = work / (Path(src).stem + ".o")
-        return subprocess.run([cxx] + flags + ["-c", str(_HERE / src), "-o", str(obj)], capture_output=True, text=True)
+    objs = [str(work / (Path(src).stem + ".o")) for src in _SOURCES]
+
+    def one(src: str, obj: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cxx] + flags + ["-c", str(_HERE / src), "-o", obj], capture_output=True, text=True)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(one, _SOURCES))
+        results = list(pool.map(one, _SOURCES, objs))
     for r in results:
         if r.returncode != 0:
             return r
-    objs = [str(work / (Path(s).stem + ".o")) for s in _SOURCES]
     return subprocess.run([cxx] + flags + objs + _LIBS + ["-o", str(out)], capture_output=True, text=True)
 
 
