@@ -168,3 +168,17 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
         assert row[2] in ("plain", "onednn", "mkl"), row
         assert float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0, row
     assert re.search(r"slower than the plain GEMM on the real calls \(median round\): \d+ of \d+", out.read_text())
+
+
+def test_cudnn_body_cost_benchmark_runs():
+    """The Python body's host cost beyond an op call, with ATen's cuDNN call
+    stubbed (docs/rnn.md#on-cuda): runs on the CPU and prints its figure."""
+    import re
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cudnn_body_cost.py"), "--rounds", "1", "--calls", "50"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"Python body, kernel stubbed: ([\d.]+) us; a C\+\+ op call with the same weights: ([\d.]+) us", r.stdout)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, r.stdout

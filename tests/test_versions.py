@@ -117,6 +117,9 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
         # torch's wheels run on OpenMP: where the loop runs, the kernels use torch's OpenMP threads
         if native.fast_loop() and torch.backends.openmp.is_available():
             assert native.parallel_directions()
+    if torch.version.cuda:  # a CUDA build: which bodies the cuDNN RNN ops run
+        line = next(ln for ln in out.splitlines() if ln.startswith("cuDNN RNN ops"))
+        assert line.split("per-call work: ", 1)[1].startswith("C++" if native.cudnn_cxx() else "Python"), line
 
 
 def test_a_cpu_user_of_a_cuda_build_sees_no_cuda_warning():

@@ -79,6 +79,9 @@ def lines() -> List[str]:
             out.append(f"CUDA: {names}; cuDNN {torch.backends.cudnn.version()}")
         else:
             out.append("CUDA: no GPU visible to this process")
+        body = ("C++ (wfpass/_torch/native/cudnn.cpp; dropout in training and weights out of cuDNN's layout "
+                "in Python)" if native.cudnn_cxx() else "Python (the C++ kernels are not in use)")
+        out.append(f"cuDNN RNN ops (rnn={{'cuda': 'cudnn'}}), per-call work: {body}")
     return out
 
 

@@ -3,7 +3,8 @@ cached, loaded into torch's dispatcher; Python kernels where they cannot be.
 
 Only per-call work lives here (``pack.cpp``: the packed linear's copy check
 and kernel call, 15-29 us a call in Python, measured by
-``benchmarks/profile_pack.py``). Every decision stays in Python, which hands
+``benchmarks/profile_pack.py``; ``cudnn.cpp``: the cuDNN RNN ops' bodies,
+registered for CUDA, built the same against a CPU-only torch). Every decision stays in Python, which hands
 the C++ kernel what it decided; the ops' schemas, fake implementations and
 gradient formulas are registered in Python as before, so the compiler sees
 the same ops either way.
@@ -38,10 +39,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path"]
+__all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp")
+_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp", "cudnn.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
 _HEADERS = ("fast_rnn.h", "fast_gates.h")
 
@@ -110,6 +111,18 @@ def serves(x: torch.Tensor) -> bool:
     :func:`fast_loop`."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled
             and fast_loop())
+
+
+def cudnn_cxx() -> bool:
+    """Do the cuDNN RNN ops (``wfpass::cudnn_rnn``, ``cudnn_packed_rnn``,
+    their ``_fw`` twins and backwards) run their C++ bodies on CUDA
+    (``cudnn.cpp``)? True where the C++ kernels are loaded and registered
+    for the CUDA key, which a CPU-only torch accepts too (nothing reaches
+    them there). ``torch._C._dispatch_has_kernel_for_dispatch_key`` is
+    private (checked on torch 2.11.0-2.15.0)."""
+    return loaded() and all(torch._C._dispatch_has_kernel_for_dispatch_key(f"wfpass::{op}", "CUDA")
+                            for op in ("cudnn_rnn_fw", "cudnn_rnn_backward", "cudnn_packed_rnn_fw",
+                                       "cudnn_packed_rnn_backward"))
 
 
 def build_seconds() -> float:

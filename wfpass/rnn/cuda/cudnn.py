@@ -297,7 +297,7 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
 
 _LIB = define_rnn_op("cudnn_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_cudnn_rnn,
                      forward_fake=_cudnn_rnn_fake, backward=_cudnn_rnn_backward,
-                     backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=RANDOM)
+                     backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=RANDOM, python_bodies=True)
 
 
 def _eligible(t: Optional[torch.Tensor]) -> bool:

@@ -158,7 +158,7 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
 
 _LIB = define_rnn_op("cudnn_packed_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_forward,
                      forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake, setup=_setup,
-                     grad=_grad, tags=RANDOM)
+                     grad=_grad, tags=RANDOM, python_bodies=True)
 
 
 def cudnn_packed_call(spec, data, batch_sizes, hx, ws, need_grad: bool, train: bool = False):
