@@ -24,6 +24,8 @@ from wftest import needs_gpu
 
 gpu = needs_gpu()
 needs_cxx = pytest.mark.skipif(not native.loaded(), reason=f"the C++ kernels are not in use: {native.status()}")
+I, H, T, B = 8, 16, 5, 3
+LSTM, GRU = kernels.CUDNN_MODES["LSTM"], kernels.CUDNN_MODES["GRU"]
 
 
 @needs_cxx
@@ -32,6 +34,54 @@ def test_the_cuda_kernels_are_registered_where_the_cxx_kernels_load():
     schemas the Python side defines match the C++ signatures (a mismatch
     fails at import)."""
     assert native.cudnn_cxx()
+
+
+@needs_cxx
+def test_the_cxx_hands_its_fallbacks_to_the_python_bodies_with_their_arguments(monkeypatch):
+    """The C++ kernels call the Python bodies (dropout in training, weights
+    out of the layout) through the dispatcher with typed arguments, which it
+    does not check against the schemas Python defined. The same four calls,
+    made from C++ on CPU tensors with ATen's cuDNN calls stubbed here, reach
+    the Python bodies with every argument as the schema says, and their
+    outputs come back."""
+    seen = []
+
+    def fw_stub(x, ws, per, buf, hx, cx, mode, hidden, proj, layers, batch_first, p, train, bidir, sizes, state):
+        seen.append(("fw", x.shape, len(ws), per, buf.numel(), tuple(hx.shape), tuple(cx.shape), mode, hidden, layers,
+                     train, bidir, list(sizes), p))
+        rows = x.shape[:-1]
+        return (torch.full((*rows, hidden), 1.0), torch.full((layers, hx.shape[1], hidden), 2.0),
+                torch.full((layers, hx.shape[1], hidden), 3.0), torch.arange(5, dtype=torch.uint8), torch.empty(0))
+
+    def bw_stub(x, ws, per, buf, hx, cx, out, g_out, g_hy, g_cy, mode, hidden, proj, layers, batch_first, p, train,
+                bidir, sizes, state, reserve, mask):
+        seen.append(("bw", x.shape, g_hy, g_cy, reserve.tolist(), list(mask), list(sizes)))
+        dw = [buf.new_full(w.shape, 4.0) for w in ws]
+        return torch.full(x.shape, 5.0), torch.full(hx.shape, 6.0), torch.full(cx.shape, 7.0), dw
+
+    monkeypatch.setattr(kernels, "cudnn_rnn", fw_stub)
+    monkeypatch.setattr(kernels, "cudnn_rnn_backward", bw_stub)
+    shapes = [(4 * H, I), (4 * H, H), (4 * H,), (4 * H,)]
+    block = torch.zeros(sum(math.prod(s) for s in shapes))
+    ws, offsets, off = [], [], 0
+    for s in shapes:
+        ws.append(block[off:off + math.prod(s)].view(s))
+        offsets.append(off)
+        off += math.prod(s)
+    offsets.append(off)
+    x, data, batch_sizes = torch.randn(T, B, I), torch.randn(6, I), torch.tensor([3, 2, 1])
+    got = torch.ops.wfpass._cudnn_python_bodies(x, data, batch_sizes, ws, offsets)
+    assert len(got) == 16
+    fw, bw, pfw, pbw = got[0:4], got[4:8], got[8:12], got[12:16]
+    assert torch.equal(fw[0], torch.full((T, B, H), 1.0)) and fw[3].tolist() == list(range(5))
+    assert torch.equal(pfw[0], torch.full((6, H), 1.0)) and pfw[1].shape == (1, 3, H)
+    for d, rows in ((bw, (T, B, I)), (pbw, (6, I))):
+        assert torch.equal(d[0], torch.full(rows, 5.0)) and bool((d[1] == 6.0).all()) and bool((d[2] == 7.0).all())
+        assert d[3].numel() == off and bool((d[3] == 4.0).all())  # the weights' gradients as one buffer
+    assert seen[0] == ("fw", (T, B, I), 4, 4, off, (1, B, H), (1, B, H), LSTM, H, 1, True, False, [], 0.0)
+    assert seen[1] == ("bw", (T, B, I), None, None, list(range(5)), [True] * 4, [])
+    assert seen[2][0] == "fw" and seen[2][-2] == [3, 2, 1] and seen[2][5] == (1, 3, H)
+    assert seen[3][0] == "bw" and seen[3][-1] == [3, 2, 1]
 
 
 def _python_flat_buffer(ws, offsets):
@@ -96,10 +146,6 @@ def test_the_gradient_buffer_is_cudnns_own_where_the_python_rule_keeps_it_and_a_
         assert shared == (got.untyped_storage().data_ptr() == dw[0].untyped_storage().data_ptr()), offsets
         if shared:
             assert _same_view(want, got)
-
-
-I, H, T, B = 8, 16, 5, 3
-LSTM, GRU = kernels.CUDNN_MODES["LSTM"], kernels.CUDNN_MODES["GRU"]
 
 
 @needs_cxx

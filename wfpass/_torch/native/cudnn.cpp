@@ -21,7 +21,8 @@
 //
 // `_cudnn_flat_buffer` and `_cudnn_grad_buffer` expose the two pointer
 // checks on any device, so tests check them against the Python rules on the
-// CPU, where no GPU is at hand.
+// CPU, where no GPU is at hand; `_cudnn_python_bodies` calls the Python
+// bodies as the kernels do.
 //
 // Built and loaded by wfpass/_torch/native/__init__.py. Checked on torch
 // 2.13.0 (CPU) and 2.15.0 (CUDA 13.2 build).
@@ -253,16 +254,48 @@ Tensor grad_buffer_op(at::TensorList dw, at::TensorList weights, at::IntArrayRef
   return grad_buffer(std::vector<Tensor>(dw.begin(), dw.end()), weights, offsets, like);
 }
 
+// The four calls into the Python bodies, made as the kernels above make
+// them (typed, through the dispatcher, which does not check a typed
+// signature against a schema defined in Python), for a unidirectional LSTM
+// of `weights` (4 per layer) over `x` [T, B, I] and the packed `data` of
+// `batch_sizes`: the tests run them on the CPU with ATen's cuDNN calls
+// stubbed, so the argument passing is checked where no GPU is at hand.
+std::vector<Tensor> python_bodies_op(const Tensor& x, const Tensor& data, const Tensor& batch_sizes,
+                                     at::TensorList weights, at::IntArrayRef offsets) {
+  const int64_t hidden = weights[1].size(1), layers = static_cast<int64_t>(weights.size()) / 4;
+  const std::array<bool, 4> mask{true, true, true, true};
+  std::vector<Tensor> got;
+  auto keep = [&got](const Out4& r) {
+    got.insert(got.end(), {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)});
+  };
+  const Out4 fw = python_op<FwSig>("wfpass::_cudnn_rnn_python")
+                      .call(x, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers, true, false, offsets, 0.0);
+  keep(fw);
+  keep(python_op<BwSig>("wfpass::_cudnn_rnn_backward_python")
+           .call(x, weights, std::nullopt, std::nullopt, std::get<0>(fw), std::get<0>(fw), std::nullopt, std::nullopt,
+                 std::get<3>(fw), kLstm, hidden, 0, layers, false, offsets, mask, 0.0));
+  const Out4 pfw = python_op<PackedFwSig>("wfpass::_cudnn_packed_rnn_python")
+                       .call(data, batch_sizes, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers, true,
+                             false, offsets, 0.0);
+  keep(pfw);
+  keep(python_op<PackedBwSig>("wfpass::_cudnn_packed_rnn_backward_python")
+           .call(data, batch_sizes, weights, std::nullopt, std::nullopt, std::get<0>(pfw), std::get<0>(pfw),
+                 std::nullopt, std::nullopt, std::get<3>(pfw), kLstm, hidden, 0, layers, false, offsets, mask, 0.0));
+  return got;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def("_cudnn_flat_buffer(Tensor[] weights, int[] offsets) -> Tensor[]");
   m.def("_cudnn_grad_buffer(Tensor[] dw, Tensor[] weights, int[] offsets, Tensor like) -> Tensor");
+  m.def("_cudnn_python_bodies(Tensor x, Tensor data, Tensor batch_sizes, Tensor[] weights, int[] offsets) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CompositeExplicitAutograd, m) {
   m.impl("_cudnn_flat_buffer", flat_buffer_op);
   m.impl("_cudnn_grad_buffer", grad_buffer_op);
+  m.impl("_cudnn_python_bodies", python_bodies_op);
 }
 
 // The schemas, fakes and gradient formulas are registered in Python
