@@ -28,6 +28,19 @@ I, H, T, B = 8, 16, 5, 3
 LSTM, GRU = kernels.CUDNN_MODES["LSTM"], kernels.CUDNN_MODES["GRU"]
 
 
+def _one_layer_lstm_block(device):
+    """A one-layer LSTM's weights as views of one block, one after another,
+    and their offsets with the block's size last."""
+    shapes = [(4 * H, I), (4 * H, H), (4 * H,), (4 * H,)]
+    block = torch.zeros(sum(math.prod(s) for s in shapes), device=device)
+    ws, offsets, off = [], [], 0
+    for s in shapes:
+        ws.append(block[off:off + math.prod(s)].view(s))
+        offsets.append(off)
+        off += math.prod(s)
+    return ws, offsets + [off]
+
+
 @needs_cxx
 def test_the_cuda_kernels_are_registered_where_the_cxx_kernels_load():
     """A CPU-only torch accepts a kernel for the CUDA key too, and the
@@ -61,14 +74,8 @@ def test_the_cxx_hands_its_fallbacks_to_the_python_bodies_with_their_arguments(m
 
     monkeypatch.setattr(kernels, "cudnn_rnn", fw_stub)
     monkeypatch.setattr(kernels, "cudnn_rnn_backward", bw_stub)
-    shapes = [(4 * H, I), (4 * H, H), (4 * H,), (4 * H,)]
-    block = torch.zeros(sum(math.prod(s) for s in shapes))
-    ws, offsets, off = [], [], 0
-    for s in shapes:
-        ws.append(block[off:off + math.prod(s)].view(s))
-        offsets.append(off)
-        off += math.prod(s)
-    offsets.append(off)
+    ws, offsets = _one_layer_lstm_block("cpu")
+    off = offsets[-1]
     x, data, batch_sizes = torch.randn(T, B, I), torch.randn(6, I), torch.tensor([3, 2, 1])
     got = torch.ops.wfpass._cudnn_python_bodies(x, data, batch_sizes, ws, offsets)
     assert len(got) == 16
@@ -160,14 +167,7 @@ def test_every_op_with_a_cxx_body_passes_opcheck_on_fake_cuda_tensors():
     ops = torch.ops.wfpass
     batch_sizes = torch.tensor([2, 2, 1, 1])  # a PackedSequence's: real, on the CPU
     with FakeTensorMode(allow_non_fake_inputs=True):
-        shapes = [(4 * H, I), (4 * H, H), (4 * H,), (4 * H,)]
-        block = torch.empty(sum(math.prod(s) for s in shapes), device="cuda")
-        ws, offsets, off = [], [], 0
-        for s in shapes:
-            ws.append(block[off:off + math.prod(s)].view(s))
-            offsets.append(off)
-            off += math.prod(s)
-        offsets.append(off)
+        ws, offsets = _one_layer_lstm_block("cuda")
         x = torch.randn(T, B, I, device="cuda")
         h, c = torch.randn(1, B, H, device="cuda"), torch.randn(1, B, H, device="cuda")
         for op in (ops.cudnn_rnn.default, ops.cudnn_rnn_fw.default):
