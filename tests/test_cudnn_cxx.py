@@ -53,8 +53,9 @@ def test_the_cuda_kernels_are_registered_where_the_cxx_kernels_load():
 def test_the_cxx_hands_its_fallbacks_to_the_python_bodies_with_their_arguments(monkeypatch):
     """The C++ kernels call the Python bodies (dropout in training, weights
     out of the layout) through the dispatcher with typed arguments, which it
-    does not check against the schemas Python defined. The same four calls,
-    made from C++ on CPU tensors with ATen's cuDNN calls stubbed here, reach
+    does not check against the schemas Python defined. The functions that
+    make those four calls, run from C++ on CPU tensors with ATen's cuDNN
+    calls stubbed here, reach
     the Python bodies with every argument as the schema says, and their
     outputs come back."""
     seen = []
@@ -91,10 +92,6 @@ def test_the_cxx_hands_its_fallbacks_to_the_python_bodies_with_their_arguments(m
     assert seen[3][0] == "bw" and seen[3][-1] == [3, 2, 1]
 
 
-def _python_flat_buffer(ws, offsets):
-    return cudnn.flat_buffer(ws, offsets)
-
-
 def _cxx_flat_buffer(ws, offsets):
     got = torch.ops.wfpass._cudnn_flat_buffer(ws, offsets)
     return got[0] if got else None
@@ -123,7 +120,7 @@ def test_the_flat_buffer_check_agrees_with_the_python_rule():
         ([], []),
     ]
     for ws, offsets in cases:
-        want, got = _python_flat_buffer(ws, offsets), _cxx_flat_buffer(ws, offsets)
+        want, got = cudnn.flat_buffer(ws, offsets), _cxx_flat_buffer(ws, offsets)
         assert (want is None) == (got is None), offsets
         if want is not None:
             assert _same_view(want, got), offsets

@@ -174,15 +174,50 @@ c10::TypedOperatorHandle<Sig> python_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// The four calls into the Python bodies, one function each: the kernels
+// below make them, and so does `python_bodies_op`, which the tests run.
+Out4 fw_python(const Tensor& input, at::TensorList weights, const OptTensor& hx, const OptTensor& cx, int64_t mode,
+               int64_t hidden_size, int64_t proj_size, int64_t num_layers, bool train, bool bidirectional,
+               at::IntArrayRef offsets, double dropout) {
+  static const auto op = python_op<FwSig>("wfpass::_cudnn_rnn_python");
+  return op.call(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
+                 dropout);
+}
+
+Out4 bw_python(const Tensor& input, at::TensorList weights, const OptTensor& hx, const OptTensor& cx,
+               const Tensor& output, const OptTensor& grad_output, const OptTensor& grad_hy, const OptTensor& grad_cy,
+               const Tensor& reserve, int64_t mode, int64_t hidden_size, int64_t proj_size, int64_t num_layers,
+               bool bidirectional, at::IntArrayRef offsets, std::array<bool, 4> output_mask, double dropout) {
+  static const auto op = python_op<BwSig>("wfpass::_cudnn_rnn_backward_python");
+  return op.call(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size, proj_size,
+                 num_layers, bidirectional, offsets, output_mask, dropout);
+}
+
+Out4 packed_fw_python(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const OptTensor& hx,
+                      const OptTensor& cx, int64_t mode, int64_t hidden_size, int64_t proj_size, int64_t num_layers,
+                      bool train, bool bidirectional, at::IntArrayRef offsets, double dropout) {
+  static const auto op = python_op<PackedFwSig>("wfpass::_cudnn_packed_rnn_python");
+  return op.call(data, batch_sizes, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional,
+                 offsets, dropout);
+}
+
+Out4 packed_bw_python(const Tensor& data, const Tensor& batch_sizes, at::TensorList weights, const OptTensor& hx,
+                      const OptTensor& cx, const Tensor& output, const OptTensor& grad_output,
+                      const OptTensor& grad_hy, const OptTensor& grad_cy, const Tensor& reserve, int64_t mode,
+                      int64_t hidden_size, int64_t proj_size, int64_t num_layers, bool bidirectional,
+                      at::IntArrayRef offsets, std::array<bool, 4> output_mask, double dropout) {
+  static const auto op = python_op<PackedBwSig>("wfpass::_cudnn_packed_rnn_backward_python");
+  return op.call(data, batch_sizes, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
+                 proj_size, num_layers, bidirectional, offsets, output_mask, dropout);
+}
+
 Out4 cudnn_rnn_fw(const Tensor& input, at::TensorList weights, const OptTensor& hx, const OptTensor& cx, int64_t mode,
                   int64_t hidden_size, int64_t proj_size, int64_t num_layers, bool train, bool bidirectional,
                   at::IntArrayRef offsets, double dropout) {
   const Tensor buf = train && dropout > 0 ? Tensor() : flat_buffer(weights, offsets);
-  if (!buf.defined()) {
-    static const auto op = python_op<FwSig>("wfpass::_cudnn_rnn_python");
-    return op.call(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
-                   dropout);
-  }
+  if (!buf.defined())
+    return fw_python(input, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional, offsets,
+                     dropout);
   return forward(input, {}, input.size(1), weights, buf, hx, cx, mode, hidden_size, proj_size, num_layers, train,
                  bidirectional);
 }
@@ -193,11 +228,9 @@ Out4 cudnn_rnn_backward(const Tensor& input, at::TensorList weights, const OptTe
                         int64_t proj_size, int64_t num_layers, bool bidirectional, at::IntArrayRef offsets,
                         std::array<bool, 4> output_mask, double dropout) {
   const Tensor buf = dropout > 0 ? Tensor() : flat_buffer(weights, offsets);
-  if (!buf.defined()) {
-    static const auto op = python_op<BwSig>("wfpass::_cudnn_rnn_backward_python");
-    return op.call(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
-                   proj_size, num_layers, bidirectional, offsets, output_mask, dropout);
-  }
+  if (!buf.defined())
+    return bw_python(input, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode, hidden_size,
+                     proj_size, num_layers, bidirectional, offsets, output_mask, dropout);
   return backward(input, {}, input.size(1), weights, buf, hx, cx, output, grad_output, grad_hy, grad_cy, reserve,
                   mode, hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask);
 }
@@ -215,11 +248,9 @@ Out4 cudnn_packed_rnn_fw(const Tensor& data, const Tensor& batch_sizes, at::Tens
                          const OptTensor& cx, int64_t mode, int64_t hidden_size, int64_t proj_size, int64_t num_layers,
                          bool train, bool bidirectional, at::IntArrayRef offsets, double dropout) {
   const Tensor buf = train && dropout > 0 ? Tensor() : flat_buffer(weights, offsets);
-  if (!buf.defined()) {
-    static const auto op = python_op<PackedFwSig>("wfpass::_cudnn_packed_rnn_python");
-    return op.call(data, batch_sizes, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train, bidirectional,
-                   offsets, dropout);
-  }
+  if (!buf.defined())
+    return packed_fw_python(data, batch_sizes, weights, hx, cx, mode, hidden_size, proj_size, num_layers, train,
+                            bidirectional, offsets, dropout);
   const std::vector<int64_t> sizes = sizes_of(batch_sizes);
   return forward(data, sizes, sizes.empty() ? 0 : sizes[0], weights, buf, hx, cx, mode, hidden_size, proj_size,
                  num_layers, train, bidirectional);
@@ -232,11 +263,9 @@ Out4 cudnn_packed_rnn_backward(const Tensor& data, const Tensor& batch_sizes, at
                                int64_t num_layers, bool bidirectional, at::IntArrayRef offsets,
                                std::array<bool, 4> output_mask, double dropout) {
   const Tensor buf = dropout > 0 ? Tensor() : flat_buffer(weights, offsets);
-  if (!buf.defined()) {
-    static const auto op = python_op<PackedBwSig>("wfpass::_cudnn_packed_rnn_backward_python");
-    return op.call(data, batch_sizes, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
-                   hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask, dropout);
-  }
+  if (!buf.defined())
+    return packed_bw_python(data, batch_sizes, weights, hx, cx, output, grad_output, grad_hy, grad_cy, reserve, mode,
+                            hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask, dropout);
   const std::vector<int64_t> sizes = sizes_of(batch_sizes);
   return backward(data, sizes, sizes.empty() ? 0 : sizes[0], weights, buf, hx, cx, output, grad_output, grad_hy,
                   grad_cy, reserve, mode, hidden_size, proj_size, num_layers, bidirectional, offsets, output_mask);
@@ -254,9 +283,9 @@ Tensor grad_buffer_op(at::TensorList dw, at::TensorList weights, at::IntArrayRef
   return grad_buffer(std::vector<Tensor>(dw.begin(), dw.end()), weights, offsets, like);
 }
 
-// The four calls into the Python bodies, made as the kernels above make
-// them (typed, through the dispatcher, which does not check a typed
-// signature against a schema defined in Python), for a unidirectional LSTM
+// The four calls into the Python bodies, through the functions the kernels
+// above call them with (typed, through the dispatcher, which does not check
+// a typed signature against a schema defined in Python), for a unidirectional LSTM
 // of `weights` (4 per layer) over `x` [T, B, I] and the packed `data` of
 // `batch_sizes`: the tests run them on the CPU with ATen's cuDNN calls
 // stubbed, so the argument passing is checked where no GPU is at hand.
@@ -268,19 +297,16 @@ std::vector<Tensor> python_bodies_op(const Tensor& x, const Tensor& data, const 
   auto keep = [&got](const Out4& r) {
     got.insert(got.end(), {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)});
   };
-  const Out4 fw = python_op<FwSig>("wfpass::_cudnn_rnn_python")
-                      .call(x, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers, true, false, offsets, 0.0);
+  const Out4 fw = fw_python(x, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers, true, false, offsets, 0.0);
   keep(fw);
-  keep(python_op<BwSig>("wfpass::_cudnn_rnn_backward_python")
-           .call(x, weights, std::nullopt, std::nullopt, std::get<0>(fw), std::get<0>(fw), std::nullopt, std::nullopt,
+  keep(bw_python(x, weights, std::nullopt, std::nullopt, std::get<0>(fw), std::get<0>(fw), std::nullopt, std::nullopt,
                  std::get<3>(fw), kLstm, hidden, 0, layers, false, offsets, mask, 0.0));
-  const Out4 pfw = python_op<PackedFwSig>("wfpass::_cudnn_packed_rnn_python")
-                       .call(data, batch_sizes, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers, true,
-                             false, offsets, 0.0);
+  const Out4 pfw = packed_fw_python(data, batch_sizes, weights, std::nullopt, std::nullopt, kLstm, hidden, 0, layers,
+                                    true, false, offsets, 0.0);
   keep(pfw);
-  keep(python_op<PackedBwSig>("wfpass::_cudnn_packed_rnn_backward_python")
-           .call(data, batch_sizes, weights, std::nullopt, std::nullopt, std::get<0>(pfw), std::get<0>(pfw),
-                 std::nullopt, std::nullopt, std::get<3>(pfw), kLstm, hidden, 0, layers, false, offsets, mask, 0.0));
+  keep(packed_bw_python(data, batch_sizes, weights, std::nullopt, std::nullopt, std::get<0>(pfw), std::get<0>(pfw),
+                        std::nullopt, std::nullopt, std::get<3>(pfw), kLstm, hidden, 0, layers, false, offsets, mask,
+                        0.0));
   return got;
 }
 
