@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import wfpass
 from wfpass._torch import kernels as _k
@@ -275,6 +276,74 @@ def test_regional_compilation_packs_each_layer_once():
         assert len(pk.copies_of(layer.head.weight)) == 1
         row = next(r for r in wfpass.report(layer).find("pack", "rewritten") if r.params == ["head.weight"])
         assert row.stats["repacked"] == 0
+
+
+class Head(nn.Module):
+    """One packed linear after a residual: a layer that regional compilation
+    runs through one graph for every instance."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.head(x) + x
+
+
+def _regional(n, **pack):
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[Head() for _ in range(n)]).eval()
+    ref = copy.deepcopy(layers)
+    # One backend object for all: Dynamo keeps a graph per backend, so a
+    # backend per layer would compile each layer on its own.
+    backend = wfpass.backend(pack={"mode": "always", **pack})
+    for layer in layers:
+        layer.compile(backend=backend)
+    return layers, ref
+
+
+def test_regional_compilation_counts_every_layer_into_the_budget():
+    """One graph runs every layer: the default budget ("weights") counts the
+    parameters of each set the graph runs with, not only the set it was
+    compiled with, so every layer gets its copy as it would compiled whole."""
+    gc.collect()
+    before, graphs = pk.weight_bytes(), counters["stats"]["unique_graphs"]
+    layers, ref = _regional(4)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            _close(layers(x), ref(x), torch.float32)
+    assert pk.weight_bytes() - before == sum(p.numel() * p.element_size() for p in layers.parameters())
+    for layer in layers:
+        assert len(pk.copies_of(layer.head.weight)) == 1, "each layer's copy fits the budget of four layers' weights"
+    assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph runs every layer"
+
+
+def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch):
+    """A budget that fits one layer's copy: the first layer keeps using it on
+    every call, the others run the plain GEMM; after the first round the C++
+    kernel answers every layer's calls (one entry per weight set), so the
+    Python kernel is not called again."""
+    gc.collect()
+    copy_bytes = 64 * 64 * 4
+    layers, ref = _regional(3, max_bytes=pk.packed_bytes_alive() + copy_bytes + copy_bytes // 2)
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        _close(layers(x), ref(x), torch.float32)
+        calls = []
+        real = pk._fresh
+        monkeypatch.setattr(pk, "_fresh", lambda *a: calls.append(1) or real(*a))
+        for _ in range(4):
+            _close(layers(x), ref(x), torch.float32)
+    assert len(pk.copies_of(layers[0].head.weight)) == 1
+    assert not pk.copies_of(layers[1].head.weight) and not pk.copies_of(layers[2].head.weight)
+    # One site, one row for every layer: 5 calls of the first layer packed, 10 plain.
+    row = next(r for r in wfpass.report(layers[2]).find("pack", "rewritten") if "head.weight" in r.params)
+    assert row.stats["packed_calls"] == 5 and row.stats["plain_calls"] == 10, row.stats
+    assert row.stats["over_bound_calls"] == 2
+    assert "M=1: the plain GEMM for a weight set whose" in row.reason and "pack.max_bytes" in row.reason
+    if wfpass._torch.native.is_loaded():
+        assert calls == [], "the C++ kernel should answer every layer's later calls"
 
 
 def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():

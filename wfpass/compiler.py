@@ -28,7 +28,7 @@ from .graph import PassContext
 from .history import last_report, set_last
 from .passes import run_passes
 from .records import Report
-from .runtime import file_report, guarded_call, rename, state_names
+from .runtime import file_report, guarded_call, new_params_check, rename, state_names
 
 __all__ = ["backend", "wformat", "last_report", "compile_with_report"]
 
@@ -154,20 +154,26 @@ def _settle(compiled: Callable, ctx: PassContext, original: fx.GraphModule) -> C
         # finds the tensors already in format.
         log.info("wfpass: a format changes tensor metadata on the first call; this graph runs eagerly until Dynamo recompiles")
         compiled = _first_call_then(at_call, ctx.gm.forward)
+    on_call = new_params_check(ctx.param_positions(), ctx.new_params)
     if not ctx.sites:
-        return _keeping(compiled, ctx.kept) if ctx.kept else compiled
-    call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs())
+        return _keeping(compiled, ctx.kept, on_call) if ctx.kept or on_call else compiled
+    call = guarded_call(compiled, ctx.sites, original.forward, ctx.tensor_inputs(), on_call)
     call._wfpass_report = ctx.report  # type: ignore[attr-defined]
     call._wfpass_kept = ctx.kept  # type: ignore[attr-defined]
     return call
 
 
-def _keeping(compiled: Callable, kept: List[Any]) -> Callable:
+def _keeping(compiled: Callable, kept: List[Any], on_call: Optional[Callable] = None) -> Callable:
     """``compiled``, holding ``kept`` (``PassContext.keep_alive``) for as
-    long as Dynamo holds the compiled graph."""
+    long as Dynamo holds the compiled graph; ``on_call(args)`` before each call."""
 
-    def call(*args):
-        return compiled(*args)
+    if on_call is None:
+        def call(*args):
+            return compiled(*args)
+    else:
+        def call(*args):
+            on_call(args)
+            return compiled(*args)
 
     call._wfpass_kept = kept  # type: ignore[attr-defined]
     return call

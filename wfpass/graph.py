@@ -70,6 +70,8 @@ class PassContext:
         self._root_names: Dict[str, Dict[int, str]] = {}  # source root -> id(tensor) -> state_dict name
         self.sites: List[Any] = []  # runtime.GroupSite of every fused group (Dynamo graphs)
         self.kept: List[Any] = []  # runtime state the rewritten graph's calls need alive (``keep_alive``)
+        #: Called with a call's parameters the first time the compiled graph runs with them (``on_new_params``).
+        self.new_params: List[Callable[[List[torch.Tensor]], None]] = []
         # The C++ kernels of wfpass's ops: built on the first compile on this
         # machine, loaded before any rewritten graph can call them.
         _native.load()
@@ -132,6 +134,26 @@ class PassContext:
         ``wfpass.apply``): state an op of the graph finds by id (a packed
         linear's site), which must not outlive the graph either."""
         self.kept.append(obj)
+
+    def on_new_params(self, fn: Callable[[List[torch.Tensor]], None]) -> None:
+        """Call ``fn`` with the graph's parameters whenever the compiled graph
+        runs with a parameter set it has not run with before (another layer
+        through the same graph under regional compilation, new Parameters
+        after ``load_state_dict(assign=True)``), the first one included.
+        Dynamo graphs only: a traced GraphModule reads its own parameters."""
+        if fn not in self.new_params:
+            self.new_params.append(fn)
+
+    def param_positions(self) -> List[int]:
+        """Positions of the graph inputs that are parameters (Dynamo graphs)."""
+        if self.example_inputs is None:
+            return []
+        out = []
+        for i, n in enumerate(self._placeholders):
+            r = self.resolve(n)
+            if r is not None and r.kind == "parameter":
+                out.append(i)
+        return out
 
     def refakify(self, placeholder: fx.Node) -> None:
         """After a compile-time move of ``placeholder``'s tensor into a block,

@@ -191,11 +191,42 @@ class GroupSite:
             note(self.record, self.extra_names, [t for _, _, t in extra])
 
 
+def new_params_check(positions: Sequence[int], fns: Sequence[Callable[[List[torch.Tensor]], None]]) -> Optional[Callable]:
+    """A per-call check that hands ``fns`` the call's parameters (the graph
+    inputs at ``positions``) the first time the graph runs with them; None
+    where there is nothing to do. One compiled graph runs with several
+    parameter sets under regional compilation (every layer of a model
+    through one graph): what counts a model's weights must see them all.
+    Per call: a dict lookup by the first parameter's identity."""
+    if not positions or not fns:
+        return None
+    idx, i0 = list(positions), positions[0]
+    seen: dict = {}
+
+    def check(args) -> None:
+        p0 = args[i0]
+        r = seen.get(id(p0))
+        if r is not None and r() is p0:
+            return
+        for fn in fns:
+            fn([args[i] for i in idx])
+        if len(seen) >= 256:  # sets that died
+            for k in [k for k, ref in seen.items() if ref() is None]:
+                del seen[k]
+        try:
+            seen[id(p0)] = weakref.ref(p0)
+        except TypeError:  # not weak-referenceable: checked again next call
+            pass
+
+    return check
+
+
 def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Callable,
-                 tensor_inputs: Sequence[Tuple[str, int]]) -> Callable:
+                 tensor_inputs: Sequence[Tuple[str, int]], on_call: Optional[Callable] = None) -> Callable:
     """The callable the backend returns: per-call layout checks, then the
     compiled graph, or the fallback graph when a group that the compiled graph
-    reads as a block cannot be laid out for this call."""
+    reads as a block cannot be laid out for this call. ``on_call(args)``
+    (``new_params_check``) runs first."""
     plan = [(s, s.idx, s.idx[0], s.key, s.counter, s.reads_block, s.record.decision, s.by_rows) for s in sites]
     owner_get = entry_by_id
 
@@ -203,6 +234,8 @@ def guarded_call(compiled: Callable, sites: Sequence[GroupSite], fallback: Calla
         return [(n, args[i]) for n, i in tensor_inputs if isinstance(args[i], torch.Tensor)]
 
     def call(*args):
+        if on_call is not None:
+            on_call(args)
         ok = True
         for site, idx, i0, key, counter, reads, dec, by_rows in plan:
             if by_rows is not None:  # the graph picks its path from this call's row count

@@ -85,6 +85,11 @@ class PackSite:
         self.eager_training: Optional[bool] = None
         #: Called when a copy is refused for the budget (the record's words change).
         self.on_budget = None
+        #: first weight -> the row counts whose copy the budget refused for
+        #: that weight set. Per set, not per site: under regional compilation
+        #: one site serves every layer, and a layer refused for the budget
+        #: must not take away the copies the earlier layers have.
+        self.refused = _tensors.weak_id_key_dict()
         for c in ("packed_calls", "plain_calls", "repacked", "packed_bytes"):
             record.stats.setdefault(c, 0)
 
@@ -93,6 +98,11 @@ class PackSite:
         if k is None:
             k = self.by_rows[m] = self._choose(m)
         return k
+
+    def is_refused(self, w0: torch.Tensor, m: int) -> bool:
+        """Did the budget refuse this weight set's copy at ``m`` rows?"""
+        got = self.refused.get(w0)
+        return got is not None and m in got
 
 
 # site id -> PackSite. Weak values: a site lives as long as the compiled
@@ -284,6 +294,8 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     made from changed, else a new one; None where a new one would go over
     ``max_bytes``."""
     w0 = weights[0]
+    if site.is_refused(w0, m):
+        return None
     table = _table_for(w0, site, weights)
     key = (kernel, rows, m if kernel == "mkl" else 0)
     c = table.get(key)
@@ -302,7 +314,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     need = _COPY_BYTES.get((kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0),
                            block.numel() * block.element_size())
     if budget is not None and _ALIVE[0] - old + need > budget:
-        _over_budget(site, m, kernel, need, budget)
+        _over_budget(site, w0, m, kernel, need, budget)
         return None
     if not block.is_contiguous():
         block = block.contiguous()
@@ -313,7 +325,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     nbytes = _k.onednn_nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
     _COPY_BYTES[(kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0)] = nbytes
     if budget is not None and _ALIVE[0] - old + nbytes > budget:
-        _over_budget(site, m, kernel, nbytes, budget)
+        _over_budget(site, w0, m, kernel, nbytes, budget)
         return None
     sample = _sample_of(block)
     if c is not None:
@@ -330,16 +342,22 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
 _COPY_BYTES: Dict[tuple, int] = {}
 
 
-def _over_budget(site: PackSite, m: int, kernel: str, need: int, budget: int) -> None:
-    """This row count's copy would go over ``max_bytes``: from now on it
-    runs the plain GEMM (the C++ kernel answers it too), and the row says so."""
+def _over_budget(site: PackSite, w0: torch.Tensor, m: int, kernel: str, need: int, budget: int) -> None:
+    """This weight set's copy for this row count would go over
+    ``max_bytes``: from now on it runs the plain GEMM (the C++ kernel answers
+    it too), and the row says so. Other weight sets through the same site
+    (other layers under regional compilation) keep their copies."""
     site.record.bump("over_bound_calls")
-    site.by_rows[m] = "plain"
+    got = site.refused.get(w0)
+    if got is None:
+        got = site.refused[w0] = set()
+    got.add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
         what = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
-        words[m] = (f"M={m}: the plain GEMM: {kernel}'s copy ({need / 2**20:.1f} MiB) would take the packed copies "
-                    f"over their budget ({budget / 2**20:.1f} MiB, {what}; {_ALIVE[0] / 2**20:.1f} MiB in use)")
+        words[m] = (f"M={m}: the plain GEMM for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "
+                    f"take the packed copies over their budget ({budget / 2**20:.1f} MiB, {what}; "
+                    f"{_ALIVE[0] / 2**20:.1f} MiB in use)")
         if site.on_budget is not None:
             site.on_budget()
 
@@ -364,6 +382,9 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                 if _native.is_loaded():
                     _hand_to_native(s, m, kernel, c.packed, weights, rows)
                 return y if y.is_contiguous() else y.contiguous()
+            if _native.is_loaded() and s.is_refused(weights[0], m):
+                # Over the budget for this weight set: the C++ kernel answers its next calls.
+                _hand_to_native(s, m, "plain", None, weights, rows)
         elif chosen == "plain" and _native.is_loaded():
             _hand_to_native(s, m, kernel, None, weights, rows)
         s.record.bump("plain_calls")

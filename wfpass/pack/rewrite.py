@@ -37,7 +37,8 @@ def _reason(rec: Record) -> str:
     words = rec.detail.get("choices") or {}
     # The choices per M seen, then (a graph with a symbolic M) what that graph was measured at.
     over = rec.detail.get("over_budget") or {}
-    parts = [over.get(m, words[m]) for m in sorted(words)] + [rec.detail.get("pending", "")]
+    # A row count the budget refused for some weight set: the choice, then the refusal.
+    parts = [words[m] + (f"; {over[m]}" if m in over else "") for m in sorted(words)] + [rec.detail.get("pending", "")]
     parts += [over[m] for m in sorted(over) if m not in words]
     # Which kernel runs the op matters to the choice (its per-call cost is
     # added to every packed candidate) and is invisible otherwise: a torch
@@ -87,8 +88,12 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
 
     site = PackSite(rec, choose, opts.max_bytes)
     site.on_budget = lambda rec=rec: setattr(rec, "reason", _reason(rec))
-    # The "weights" budget counts every parameter of the graphs this format rewrote.
+    # The "weights" budget counts every parameter of the graphs this format
+    # rewrote, and every parameter set a graph runs with: under regional
+    # compilation one graph runs every layer, and its compile saw the first.
     note_weights([r.tensor for r in ctx.state_tensors() if r.kind == "parameter"])
+    if ctx.is_dynamo:
+        ctx.on_new_params(note_weights)
     if m.m is not None:
         site.by_rows[m.m] = m.kernel
     site.names = [w.name for w in m.weights]

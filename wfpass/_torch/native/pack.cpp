@@ -4,10 +4,10 @@
 // The Python kernel (wfpass/pack/kernel.py) owns the packed copies, decides
 // which kernel each row count runs and makes copies again when a parameter
 // changed. After each call it hands this file what it decided
-// (wfpass::_pack_put): the kernel for (site, M), a *weak* reference to the
+// (wfpass::_pack_put): the kernel for (site, M, weight set), a *weak* reference to the
 // packed copy, and what the copy was made from (the members' addresses and
 // version counters, a sample of the weight's bits). A later call with the
-// same site and M checks exactly what the Python kernel checks and, when
+// same site, M and weight set checks exactly what the Python kernel checks and, when
 // all of it holds, runs the kernel here; anything else (a new M, a changed
 // parameter, a copy Python dropped, members no longer one block, a call
 // that needs autograd) goes to the Python kernel (wfpass::packed_linear_slow),
@@ -20,6 +20,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -41,8 +42,14 @@ struct Entry {
   std::vector<uint8_t> ref;
 };
 
+// Per row count, one entry per weight set, found by the first member's
+// address: under regional compilation one graph (one site) runs every
+// layer of a model, and each layer's set has its own copy and decision; a
+// single entry per row count would send 3 of 4 layers' calls to Python.
+constexpr size_t kMaxSets = 1024;  // past this, sets whose copy died go first, then the oldest
+
 struct Site {
-  std::unordered_map<int64_t, Entry> by_m;
+  std::unordered_map<int64_t, std::vector<Entry>> by_m;
   int64_t packed_calls = 0, plain_calls = 0;
   int64_t eager_training = -1;  // -1: a compiled graph; 0/1: pack.training of a wfpass.apply graph
 };
@@ -160,8 +167,17 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::Tensor
     if (s != sites.end()) {
       Site& st = s->second;
       auto it = st.by_m.find(m);
+      const Entry* found = nullptr;
       if (it != st.by_m.end() && !(st.eager_training == 0 && needs_autograd(x, weights))) {
-        const Entry& e = it->second;
+        const void* p0 = weights[0].data_ptr();
+        for (const Entry& e : it->second)
+          if (!e.ptrs.empty() && e.ptrs[0] == p0) {
+            found = &e;
+            break;
+          }
+      }
+      if (found != nullptr) {
+        const Entry& e = *found;
         if (e.kernel == PLAIN) {
           kernel = PLAIN;
           ++st.plain_calls;
@@ -192,12 +208,17 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::Tensor
 // after the Python kernel checked or made the copy).
 void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::Tensor>& packed,
               at::TensorList weights, int64_t rows, int64_t sample, int64_t eager_training) {
+  if (weights.empty()) return;
   Entry e;
   e.kernel = kernel;
+  // Every entry knows its weight set (the first address finds it); a
+  // plain one needs nothing more: the plain GEMM is right for any set.
+  e.ptrs.push_back(weights[0].data_ptr());
   if (kernel != PLAIN) {
     const at::Tensor block = block_of(weights, rows);
     if (!packed.has_value() || !block.defined()) return;  // the Python kernel keeps answering
     e.packed = WeakImpl(packed->getIntrusivePtr());
+    e.ptrs.clear();
     for (const auto& w : weights) {
       e.ptrs.push_back(w.data_ptr());
       e.versions.push_back(w._version());
@@ -209,7 +230,19 @@ void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::T
   std::lock_guard<std::mutex> g(mu);
   Site& st = sites[site];
   st.eager_training = eager_training;
-  st.by_m[m] = std::move(e);
+  std::vector<Entry>& sets = st.by_m[m];
+  for (Entry& old : sets)
+    if (old.ptrs[0] == e.ptrs[0]) {
+      old = std::move(e);
+      return;
+    }
+  if (sets.size() >= kMaxSets) {
+    sets.erase(std::remove_if(sets.begin(), sets.end(),
+                              [](const Entry& x) { return x.kernel != PLAIN && x.packed.expired(); }),
+               sets.end());
+    if (sets.size() >= kMaxSets) sets.erase(sets.begin());
+  }
+  sets.push_back(std::move(e));
 }
 
 // The calls the C++ kernel counted since the last time, as [packed, plain]; zeroed.
