@@ -162,11 +162,13 @@ class PackOptions:
                training steps (docs/pack.md).
     max_bytes: the budget of packed copies alive in the process:
                ``"weights"`` (the default), the bytes of the weights of
-               every graph this format rewrote (for one model: its weights'
-               bytes, so the copies at most double them); an int, that many
-               bytes (0: no packed copies); ``None``: no bound. A copy that
-               would go over is not made: that linear and row count run the
-               plain GEMM (counted ``over_bound_calls``, said in its row).
+               every graph this format rewrote, and of every parameter set
+               such a graph ran with (regional compilation: every layer);
+               for one model: its weights' bytes, so the copies at most
+               double them; an int, that many bytes (0: no packed copies);
+               ``None``: no bound. A copy that would go over is not made:
+               that linear's weights and row count run the plain GEMM
+               (counted ``over_bound_calls``, said in its row).
     """
 
     mode: str = "auto"
