@@ -9,6 +9,12 @@ and Inductor's on-disk caches already hold the graphs).
 
     python benchmarks/decoder_memory.py --backend wformat [--max-bytes none|weights|N|off] [--warm]
     python benchmarks/decoder_memory.py --backend inductor [--warm]
+    python benchmarks/decoder_memory.py --backend wformat|inductor --warm --sweep 200
+
+``--sweep N`` calls the decoder at every length from 1 to N instead (a
+prefill of varied prompt lengths: after the call at 2 Dynamo recompiles
+with the length symbolic), so what a kernel library keeps per row count
+shows: oneDNN compiles and keeps a kernel per packed shape and row count.
 
 The growth is read from before the ``torch.compile`` call: with
 ``backend="inductor"`` that call already imports Inductor's compiler, which
@@ -53,6 +59,7 @@ def main() -> None:
     ap.add_argument("--max-bytes", default="weights", help="wformat's pack.max_bytes: weights, none or a number; off: packing off")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warm", action="store_true", help="pay one-time costs on a small model first")
+    ap.add_argument("--sweep", type=int, default=0, help="call at every length 1..N instead")
     ap.add_argument("--hand-fused", action="store_true", help="the decoder written by hand with fused Q/K/V and gate/up weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,7 +93,7 @@ def main() -> None:
     fn = torch.compile(model, backend=backend)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for n in (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5:
+        for n in (range(1, args.sweep + 1) if args.sweep else (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5):
             fn(torch.randn(1, n, 256))
     calls_s = time.perf_counter() - t0
     gc.collect()
@@ -96,7 +103,7 @@ def main() -> None:
         trimmed = round(rss_mb() - before, 1)
     except (OSError, AttributeError):  # not glibc
         trimmed = None
-    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
+    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "sweep": args.sweep, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
            "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1),
            "calls_s": round(calls_s, 1)}
     if args.backend == "wformat":
@@ -104,6 +111,7 @@ def main() -> None:
         out["packed_alive_mb"] = round(pk.packed_bytes_alive() / 2**20, 1)
         out["rows_packed_bytes_mb"] = round(sum(r.stats.get("packed_bytes", 0) for r in rows) / 2**20, 1)
         out["over_bound_calls"] = sum(r.stats.get("over_bound_calls", 0) for r in rows)
+        out["kernel_mb"] = round(sum(r.stats.get("kernel_bytes", 0) for r in rows) / 2**20, 1)
     print(json.dumps(out))
 
 

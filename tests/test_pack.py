@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import wfpass
 from wfpass._torch import kernels as _k
-from wfpass.pack import kernel as pk
+from wfpass.pack import kernel as pk, state as pstate
 
 BF16 = _k.onednn_packs(torch.bfloat16)
 ALWAYS = {"mode": "always", "max_bytes": None}  # the mechanics of packing; the budget has its own tests
@@ -290,9 +290,18 @@ class Head(nn.Module):
         return self.head(x) + x
 
 
-def _regional(n, **pack):
+@pytest.fixture
+def fresh_kernel_count(monkeypatch):
+    """The budget counts the kernels the library compiled for packed calls
+    (pack/state.py), process-wide and for good; a budget test starts from
+    none, as a fresh process does, not from the kernels earlier tests made."""
+    monkeypatch.setattr(pstate, "_TOTAL", [0])
+    monkeypatch.setattr(pstate, "_SEEN", set())
+
+
+def _regional(n, d=64, **pack):
     torch.manual_seed(0)
-    layers = nn.Sequential(*[Head() for _ in range(n)]).eval()
+    layers = nn.Sequential(*[Head(d) for _ in range(n)]).eval()
     ref = copy.deepcopy(layers)
     # One backend object for all: Dynamo keeps a graph per backend, so a
     # backend per layer would compile each layer on its own.
@@ -302,14 +311,16 @@ def _regional(n, **pack):
     return layers, ref
 
 
-def test_regional_compilation_counts_every_layer_into_the_budget():
+def test_regional_compilation_counts_every_layer_into_the_budget(fresh_kernel_count):
     """One graph runs every layer: the default budget ("weights") counts the
     parameters of each set the graph runs with, not only the set it was
-    compiled with, so every layer gets its copy as it would compiled whole."""
+    compiled with, so the layers get their copies as they would compiled
+    whole. Four 512x512 layers (4 MiB): counting only the first layer's
+    weights (1 MiB), the second layer's copy would not fit."""
     gc.collect()
     before, graphs = pk.weight_bytes(), counters["stats"]["unique_graphs"]
-    layers, ref = _regional(4)
-    x = torch.randn(1, 1, 64)
+    layers, ref = _regional(4, d=512)
+    x = torch.randn(1, 1, 512)
     with torch.no_grad():
         for _ in range(2):
             _close(layers(x), ref(x), torch.float32)
@@ -319,15 +330,17 @@ def test_regional_compilation_counts_every_layer_into_the_budget():
     assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph runs every layer"
 
 
-def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch):
+def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch, fresh_kernel_count):
     """A budget that fits one layer's copy: the first layer keeps using it on
     every call, the others run the plain GEMM; after the first round the C++
     kernel answers every layer's calls (one entry per weight set), so the
     Python kernel is not called again."""
     gc.collect()
-    copy_bytes = 64 * 64 * 4
-    layers, ref = _regional(3, max_bytes=pk.packed_bytes_alive() + copy_bytes + copy_bytes // 2)
-    x = torch.randn(1, 1, 64)
+    # 512 wide: a copy (1 MiB) larger than the library's kernel for it
+    # (0.55-0.6 MiB), which the same number bounds on its own.
+    copy_bytes = 512 * 512 * 4
+    layers, ref = _regional(3, d=512, max_bytes=pk.packed_bytes_alive() + copy_bytes + copy_bytes // 2)
+    x = torch.randn(1, 1, 512)
     with torch.no_grad():
         _close(layers(x), ref(x), torch.float32)
         calls = []
@@ -344,6 +357,46 @@ def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch):
     assert "M=1: the plain GEMM for a weight set whose" in row.reason and "pack.max_bytes" in row.reason
     if wfpass._torch.native.is_loaded():
         assert calls == [], "the C++ kernel should answer every layer's later calls"
+
+
+class EmbedHead(nn.Module):
+    """A packed linear beside 4 MiB of weights it does not pack."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4096, 256)
+        self.head = nn.Linear(256, 232)  # a width no other test packs: its kernels are made here
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_kernel_count):
+    """oneDNN compiles a kernel for every row count its packed linear runs
+    (0.55-0.6 MiB each, whatever the weight's size) and keeps it: a graph
+    with a symbolic row count called at 40 lengths would keep 40 (24 MiB
+    beside 4.2 MiB of weights). The default budget bounds them by the
+    weights' bytes, as it bounds the copies; the lengths past it run the
+    plain GEMM (equal to eager), the row saying so."""
+    gc.collect()
+    torch.manual_seed(0)
+    model = EmbedHead().eval()
+    ref = copy.deepcopy(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = pstate.total()
+    compiled = torch.compile(model, backend=wfpass.backend(pack={"mode": "always"}), dynamic=True)
+    with torch.no_grad():
+        for n in range(1, 41):
+            ids = torch.randint(0, 4096, (1, n))
+            _close(compiled(ids), ref(ids), torch.float32)
+    assert pstate.total() - before <= weights
+    rows = [r for r in wfpass.report(model).find("pack", "rewritten") if "head.weight" in r.params]
+    assert rows and sum(r.stats["packed_calls"] for r in rows) > 0
+    assert sum(r.stats.get("over_bound_calls", 0) for r in rows) > 0
+    assert any("kernels kept for packed calls over their budget" in r.reason for r in rows), [r.reason for r in rows]
+    if pstate._HEAP is not None:  # glibc: each kernel measured (else charged an estimate)
+        assert sum(r.stats.get("kernel_bytes", 0) for r in rows) >= 2**20, [r.stats for r in rows]
+    assert "kernel_bytes=" in str(wfpass.report(model))
 
 
 def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():
@@ -809,31 +862,32 @@ def test_decisions_are_kept_between_processes(tmp_path, monkeypatch):
     assert "by an earlier process on this machine" in words and str(tmp_path) in words
 
 
-def test_default_budget_keeps_the_copies_within_the_weights_bytes():
+def test_default_budget_keeps_the_copies_within_the_weights_bytes(fresh_kernel_count):
     """``max_bytes="weights"`` (the default): the copies of a model stay
-    within its weights' bytes; a copy past it is not made, its linear and row
-    count run the plain GEMM (equal to eager), and the row says so."""
+    within its weights' bytes, and so do the kernels the library compiled
+    for them; a copy past it is not made, its linear and row count run the
+    plain GEMM (equal to eager), and the row says so."""
     gc.collect()
     torch.manual_seed(0)
-    model = Block().eval()
+    model = Block(d=320).eval()  # 1.7 MiB of weights: room for copies and a kernel or two (0.55-0.6 MiB each)
     ref = copy.deepcopy(model)
-    before, weights_before = pk.packed_bytes_alive(), pk.weight_bytes()
+    before, kernels_before, weights_before = pk.packed_bytes_alive(), pstate.total(), pk.weight_bytes()
     compiled, _ = _compiled(model, pack={"mode": "always"})
-    x = torch.randn(2, 1, 64)
+    x = torch.randn(2, 1, 320)
     with torch.no_grad():
         for _ in range(2):
             _close(compiled(x), ref(x), torch.float32)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     grown = pk.packed_bytes_alive() - before
     assert 0 < grown <= weights
+    assert pstate.total() - kernels_before <= weights
     assert pk.weight_bytes() - weights_before <= weights
     rows = wfpass.report(model).find("pack", "rewritten")
     over = [r for r in rows if r.stats.get("over_bound_calls")]
     packed = [r for r in rows if r.stats.get("packed_bytes")]
     assert packed, [r.reason for r in rows]
-    # Whether the last copy fits depends on oneDNN's padding of its layout (it
-    # did not on torch 2.13 here, it did on 2.11); where one is refused, its row says why.
     assert all("over their budget" in r.reason and "the weights' bytes" in r.reason for r in over)
+    x = torch.randn(2, 1, 64)
     # A budget the copies cannot fit in refuses some, each row saying so.
     gc.collect()
     small = Block().eval()

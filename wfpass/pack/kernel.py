@@ -47,6 +47,7 @@ from .._torch import aot as _aot, kernels as _k, native as _native, tensors as _
 from ..records import Record, Stats
 from ..runtime import note
 from ..storage import layout_of
+from . import state as _state
 
 __all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE", "note_weights",
            "weight_bytes", "budget_of"]
@@ -96,7 +97,12 @@ class PackSite:
     def kernel_for(self, m: int) -> str:
         k = self.by_rows.get(m)
         if k is None:
+            # Timing the candidates (a shape not in the decision file) makes
+            # the library's kernels for them, which stay: this row holds them.
+            before = _state.total()
             k = self.by_rows[m] = self._choose(m)
+            if _state.total() > before:
+                self.record.bump("kernel_bytes", _state.total() - before)
         return k
 
     def is_refused(self, w0: torch.Tensor, m: int) -> bool:
@@ -184,12 +190,37 @@ _WEIGHTS = _tensors.weak_id_key_dict()
 def note_weights(tensors: Sequence[torch.Tensor]) -> None:
     """Count ``tensors`` (a rewritten graph's parameters) into the
     ``max_bytes="weights"`` budget, each tensor once."""
+    grew = False
     for t in tensors:
         if isinstance(t, torch.Tensor) and t not in _WEIGHTS:
             try:
                 _WEIGHTS[t] = t.numel() * t.element_size()
+                grew = True
             except TypeError:  # not weak-referenceable
                 pass
+    if grew:
+        _reconsider_refusals()
+
+
+def _reconsider_refusals() -> None:
+    """The ``"weights"`` budget grew: what it refused may fit now. Under regional
+    compilation the first layer's first call meets a budget of its own
+    weights alone (the other layers have not run yet), and its copy with the
+    library's kernel for the row count (state.py) is larger than that; kept
+    refused, the first layer would never pack. Each site with a refusal
+    forgets it, in Python and in the C++ kernel (which answered those calls
+    with the plain GEMM): the next call of each weight set and row count
+    asks the budget again. At most once per parameter set the budget meets."""
+    for s in list(_SITES.values()):
+        if s.max_bytes != "weights" or not len(s.refused):
+            continue  # a budget in bytes did not grow
+        s.refused = _tensors.weak_id_key_dict()
+        s.record.detail.pop("over_budget", None)
+        if _native.is_loaded():
+            s.record.stats._sync()  # the C++ kernel's counts so far, before it forgets the site
+            torch.ops.wfpass._pack_forget(s.id)
+        if s.on_budget is not None:
+            s.on_budget()
 
 
 def weight_bytes() -> int:
@@ -289,10 +320,12 @@ def _sample_of(block: torch.Tensor) -> torch.Tensor:
     return flat.view(_INT_VIEW[flat.element_size()])[::step]
 
 
-def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: str, m: int) -> Optional[_Copy]:
+def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: str, m: int,
+           skey: tuple) -> Optional[_Copy]:
     """The packed copy for this call: the one made before if nothing it was
     made from changed, else a new one; None where a new one would go over
-    ``max_bytes``."""
+    ``max_bytes``, or the library's kernel for this row count (``skey``,
+    state.py) over the same number for the kernels."""
     w0 = weights[0]
     if site.is_refused(w0, m):
         return None
@@ -301,6 +334,15 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     c = table.get(key)
     ptrs = tuple(w.data_ptr() for w in weights)
     versions = tuple(w._version for w in weights)
+    budget = budget_of(site.max_bytes)
+    # The kernel the library compiles for a row count it has not run yet
+    # (0.55-0.6 MiB with oneDNN, whatever the weight's size) is bounded by
+    # the same number, on its own: counted with the copies, the bench
+    # decoder's kernels for its dynamic row counts were refused and its
+    # 5-token call fell from 1.91x to 0.82x of Inductor (docs/pack.md#memory).
+    if budget is not None and not _state.known(skey) and _state.total() + _state.estimate(kernel) > budget:
+        _over_budget(site, w0, m, kernel, _state.estimate(kernel), budget, what="kernel")
+        return None
     if c is not None and c.ptrs == ptrs and c.versions == versions and torch.equal(c.sample, c.ref):
         return c
     block = _laid_out(weights, rows)
@@ -308,7 +350,6 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         return None  # not in one block this call: the plain GEMM over their concatenation
     block = block.detach()
     old = c.nbytes if c is not None else 0
-    budget = budget_of(site.max_bytes)
     # The copy's size: the one measured for this shape (MKL's is larger than
     # the weight and made per row count), else the weight's.
     need = _COPY_BYTES.get((kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0),
@@ -342,19 +383,26 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
 _COPY_BYTES: Dict[tuple, int] = {}
 
 
-def _over_budget(site: PackSite, w0: torch.Tensor, m: int, kernel: str, need: int, budget: int) -> None:
-    """This weight set's copy for this row count would go over
-    ``max_bytes``: from now on it runs the plain GEMM (the C++ kernel answers
-    it too), and the row says so. Other weight sets through the same site
-    (other layers under regional compilation) keep their copies."""
+def _over_budget(site: PackSite, w0: torch.Tensor, m: int, kernel: str, need: int, budget: int,
+                 what: str = "copy") -> None:
+    """This weight set's copy (or the library's kernel for this row count)
+    would go over ``max_bytes``: from now on it runs the plain GEMM at this
+    row count (the C++ kernel answers it too), and the row says so. Other
+    weight sets through the same site (other layers under regional
+    compilation) keep their copies."""
     site.record.bump("over_bound_calls")
     site.refused.setdefault(w0, set()).add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
-        what = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
-        words[m] = (f"M={m}: the plain GEMM for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "
-                    f"take the packed copies over their budget ({budget / 2**20:.1f} MiB, {what}; "
-                    f"{_ALIVE[0] / 2**20:.1f} MiB in use)")
+        whose = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
+        if what == "copy":
+            words[m] = (f"M={m}: the plain GEMM for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "
+                        f"take the packed copies over their budget ({budget / 2**20:.1f} MiB, {whose}; "
+                        f"{_ALIVE[0] / 2**20:.1f} MiB in use)")
+        else:
+            words[m] = (f"M={m}: the plain GEMM: the {kernel} kernel the library would compile for this row count "
+                        f"({need / 2**20:.1f} MiB) would take the kernels kept for packed calls over their budget "
+                        f"({budget / 2**20:.1f} MiB, {whose}; {_state.total() / 2**20:.1f} MiB in use)")
         if site.on_budget is not None:
             site.on_budget()
 
@@ -368,14 +416,17 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
         if kernel != "plain":
-            c = _fresh(s, weights, rows, kernel, m)
+            skey = _state.key_of(kernel, x, rows, bool(biases))
+            c = _fresh(s, weights, rows, kernel, m, skey)
             if c is not None:
                 s.record.bump("packed_calls")
                 bias = _whole(biases, rows, s)
                 if kernel == "mkl":
-                    y = _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m)
+                    y, grown = _state.run_first(skey, lambda: _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m))
                 else:
-                    y = _k.onednn_linear(x, c.packed, bias)
+                    y, grown = _state.run_first(skey, lambda: _k.onednn_linear(x, c.packed, bias))
+                if grown:
+                    s.record.bump("kernel_bytes", grown)
                 if _native.is_loaded():
                     _hand_to_native(s, m, kernel, c.packed, weights, rows)
                 return y if y.is_contiguous() else y.contiguous()
