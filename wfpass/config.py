@@ -166,9 +166,13 @@ class PackOptions:
                such a graph ran with (regional compilation: every layer);
                for one model: its weights' bytes, so the copies at most
                double them; an int, that many bytes (0: no packed copies);
-               ``None``: no bound. A copy that would go over is not made:
-               that linear's weights and row count run the plain GEMM
-               (counted ``over_bound_calls``, said in its row).
+               ``None``: no bound. The kernels the library compiles for
+               packed calls (oneDNN: one per weight shape and row count,
+               0.55-0.6 MiB each, kept for the process) are bounded by the
+               same number on their own (``kernel_bytes`` in the row). A
+               copy or kernel that would go over is not made: that linear's
+               weights and row count run the plain GEMM (counted
+               ``over_bound_calls``, said in its row).
     """
 
     mode: str = "auto"
