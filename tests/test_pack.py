@@ -330,6 +330,25 @@ def test_regional_compilation_counts_every_layer_into_the_budget(fresh_kernel_co
     assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph runs every layer"
 
 
+def test_regional_compilation_asks_the_budget_again_as_layers_join(fresh_kernel_count):
+    """Four 256x256 layers through one graph: the first layer's first call
+    meets a budget of its own weights (0.25 MiB), smaller than the kernel
+    the library compiles for it (0.55-0.6 MiB), and so does the second's;
+    refused then, both are asked again when later layers' weights join the
+    budget, and every layer packs from the second round on."""
+    gc.collect()
+    layers, ref = _regional(4, d=256)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        _close(layers(x), ref(x), torch.float32)
+        assert not pk.copies_of(layers[0].head.weight), "refused on the first layer's first call"
+        for _ in range(2):
+            _close(layers(x), ref(x), torch.float32)
+    assert all(len(pk.copies_of(layer.head.weight)) == 1 for layer in layers)
+    row = next(r for r in wfpass.report(layers[0]).find("pack", "rewritten") if "head.weight" in r.params)
+    assert row.stats["over_bound_calls"] == 2 and "over their budget" not in row.reason, row.reason
+
+
 def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch, fresh_kernel_count):
     """A budget that fits one layer's copy: the first layer keeps using it on
     every call, the others run the plain GEMM; after the first round the C++
