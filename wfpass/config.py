@@ -168,7 +168,7 @@ class PackOptions:
                double them; an int, that many bytes (0: no packed copies);
                ``None``: no bound. The kernels the library compiles for
                packed calls (oneDNN: one per weight shape and row count,
-               0.55-0.6 MiB each, kept for the process) are bounded by the
+               0.55-0.6 MiB each on torch 2.13, kept for the process) are bounded by the
                same number on their own (``kernel_bytes`` in the row). A
                copy or kernel that would go over is not made: that linear's
                weights and row count run the plain GEMM (counted
