@@ -349,9 +349,9 @@ def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0)
         # The first packed call makes the library's kernel for this shape and
         # row count, which stays in its cache: counted (state.py).
         if "onednn" in runs:
-            _state.run_first(("onednn", dtype, n, k, mb, False), lambda: _k.onednn_linear(x, ps_onednn[0], None))
+            _state.run_first(_state.key_of("onednn", x, n, False), lambda: _k.onednn_linear(x, ps_onednn[0], None))
         if "mkl" in runs:
-            _state.run_first(("mkl", dtype, n, k, mb, False), lambda: _k.mkl_linear(x, ps_mkl[0], ws[0], None, mb))
+            _state.run_first(_state.key_of("mkl", x, n, False), lambda: _k.mkl_linear(x, ps_mkl[0], ws[0], None, mb))
         for _ in range(2):  # warm up (and the first reorder)
             first = {name: run(1) for name, run in runs.items()}
         # Enough calls per round for ~SAMPLE_S (at most 200 calls).

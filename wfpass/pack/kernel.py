@@ -101,8 +101,9 @@ class PackSite:
             # the library's kernels for them, which stay: this row holds them.
             before = _state.total()
             k = self.by_rows[m] = self._choose(m)
-            if _state.total() > before:
-                self.record.bump("kernel_bytes", _state.total() - before)
+            grown = _state.total() - before
+            if grown:
+                self.record.bump("kernel_bytes", grown)
         return k
 
     def is_refused(self, w0: torch.Tensor, m: int) -> bool:
@@ -334,15 +335,18 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     c = table.get(key)
     ptrs = tuple(w.data_ptr() for w in weights)
     versions = tuple(w._version for w in weights)
-    budget = budget_of(site.max_bytes)
     # The kernel the library compiles for a row count it has not run yet
-    # (0.55-0.6 MiB with oneDNN, whatever the weight's size) is bounded by
-    # the same number, on its own: counted with the copies, the bench
-    # decoder's kernels for its dynamic row counts were refused and its
+    # (0.55-0.6 MiB with oneDNN on torch 2.13, whatever the weight's size) is
+    # bounded by the same number, on its own: counted with the copies, the
+    # bench decoder's kernels for its dynamic row counts were refused and its
     # 5-token call fell from 1.91x to 0.82x of Inductor (docs/pack.md#memory).
-    if budget is not None and not _state.known(skey) and _state.total() + _state.estimate(kernel) > budget:
-        _over_budget(site, w0, m, kernel, _state.estimate(kernel), budget, what="kernel")
-        return None
+    # Asked only for a new kernel: the budget sums the weights' bytes, and
+    # with the Python kernel alone every call comes here.
+    if not _state.known(skey):
+        budget = budget_of(site.max_bytes)
+        if budget is not None and _state.total() + _state.estimate(kernel) > budget:
+            _over_budget(site, w0, m, kernel, _state.estimate(kernel), budget, what="kernel")
+            return None
     if c is not None and c.ptrs == ptrs and c.versions == versions and torch.equal(c.sample, c.ref):
         return c
     block = _laid_out(weights, rows)
@@ -350,6 +354,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         return None  # not in one block this call: the plain GEMM over their concatenation
     block = block.detach()
     old = c.nbytes if c is not None else 0
+    budget = budget_of(site.max_bytes)
     # The copy's size: the one measured for this shape (MKL's is larger than
     # the weight and made per row count), else the weight's.
     need = _COPY_BYTES.get((kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0),

@@ -1,5 +1,5 @@
-"""The kernel library's own memory behind the packed kernels: counted into
-the budget of packed copies and shown in the report.
+"""The kernel library's own memory behind the packed kernels: bounded by
+``pack.max_bytes`` beside the packed copies, and shown in the report.
 
 oneDNN compiles a kernel (a *primitive*: JIT code and its descriptors) for
 every weight shape, dtype and **row count** its packed linear runs, and keeps
@@ -11,9 +11,10 @@ EPYC with AVX-512, float32 and bfloat16, weights from 64x64 to 2752x256):
 (torch 2.11's CUDA build: 0.43 MB for a shape's first, about 40 KB after);
 MKL's packed SGEMM kept about 1.3 MiB at its first call at 5 rows. A model
 compiled with a symbolic row count (prefill of varied prompt lengths) made
-one such kernel per length per packed shape: the bench decoder grew by
-225 MiB over 200 lengths, against 12 MiB of packed copies
-(``benchmarks/decoder_memory.py --sweep``). So ``pack.max_bytes`` bounds
+one such kernel per length per packed shape: called at every length from 1
+to 200, the bench decoder grew by 250.7 MB (219 MB of kernels, 12.2 MB of
+packed copies) against Inductor's 24.6 MB
+(``benchmarks/decoder_memory.py --warm --sweep 200``). So ``pack.max_bytes`` bounds
 these kernels too, on their own: the copies within it, and the kernels
 within it (one budget for both took the bench decoder's kernels for its
 dynamic row counts, and its 5-token call fell from 1.91x to 0.82x of
