@@ -623,6 +623,30 @@ def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(mon
     assert [r.stats["packed_calls"] for r in rows] == [7, 7]
 
 
+def test_the_cpp_kernels_entries_stay_off_mallocs_heap():
+    """One entry per site and new row count, made between the large outputs
+    of a varied prefill: on malloc's heap each pinned the freed pages around
+    it (RSS before ``malloc_trim`` grew ~0.3 MB per new length, pack.md#memory).
+    They live on pages of their own: 3000 entries leave the heap in use as it
+    was (the old entries took ~200 bytes each, 600 KB here)."""
+    if not native.loaded():
+        pytest.skip(native.status())
+    if pstate._HEAP is None:
+        pytest.skip("no mallinfo2 here (not glibc >= 2.33)")
+    site = 987_654_321  # no compiled graph uses it
+    w = torch.randn(8, 4)
+    put = torch.ops.wfpass._pack_put
+    put(site, 1, 0, None, [w], 8, 64, -1)  # the site, the table's first buckets
+    try:
+        before = pstate._HEAP()
+        for m in range(2, 3002):
+            put(site, m, 0, None, [w], 8, 64, -1)  # the plain GEMM for row count m
+        grown = pstate._HEAP() - before
+    finally:
+        torch.ops.wfpass._pack_forget(site)
+    assert grown < 64 * 1024, grown
+
+
 def test_a_failed_build_leaves_the_python_kernel_and_says_why(tmp_path):
     import subprocess
     import sys
