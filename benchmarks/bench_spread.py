@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--parts", default="decoder,generate")
     ap.add_argument("--shared-decisions", action="store_true", help="one decision file for all runs")
     ap.add_argument("--out", default=None, help="folder for spread.md")
+    ap.add_argument("--json", default=None, help="write every run's medians (us) per row and variant here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes = dataclasses.replace(QUICK if args.quick else FULL)
@@ -50,11 +51,14 @@ def main() -> int:
     parts = tuple(p for p in args.parts.split(",") if p)
     shared = tempfile.mkdtemp(prefix="wfpass-choices-")
     per_row: dict = {}
+    raw: list = []  # per run: {row: {variant: median us}}
     t0 = time.perf_counter()
     for i in range(args.processes):
         # The variants' processes inherit it (spawn copies the environment).
         os.environ["WFPASS_CACHE_DIR"] = shared if args.shared_decisions else tempfile.mkdtemp(prefix="wfpass-choices-")
         results, _ = run(sizes, parts)
+        raw.append({" / ".join(map(str, (r.case.model, r.case.step, r.case.size))):
+                    {v: round(t.median * 1e6, 1) for v, t in r.times.items()} for r in results})
         for r in results:
             key = (r.case.model, r.case.step, r.case.size)
             t = r.times
@@ -83,6 +87,11 @@ def main() -> int:
                      f"{row['third_name'] or '-'} | {'yes' if row['ok'] else 'NO'} |")
     text = "\n".join(lines) + "\n"
     print(text)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "runs": raw}, f, indent=1)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "spread.md"), "w") as f:
