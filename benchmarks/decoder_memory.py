@@ -9,12 +9,15 @@ and Inductor's on-disk caches already hold the graphs).
 
     python benchmarks/decoder_memory.py --backend wformat [--max-bytes none|weights|N|off] [--warm]
     python benchmarks/decoder_memory.py --backend inductor [--warm]
-    python benchmarks/decoder_memory.py --backend wformat|inductor --warm --sweep 200
+    python benchmarks/decoder_memory.py --backend wformat|inductor --warm --sweep 200 [--repeat 2]
 
 ``--sweep N`` calls the decoder at every length from 1 to N instead (a
 prefill of varied prompt lengths: after the call at 2 Dynamo recompiles
 with the length symbolic), so what a kernel library keeps per row count
 shows: oneDNN compiles and keeps a kernel per packed shape and row count.
+``--repeat 2`` calls each length twice: wformat decides a row count its
+graph was not compiled for on that count's second call (the first runs the
+plain GEMM), so one call per length packs nothing new.
 
 The growth is read from before the ``torch.compile`` call: with
 ``backend="inductor"`` that call already imports Inductor's compiler, which
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warm", action="store_true", help="pay one-time costs on a small model first")
     ap.add_argument("--sweep", type=int, default=0, help="call at every length 1..N instead")
+    ap.add_argument("--repeat", type=int, default=1, help="with --sweep: calls per length (wformat decides a new length on its second call)")
     ap.add_argument("--hand-fused", action="store_true", help="the decoder written by hand with fused Q/K/V and gate/up weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -93,7 +97,8 @@ def main() -> None:
     fn = torch.compile(model, backend=backend)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for n in (range(1, args.sweep + 1) if args.sweep else (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5):
+        lengths = [n for n in range(1, args.sweep + 1) for _ in range(args.repeat)] if args.sweep else (1, 8, 8, 5, 8, 8, 3) + (1, 5, 8) * 5
+        for n in lengths:
             fn(torch.randn(1, n, 256))
     calls_s = time.perf_counter() - t0
     gc.collect()
@@ -103,7 +108,7 @@ def main() -> None:
         trimmed = round(rss_mb() - before, 1)
     except (OSError, AttributeError):  # not glibc
         trimmed = None
-    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "sweep": args.sweep, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
+    out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "sweep": args.sweep, "repeat": args.repeat, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
            "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1),
            "calls_s": round(calls_s, 1)}
     if args.backend == "wformat":

@@ -177,13 +177,15 @@ def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     # One graph for every M: the op would serve sizes nobody measured,
     # and its call costs even where it then runs the plain GEMM. So it
     # goes in only where packing was measured to pay at the M this graph
-    # was compiled for (its hint); then each further M is measured when
-    # first seen. Else the linear stays the compiler's own GEMM.
+    # was compiled for (its hint); then each further M is measured on its
+    # second call (PackSite.kernel_for). Else the linear stays the
+    # compiler's own GEMM.
     if not ctx.is_dynamo:
         # ``wfpass.apply`` graphs carry no shapes and run eagerly: each M
         # is measured when the op first sees it.
         m.kernel = ""
-        m.why = "row count M unknown in this graph: the kernel is chosen per M when first seen"
+        m.why = ("row count M unknown in this graph: the kernel is chosen per M on its second call (the first "
+                 "runs the plain GEMM)")
         return None
     hint = _rows_hint(m.x)
     if hint is None:
@@ -193,9 +195,9 @@ def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     words = describe_choice(opts, t.dtype, t.shape[1], m.rows, hint, pool)
     if kernel == "plain":
         return f"row count M symbolic; measured at the size this graph was compiled for, {words}"
-    m.kernel = ""
+    m.kernel, m.hint = "", hint
     m.why = (f"row count M symbolic: measured at the size this graph was compiled for, {words}; every other M "
-             f"is measured when first seen")
+             f"is measured on its second call (the first runs the plain GEMM)")
     return None
 
 

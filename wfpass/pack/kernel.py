@@ -78,6 +78,8 @@ class PackSite:
     def __init__(self, record: Record, choose, max_bytes: Optional[int]):
         self.record, self._choose, self.max_bytes = record, choose, max_bytes
         self.by_rows: Dict[int, str] = {}
+        # Row counts met once and not decided yet (``kernel_for``).
+        self.seen_once: set = set()
         self.id = 0
         self.names: List[str] = []  # the weights' names, for the record
         # ``wfpass.apply`` graphs run eagerly, so the op sees whether this
@@ -94,9 +96,24 @@ class PackSite:
         for c in ("packed_calls", "plain_calls", "repacked", "packed_bytes"):
             record.stats.setdefault(c, 0)
 
-    def kernel_for(self, m: int) -> str:
+    def kernel_for(self, m: int) -> Optional[str]:
+        """The kernel for ``m`` rows; None on the first call at a row count
+        the graph was not compiled for (that call runs the plain GEMM).
+
+        Why the second call: deciding a new row count times the candidates
+        (about a second for the bench decoder's four shapes with no
+        decision file) and has the library compile a kernel per shape for
+        it (0.55-0.6 MiB each on torch 2.13, kept for the process). A
+        prefill of varied prompt lengths meets most lengths once; neither
+        cost pays for a single call. A row count that comes again is
+        decided then and kept."""
         k = self.by_rows.get(m)
         if k is None:
+            if m not in self.seen_once:
+                self.seen_once.add(m)
+                self.record.bump("first_calls")
+                return None
+            self.seen_once.discard(m)
             # Timing the candidates (a shape not in the decision file) makes
             # the library's kernels for them, which stay: this row holds them.
             before = _state.total()
@@ -418,6 +435,12 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
     m = x.numel() // k if k else 0
     if s is not None and m > 0:
         kernel = chosen = s.kernel_for(m)
+        if chosen is None:
+            # A row count's first call: the plain GEMM, and not handed to the
+            # C++ kernel, so that its next call comes back here to be decided.
+            s.record.bump("plain_calls")
+            y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
+            return y if y.is_contiguous() else y.contiguous()
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
         if kernel != "plain":

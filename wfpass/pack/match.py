@@ -45,6 +45,8 @@ class PackMatch(Match):
         self.m: Optional[int] = rows_of(x)  # M, None where symbolic or unknown
         # Set by the guard of a taken match: the kernel for a static M and its row's words.
         self.kernel, self.why = "", ""
+        # A symbolic M: the size the graph was compiled for, measured then.
+        self.hint: Optional[int] = None
         # The graph's in-place writes to its inputs and attributes
         # (``graph.mutated_state``), found once per run by the matcher.
         self.written: Dict[fx.Node, str] = {}

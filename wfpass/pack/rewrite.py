@@ -71,7 +71,7 @@ def _record_for(ctx: PassContext, m: PackMatch) -> Record:
 
 def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
     """The call's ``PackSite`` (its record, options and kernel per row
-    count, each further M chosen and noted when first seen), registered
+    count, each further M chosen and noted on its second call), registered
     and kept alive with the graph; its id."""
     opts = ctx.config.pack
     w0 = m.weights[0].tensor
@@ -96,6 +96,9 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
         ctx.on_new_params(note_weights)
     if m.m is not None:
         site.by_rows[m.m] = m.kernel
+    elif m.hint is not None:
+        # Measured at compile time: decided on its first call, not its second.
+        site.seen_once.add(m.hint)
     site.names = [w.name for w in m.weights]
     sid = register_site(site)
     ctx.keep_alive(site)
