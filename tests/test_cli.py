@@ -123,7 +123,7 @@ def test_interleaved_timing_rotates_the_order_and_keeps_every_round():
     steps = {k: (lambda k=k: seen.append(k)) for k in "abc"}
     t = bench.interleaved(steps, rounds=3, min_s=0.0)
     assert {k: len(v.samples) for k, v in t.items()} == {"a": 3, "b": 3, "c": 3}
-    timed = seen[3:]  # after one calibration call each
+    timed = seen[6:]  # after one warm-up and one calibration call each
     assert timed[:3] == ["a", "b", "c"] and timed[3:6] == ["b", "c", "a"] and timed[6:] == ["c", "a", "b"]
     assert bench.Timing([1.0, 2.0, 3.0, 4.0, 100.0]).median == 3.0
     assert bench.Timing([1.0, 1.0, 1.0]).spread == 0.0

@@ -151,7 +151,10 @@ def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float 
                 progress: Optional[Progress] = None) -> Dict[str, Timing]:
     """Time every step in one process, ``interleaved_samples`` with each
     sample enough calls to last ``min_s``. Each step must already have run
-    once (compiled)."""
+    once (compiled); each runs once more here before the sample sizes are
+    set, as wformat decides a row count new to a graph on its second call."""
+    for fn in steps.values():
+        fn()
     calls = {k: calls_per_sample(fn, min_s) for k, fn in steps.items()}
 
     def sampler(fn: Callable[[], None], n: int) -> Callable[[], float]:
