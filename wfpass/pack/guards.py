@@ -182,7 +182,7 @@ def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     # compiler's own GEMM.
     if not ctx.is_dynamo:
         # ``wfpass.apply`` graphs carry no shapes and run eagerly: each M
-        # is measured when the op first sees it.
+        # is measured on the op's second call at it.
         m.kernel = ""
         m.why = ("row count M unknown in this graph: the kernel is chosen per M on its second call (the first "
                  "runs the plain GEMM)")

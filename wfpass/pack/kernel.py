@@ -439,8 +439,7 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
             # A row count's first call: the plain GEMM, and not handed to the
             # C++ kernel, so that its next call comes back here to be decided.
             s.record.bump("plain_calls")
-            y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
-            return y if y.is_contiguous() else y.contiguous()
+            return _plain(x, weights, biases, rows, s)
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
         if kernel != "plain":
@@ -464,6 +463,11 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
         elif chosen == "plain" and _native.is_loaded():
             _hand_to_native(s, m, kernel, None, weights, rows)
         s.record.bump("plain_calls")
+    return _plain(x, weights, biases, rows, s)
+
+
+def _plain(x: torch.Tensor, weights, biases, rows: int, s: Optional[PackSite]) -> torch.Tensor:
+    """The plain GEMM on the parameters (their block, or their concatenation, counted)."""
     y = F.linear(x, _whole(weights, rows, s), _whole(biases, rows, s))
     return y if y.is_contiguous() else y.contiguous()
 

@@ -102,11 +102,6 @@ def _worker(conn, sizes: Sizes, parts: tuple, index: int, variant: str, threads:
                 conn.send(("ok", extra() if extra is not None else {}))
             elif cmd == "sample":
                 if not calls:
-                    # One call first: wformat decides a row count new to a
-                    # graph on its second call (timing the candidates where
-                    # the decision file does not hold them), which would make
-                    # the calibration's first call, and the sample size, its.
-                    step()
                     calls = calls_per_sample(step, sizes.min_s)
                 t0 = time.perf_counter()
                 for _ in range(calls):

@@ -122,6 +122,11 @@ class Timing:
 
 
 def calls_per_sample(fn: Callable[[], None], min_s: float) -> int:
+    """Calls per sample to last ``min_s``. One call first, uncounted: wformat
+    decides a row count new to a graph on its second call (timing the
+    candidates where the decision file does not hold them), which would
+    otherwise be the first call counted here and set the sample size."""
+    fn()
     n = 1
     while True:
         t0 = time.perf_counter()
@@ -151,10 +156,7 @@ def interleaved(steps: Dict[str, Callable[[], None]], rounds: int, min_s: float 
                 progress: Optional[Progress] = None) -> Dict[str, Timing]:
     """Time every step in one process, ``interleaved_samples`` with each
     sample enough calls to last ``min_s``. Each step must already have run
-    once (compiled); each runs once more here before the sample sizes are
-    set, as wformat decides a row count new to a graph on its second call."""
-    for fn in steps.values():
-        fn()
+    once (compiled)."""
     calls = {k: calls_per_sample(fn, min_s) for k, fn in steps.items()}
 
     def sampler(fn: Callable[[], None], n: int) -> Callable[[], float]:
