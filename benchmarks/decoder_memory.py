@@ -56,6 +56,19 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
+def rss_parts_mb() -> dict[str, float]:
+    """RSS split as the kernel counts it: anonymous pages (heap, mmap'd
+    buffers) against file-backed ones (shared libraries' code and data
+    touched for the first time, Inductor's compiled modules)."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                key, kb = line.split()[:2]
+                parts[key[3:-1].lower()] = int(kb) / 1024
+    return parts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("wformat", "inductor"), required=True)
@@ -94,6 +107,7 @@ def main() -> None:
     # that import to wformat alone.
     gc.collect()
     before = rss_mb()
+    before_parts = rss_parts_mb()
     fn = torch.compile(model, backend=backend)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -108,9 +122,10 @@ def main() -> None:
         trimmed = round(rss_mb() - before, 1)
     except (OSError, AttributeError):  # not glibc
         trimmed = None
+    parts = {f"rss_{k}_growth_mb": round(v - before_parts.get(k, 0.0), 1) for k, v in rss_parts_mb().items()}
     out = {"backend": args.backend, "max_bytes": args.max_bytes, "warm": args.warm, "sweep": args.sweep, "repeat": args.repeat, "hand_fused": args.hand_fused, "rss_growth_mb": round(grown, 1),
            "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1),
-           "calls_s": round(calls_s, 1)}
+           **parts, "calls_s": round(calls_s, 1)}
     if args.backend == "wformat":
         rows = wfpass.report(model).find("pack", "rewritten")
         out["packed_alive_mb"] = round(pk.packed_bytes_alive() / 2**20, 1)

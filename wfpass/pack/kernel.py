@@ -220,6 +220,11 @@ def note_weights(tensors: Sequence[torch.Tensor]) -> None:
         _reconsider_refusals()
 
 
+#: Called when the ``"weights"`` budget grows (the LSTM copies' refusals,
+#: ``rnn/cpu/lstm_pack.py``, which this module does not import).
+ON_BUDGET_GROWTH: List = []
+
+
 def _reconsider_refusals() -> None:
     """The ``"weights"`` budget grew: what it refused may fit now. Under regional
     compilation the first layer's first call meets a budget of its own
@@ -239,6 +244,8 @@ def _reconsider_refusals() -> None:
             torch.ops.wfpass._pack_forget(s.id)
         if s.on_budget is not None:
             s.on_budget()
+    for fn in ON_BUDGET_GROWTH:
+        fn()
 
 
 def weight_bytes() -> int:

@@ -37,6 +37,7 @@ from .. import capture as _capture
 from ..graph import PassContext, mutated_state
 from ..pipeline import Format
 from ..rnn.packed import sequence as _packed
+from ..rnn.cpu import lstm_pack as _lstm_pack
 from ..rnn.capture import name_errors, note_seen, unname_errors
 from ..rnn.guards import call_problem
 from ..rnn.match import RNN_FUNCTIONS, RnnCall, RunState, match_call
@@ -66,6 +67,9 @@ class FuseRnn(Format):
 
     def restore(self, module) -> None:
         unname_errors(module)  # the errors Dynamo's wrapping gave the RNN name it no more
+        # Copies in oneDNN's layout are derived state: the next call makes them again.
+        for t in module.parameters(recurse=False):
+            _lstm_pack.drop(t)
 
     def matches(self, gm: fx.GraphModule, ctx: PassContext) -> Iterator[RnnCall]:
         # What this run's calls share: the weight sets already grouped (the

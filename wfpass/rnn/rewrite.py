@@ -26,6 +26,7 @@ from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
 from .packed.sequence import PackedRnnForward, packed_path
+from .cpu import lstm_pack as _lstm_pack
 from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
 from .spec import RnnSpec, zero_state
 
@@ -139,7 +140,23 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     if train and path != choose_path(spec, ref, steps, n, False):
         bucket += ", training"  # its own kernel (an LSTM the C++ loop takes in training only)
     _count_at_site(ctx, site, w_nodes, counter, spec, path, ref, bucket, n)
+    if path == "mkldnn" and not train:
+        _allow_packed_weights(ctx, s, record)
     return path
+
+
+def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
+    """An inference LSTM on oneDNN's layer op: let each layer direction keep
+    its weights in oneDNN's layout (``cpu/lstm_pack.py``), under the packed
+    format's options (``pack.mode="off"``: none) and budget."""
+    if ctx.config.pack.mode == "off" or ctx.config.dry_run:
+        return
+    ws = [r.tensor for r in s.weights]
+    if not all(w.device.type == "cpu" and w.dtype == torch.float32 for w in ws):
+        return
+    per = s.spec.weights_per_layer
+    pairs = [(ws[k], ws[k + 1]) for k in range(0, len(ws), per)]
+    _lstm_pack.allow(record, pairs, ctx.config.pack.max_bytes)
 
 
 def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, spec: RnnSpec, path: str,

@@ -8,10 +8,16 @@
 // Checked on torch 2.13.0.
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <mutex>
 #include <tuple>
+#include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -25,10 +31,173 @@ Tensor zero_state(const Tensor& input, int64_t hidden) {
   return at::zeros({1, input.size(1), hidden}, input.options());
 }
 
+// ---- An inference call's weights in oneDNN's own layout ----------------------
+//
+// ATen's oneDNN LSTM layer reorders both weights into oneDNN's layout on
+// every call it gets plain weights (tens of microseconds at the sizes RNNs
+// run); given weights already in that layout (torch's
+// mkldnn::_reorder_mkldnn_rnn_layer_weight, what Inductor's freezing uses) it
+// skips the reorder. The Python side (wfpass/rnn/cpu/lstm_pack.py) owns the
+// copies, decides which weight pairs may have one (the budget, the report)
+// and makes them; it hands each decision here (wfpass::_lstm_pack_put): a
+// *weak* reference to the copy and what it was made from (the weights'
+// addresses and version counters, a sample of their bits). An inference call
+// whose pair has an entry that still holds runs from the copy; a pair never
+// seen, a changed weight or a dropped copy goes to Python
+// (wfpass::_lstm_pack_ask), which answers through _lstm_pack_put: one
+// source of truth for every decision, as pack.cpp does for linears.
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct PairKey {
+  const void* ih;
+  const void* hh;
+  bool reverse;
+  bool operator==(const PairKey& o) const { return ih == o.ih && hh == o.hh && reverse == o.reverse; }
+};
+
+struct PairHash {
+  size_t operator()(const PairKey& k) const {
+    return std::hash<const void*>()(k.ih) * 31 + std::hash<const void*>()(k.hh) * 7 + k.reverse;
+  }
+};
+
+struct PairEntry {
+  int64_t id = 0;  // Python's pair id (0: a pair Python keeps plain)
+  WeakImpl p_ih{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  WeakImpl p_hh{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  int64_t v_ih = -1, v_hh = -1;
+  int64_t step_ih = 1, step_hh = 1, esize = 0;
+  std::vector<uint8_t> ref_ih, ref_hh;
+};
+
+// Past this many pairs (a process that keeps making models), the ones whose
+// copy died and the plain ones go first.
+constexpr size_t kMaxPairs = 4096;
+
+std::mutex pack_mu;
+std::unordered_map<PairKey, PairEntry, PairHash> pairs;
+std::unordered_map<int64_t, int64_t> packed_calls;  // pair id -> calls since the last read
+
+void take_sample(const Tensor& w, int64_t step, int64_t esize, std::vector<uint8_t>& out) {
+  const auto* base = static_cast<const uint8_t*>(w.data_ptr());
+  out.clear();
+  for (int64_t i = 0; i < w.numel(); i += step) out.insert(out.end(), base + i * esize, base + (i + 1) * esize);
+}
+
+bool sample_equal(const Tensor& w, int64_t step, int64_t esize, const std::vector<uint8_t>& ref) {
+  const auto* base = static_cast<const uint8_t*>(w.data_ptr());
+  size_t j = 0;
+  for (int64_t i = 0; i < w.numel(); i += step, j += esize)
+    if (j + esize > ref.size() || std::memcmp(base + i * esize, ref.data() + j, esize) != 0) return false;
+  return j == ref.size();
+}
+
+// The weights as plain contiguous float tensors on the CPU: the only ones
+// this path serves (a copy is made from their bytes).
+bool servable(const Tensor& w) {
+  return w.defined() && w.device().is_cpu() && w.layout() == at::kStrided && w.is_contiguous() &&
+         w.scalar_type() == at::kFloat;
+}
+
+bool holds(const PairEntry& e, const Tensor& w_ih, const Tensor& w_hh) {
+  return w_ih._version() == e.v_ih && w_hh._version() == e.v_hh &&
+         sample_equal(w_ih, e.step_ih, e.esize, e.ref_ih) && sample_equal(w_hh, e.step_hh, e.esize, e.ref_hh);
+}
+
+// The copy for this call's pair, or undefined tensors (the plain weights);
+// asks Python once where nothing here answers.
+std::pair<Tensor, Tensor> packed_pair(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, bool reverse,
+                                      int64_t hidden_size, bool has_biases) {
+  if (!servable(w_ih) || !servable(w_hh) || input.scalar_type() != at::kFloat) return {};
+  const PairKey key{w_ih.data_ptr(), w_hh.data_ptr(), reverse};
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    {
+      std::lock_guard<std::mutex> g(pack_mu);
+      auto it = pairs.find(key);
+      if (it != pairs.end() && holds(it->second, w_ih, w_hh)) {
+        const PairEntry& e = it->second;
+        if (e.id == 0) return {};
+        auto a = e.p_ih.lock();
+        auto b = e.p_hh.lock();
+        if (a && b) {
+          ++packed_calls[e.id];
+          return {Tensor(std::move(a)), Tensor(std::move(b))};
+        }
+      }
+    }
+    if (attempt == 1) break;
+    // Asked outside the lock: Python answers through _lstm_pack_put.
+    static auto ask = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("wfpass::_lstm_pack_ask", "")
+                          .typed<void(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, bool)>();
+    ask.call(input, w_ih, w_hh, reverse, hidden_size, has_biases);
+  }
+  return {};
+}
+
+// Python's answer for a pair: its copy (p_ih, p_hh) with the pair's id, or
+// none (id 0: this pair runs on its plain weights until a weight changes).
+void lstm_pack_put(int64_t id, const Tensor& w_ih, const Tensor& w_hh, bool reverse, const Opt& p_ih,
+                   const Opt& p_hh, int64_t sample) {
+  if (!servable(w_ih) || !servable(w_hh)) return;
+  PairEntry e;
+  e.id = (p_ih.has_value() && p_hh.has_value()) ? id : 0;
+  if (e.id != 0) {
+    e.p_ih = WeakImpl(p_ih->getIntrusivePtr());
+    e.p_hh = WeakImpl(p_hh->getIntrusivePtr());
+  }
+  e.v_ih = w_ih._version();
+  e.v_hh = w_hh._version();
+  e.esize = w_ih.element_size();
+  e.step_ih = std::max<int64_t>(1, w_ih.numel() / std::max<int64_t>(1, sample));
+  e.step_hh = std::max<int64_t>(1, w_hh.numel() / std::max<int64_t>(1, sample));
+  take_sample(w_ih, e.step_ih, e.esize, e.ref_ih);
+  take_sample(w_hh, e.step_hh, e.esize, e.ref_hh);
+  std::lock_guard<std::mutex> g(pack_mu);
+  if (pairs.size() >= kMaxPairs) {
+    for (auto it = pairs.begin(); it != pairs.end();)
+      it = (it->second.id == 0 || it->second.p_ih.expired()) ? pairs.erase(it) : std::next(it);
+  }
+  pairs[PairKey{w_ih.data_ptr(), w_hh.data_ptr(), reverse}] = std::move(e);
+}
+
+// The packed calls of these pairs since the last read; zeroed.
+int64_t lstm_pack_take_calls(at::IntArrayRef ids) {
+  std::lock_guard<std::mutex> g(pack_mu);
+  int64_t n = 0;
+  for (int64_t id : ids) {
+    auto it = packed_calls.find(id);
+    if (it != packed_calls.end()) {
+      n += it->second;
+      it->second = 0;
+    }
+  }
+  return n;
+}
+
+// Forget a pair: its weights died, its copy was dropped, or the budget grew
+// (a refused pair is asked again).
+void lstm_pack_forget(int64_t id, const std::optional<Tensor>& w_ih, const std::optional<Tensor>& w_hh) {
+  std::lock_guard<std::mutex> g(pack_mu);
+  for (auto it = pairs.begin(); it != pairs.end();) {
+    const bool same_ptrs = w_ih.has_value() && w_hh.has_value() && it->first.ih == w_ih->data_ptr() &&
+                           it->first.hh == w_hh->data_ptr();
+    it = ((id != 0 && it->second.id == id) || same_ptrs) ? pairs.erase(it) : std::next(it);
+  }
+  if (id != 0) packed_calls.erase(id);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
                                                       const Tensor& b_ih, const Tensor& b_hh, const Opt& hx,
                                                       const Opt& cx, bool reverse, int64_t hidden_size,
                                                       bool has_biases, bool train) {
+  // Inference: from the pair's copy in oneDNN's layout where it has one.
+  // Training reads the parameters (the backward differentiates them, and
+  // an optimizer step would make every copy stale).
+  std::pair<Tensor, Tensor> packed;
+  if (!train) packed = packed_pair(input, w_ih, w_hh, reverse, hidden_size, has_biases);
+  const Tensor& wi = packed.first.defined() ? packed.first : w_ih;
+  const Tensor& wh = packed.second.defined() ? packed.second : w_hh;
   Tensor zero;
   if (!hx.has_value() || !cx.has_value()) zero = zero_state(input, hidden_size);
   const Tensor& h = hx.has_value() ? *hx : zero;
@@ -40,7 +209,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer(const Tensor& input, const
   // the op is functional, its gradient is wfpass::lstm_layer_backward.
   c10::AutoGradMode grad(train);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  auto r = at::mkldnn_rnn_layer(input, w_ih, w_hh, b_ih, b_hh, h, c, reverse, {}, /*mode=*/2, hidden_size,
+  auto r = at::mkldnn_rnn_layer(input, wi, wh, b_ih, b_hh, h, c, reverse, {}, /*mode=*/2, hidden_size,
                                 /*num_layers=*/1, has_biases, /*bidirectional=*/false, /*batch_first=*/false, train);
   Tensor ws = std::get<3>(r);
   if (!ws.defined() || !train) ws = at::empty({0}, input.options().dtype(at::kByte));
@@ -267,6 +436,10 @@ Grads6 rnn_layer_backward(const Tensor& input, const Tensor& w_ih, const Tensor&
 // Called only inside wfpass::rnn_layer_backward's kernel (never traced, so
 // no fake implementation).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
+  m.def("_lstm_pack_put(int id, Tensor w_ih, Tensor w_hh, bool reverse, Tensor? p_ih, Tensor? p_hh, int sample) -> ()",
+        lstm_pack_put);
+  m.def("_lstm_pack_take_calls(int[] ids) -> int", lstm_pack_take_calls);
+  m.def("_lstm_pack_forget(int id, Tensor? w_ih, Tensor? w_hh) -> ()", lstm_pack_forget);
   m.def("_gru_grad_loop(Tensor k_h, Tensor z, Tensor w_hh, Tensor? grad_output, Tensor? grad_hy) "
         "-> (Tensor, Tensor, Tensor)",
         gru_grad_loop);

@@ -27,6 +27,7 @@ import torch
 from ...graph import static_int
 from ..._torch import aot as _aot, kernels as _kernels
 from ..ops import define_rnn_op
+from . import lstm_pack as _lstm_pack
 
 __all__ = ["workspace_numel", "zero_states"]
 
@@ -56,6 +57,11 @@ def zero_states(input, hidden_size, *states):
 
 def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
     hx, cx = zero_states(input, hidden_size, hx, cx)
+    if not train:  # inference: from the pair's copy in oneDNN's layout where it has one (lstm_pack.py)
+        packed = _lstm_pack.packed_pair(input, w_ih, w_hh, reverse, hidden_size, has_biases)
+        if packed is not None:
+            _lstm_pack.count_python_call(w_ih)
+            w_ih, w_hh = packed
     prev = torch.is_grad_enabled()
     torch.set_grad_enabled(train)  # the kernel returns its workspace only with grad mode on
     try:

@@ -1,0 +1,203 @@
+"""An inference LSTM's weights in oneDNN's own layout (``rnn/cpu/lstm_pack.py``).
+
+oneDNN's LSTM layer reorders plain weights into its layout on every call; a
+compiled inference graph keeps each layer direction's weights as such a copy
+beside the parameters, made once, checked on every call, within
+``pack.max_bytes``, freed with the parameters. Every test compares with the
+same model run eagerly on a deep copy.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import wfpass
+from wfpass.pack import kernel as pk
+from wfpass.rnn.cpu import lstm_pack
+from wftest import TOL
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+# oneDNN's layer op for every size ("eager": the C++ loop would take these small LSTMs).
+ONEDNN = {"cpu_kernel": "eager", "seq_threshold": 1}
+
+
+class Tagger(nn.Module):
+    """An LSTM over a projection of its input, called twice (the same
+    weights), with a residual that reuses the input."""
+
+    def __init__(self, bidirectional: bool = True, layers: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        # Sizes where oneDNN's layout pads nothing (at 16x16 its copy is twice the weights).
+        self.rnn = nn.LSTM(32, 64, num_layers=layers, bidirectional=bidirectional)
+        self.out = nn.Linear(64 * (2 if bidirectional else 1), 32)
+
+    def forward(self, x):
+        h = self.inp(x)
+        y, _ = self.rnn(h)
+        y2, _ = self.rnn(h.flip(0))
+        return self.out(y + y2) + h
+
+
+def _rnn_row(model):
+    rows = wfpass.report(model).find("rnn", "rewritten")
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def _compiled(model, **options):
+    return torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN, **options))
+
+
+def _close(a, b):
+    rtol, atol = TOL[torch.float32]
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["bidirectional", "one-direction"])
+def test_an_inference_lstm_reads_a_copy_in_onednns_layout(bidirectional):
+    torch.manual_seed(0)
+    model = Tagger(bidirectional).eval()
+    ref = copy.deepcopy(model)
+    before = pk.packed_bytes_alive()
+    fn = _compiled(model)
+    x = torch.randn(5, 3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    pairs = 2 * (2 if bidirectional else 1)  # layers x directions
+    # 3 calls of the model, 2 LSTM calls each, every layer direction from its copy
+    assert row.stats["packed_calls"] == 3 * 2 * pairs, row.stats
+    weights = sum(p.numel() * p.element_size() for n, p in model.rnn.named_parameters() if n.startswith("weight"))
+    assert row.stats["packed_bytes"] == pk.packed_bytes_alive() - before
+    assert weights <= row.stats["packed_bytes"] <= 2 * weights, (row.stats, weights)
+    assert "copy in its own layout" in row.reason and "(packed_calls, packed_bytes)" in row.reason
+
+
+def test_a_weight_changed_in_place_or_through_data_makes_the_copy_again():
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    ref = copy.deepcopy(model)
+    fn = _compiled(model)
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        fn(x)
+        for m in (model, ref):
+            m.rnn.weight_hh_l0.mul_(0.5)  # in place: the version counter moves
+        _close(fn(x), ref(x))
+        new = torch.randn_like(model.rnn.weight_ih_l1_reverse)
+        for m in (model, ref):
+            m.rnn.weight_ih_l1_reverse.data.copy_(new)  # through .data: only the bits tell
+        _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    assert row.stats.get("repacked", 0) >= 2, row.stats
+    assert row.stats["packed_calls"] > 0
+
+
+def test_training_reads_the_parameters_and_inference_after_a_step_is_fresh():
+    torch.manual_seed(0)
+    model = Tagger()
+    ref = copy.deepcopy(model)
+    fn = _compiled(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    x = torch.randn(4, 2, 8)
+    r = torch.randn(4, 2, 32)
+    for _ in range(2):
+        for f, o in ((fn, opt), (ref, opt_ref)):
+            o.zero_grad()
+            (f(x) * r).sum().backward()
+            o.step()
+    row = _rnn_row(model)
+    assert row.stats.get("packed_calls", 0) == 0, row.stats  # training graphs never read a copy
+    with torch.no_grad():
+        _close(fn(x), ref(x))
+        assert _rnn_row(model).stats["packed_calls"] > 0
+    # one more step, then inference again: the copy is made from the stepped weights
+    for f, o in ((fn, opt), (ref, opt_ref)):
+        o.zero_grad()
+        (f(x) * r).sum().backward()
+        o.step()
+    with torch.no_grad():
+        _close(fn(x), ref(x))
+    assert _rnn_row(model).stats.get("repacked", 0) >= 1
+
+
+def test_a_budget_of_zero_keeps_the_parameters_and_says_so():
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    ref = copy.deepcopy(model)
+    fn = _compiled(model, pack={"max_bytes": 0})
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    assert row.stats.get("packed_calls", 0) == 0 and row.stats.get("packed_bytes", 0) == 0, row.stats
+    assert row.stats["over_bound_calls"] >= 1
+    assert "over their budget" in row.reason and "pack.max_bytes" in row.reason
+
+
+def test_pack_mode_off_makes_no_copy():
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    ref = copy.deepcopy(model)
+    fn = _compiled(model, pack={"mode": "off"})
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    assert row.stats.get("packed_calls", 0) == 0 and "copy in its own layout" not in row.reason
+
+
+def test_copies_go_with_the_model_and_with_restore():
+    torch.manual_seed(0)
+    gc.collect()  # earlier tests' models, and their copies
+    before = pk.packed_bytes_alive()
+    model = Tagger().eval()
+    fn = _compiled(model)
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        fn(x)
+    assert pk.packed_bytes_alive() > before
+    wfpass.restore(model)
+    assert pk.packed_bytes_alive() == before
+    del model, fn
+    gc.collect()
+    assert pk.packed_bytes_alive() == before
+
+    model = Tagger().eval()
+    fn = _compiled(model)
+    with torch.no_grad():
+        fn(x)
+    assert pk.packed_bytes_alive() > before
+    del model, fn
+    gc.collect()
+    assert pk.packed_bytes_alive() == before
+
+
+def test_the_python_kernel_reads_the_copy_as_the_cpp_one_does():
+    """Without the C++ build the op's Python kernel makes the same check."""
+    from wfpass.records import Record
+    from wfpass.rnn.cpu.lstm_layer import _lstm_layer
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(32, 64)
+    w_ih, w_hh, b_ih, b_hh = (p.detach() for p in lstm.parameters())
+    rec = Record("rnn", "rewritten", "test", ["w_ih", "w_hh"])
+    lstm_pack.allow(rec, [(w_ih, w_hh)], None)
+    x = torch.randn(5, 3, 32)
+    with torch.no_grad():
+        want = lstm(x)[0]
+        for _ in range(2):
+            y = _lstm_layer(x, w_ih, w_hh, b_ih, b_hh, None, None, False, 64, True, False)[0]
+            _close(y, want)
+        w_hh.mul_(-1.0)  # the module's weight too (one storage): the copy is stale, made again
+        _close(_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, None, None, False, 64, True, False)[0], lstm(x)[0])
+    rec.stats._sync()
+    assert rec.stats["packed_calls"] == 3 and rec.stats["repacked"] == 1, rec.stats
