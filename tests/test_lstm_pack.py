@@ -64,6 +64,7 @@ def test_an_inference_lstm_reads_a_copy_in_onednns_layout(bidirectional):
     torch.manual_seed(0)
     model = Tagger(bidirectional).eval()
     ref = copy.deepcopy(model)
+    gc.collect()  # earlier tests' models, and their copies
     before = pk.packed_bytes_alive()
     fn = _compiled(model)
     x = torch.randn(5, 3, 8)
@@ -201,3 +202,18 @@ def test_the_python_kernel_reads_the_copy_as_the_cpp_one_does():
         _close(_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, None, None, False, 64, True, False)[0], lstm(x)[0])
     rec.stats._sync()
     assert rec.stats["packed_calls"] == 3 and rec.stats["repacked"] == 1, rec.stats
+
+
+def test_a_model_made_where_a_dead_one_was_gets_its_own_answer():
+    """The same seed, the freed weights' addresses, the same bits: the C++
+    kernel's answer for the dead model's weights (no copy: packing off)
+    must not be taken for the new model's."""
+    x = torch.randn(4, 2, 8)
+    for options, packs in (({"pack": {"mode": "off"}}, False), ({}, True)):
+        torch.manual_seed(0)
+        model = Tagger().eval()
+        with torch.no_grad():
+            _compiled(model, **options)(x)
+        assert (_rnn_row(model).stats.get("packed_calls", 0) > 0) == packs
+        del model
+        gc.collect()

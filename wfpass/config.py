@@ -160,6 +160,11 @@ class PackOptions:
                and the copy is made again after every optimizer step.
                Off by default: measured slower than the plain GEMM for
                training steps (docs/pack.md).
+    The same options govern the copies an inference LSTM on oneDNN's
+    layer op keeps of its weights in oneDNN's layout (``fuse_rnn``,
+    ``docs/rnn.md``): ``mode="off"`` makes none, and they count against
+    ``max_bytes`` with the linears' copies.
+
     max_bytes: the budget of packed copies alive in the process:
                ``"weights"`` (the default), the bytes of the weights of
                every graph this format rewrote, and of every parameter set

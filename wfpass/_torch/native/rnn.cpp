@@ -40,8 +40,8 @@ Tensor zero_state(const Tensor& input, int64_t hidden) {
 // skips the reorder. The Python side (wfpass/rnn/cpu/lstm_pack.py) owns the
 // copies, decides which weight pairs may have one (the budget, the report)
 // and makes them; it hands each decision here (wfpass::_lstm_pack_put): a
-// *weak* reference to the copy and what it was made from (the weights'
-// addresses and version counters, a sample of their bits). An inference call
+// *weak* reference to the copy and what it was made from (the weight
+// tensors themselves, weakly, their version counters, a sample of their bits). An inference call
 // whose pair has an entry that still holds runs from the copy; a pair never
 // seen, a changed weight or a dropped copy goes to Python
 // (wfpass::_lstm_pack_ask), which answers through _lstm_pack_put: one
@@ -63,6 +63,13 @@ struct PairHash {
 
 struct PairEntry {
   int64_t id = 0;  // Python's pair id (0: a pair Python keeps plain)
+  // The weight tensors the answer is for: an answer holds only while they
+  // live. Addresses alone are not enough: a model made after another one
+  // died gets its weights' addresses, and (same seed) their bits.
+  WeakImpl self_ih{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  WeakImpl self_hh{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  const c10::TensorImpl* raw_ih = nullptr;
+  const c10::TensorImpl* raw_hh = nullptr;
   WeakImpl p_ih{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
   WeakImpl p_hh{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
   int64_t v_ih = -1, v_hh = -1;
@@ -100,6 +107,10 @@ bool servable(const Tensor& w) {
 }
 
 bool holds(const PairEntry& e, const Tensor& w_ih, const Tensor& w_hh) {
+  // A live tensor at the address the weak reference's (live) target has is that target.
+  if (e.raw_ih != w_ih.unsafeGetTensorImpl() || e.raw_hh != w_hh.unsafeGetTensorImpl() || e.self_ih.expired() ||
+      e.self_hh.expired())
+    return false;
   return w_ih._version() == e.v_ih && w_hh._version() == e.v_hh &&
          sample_equal(w_ih, e.step_ih, e.esize, e.ref_ih) && sample_equal(w_hh, e.step_hh, e.esize, e.ref_hh);
 }
@@ -146,6 +157,10 @@ void lstm_pack_put(int64_t id, const Tensor& w_ih, const Tensor& w_hh, bool reve
     e.p_ih = WeakImpl(p_ih->getIntrusivePtr());
     e.p_hh = WeakImpl(p_hh->getIntrusivePtr());
   }
+  e.self_ih = WeakImpl(w_ih.getIntrusivePtr());
+  e.self_hh = WeakImpl(w_hh.getIntrusivePtr());
+  e.raw_ih = w_ih.unsafeGetTensorImpl();
+  e.raw_hh = w_hh.unsafeGetTensorImpl();
   e.v_ih = w_ih._version();
   e.v_hh = w_hh._version();
   e.esize = w_ih.element_size();
@@ -156,7 +171,8 @@ void lstm_pack_put(int64_t id, const Tensor& w_ih, const Tensor& w_hh, bool reve
   std::lock_guard<std::mutex> g(pack_mu);
   if (pairs.size() >= kMaxPairs) {
     for (auto it = pairs.begin(); it != pairs.end();)
-      it = (it->second.id == 0 || it->second.p_ih.expired()) ? pairs.erase(it) : std::next(it);
+      it = (it->second.id == 0 || it->second.p_ih.expired() || it->second.self_ih.expired()) ? pairs.erase(it)
+                                                                                             : std::next(it);
   }
   pairs[PairKey{w_ih.data_ptr(), w_hh.data_ptr(), reverse}] = std::move(e);
 }

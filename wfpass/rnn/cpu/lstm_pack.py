@@ -46,7 +46,7 @@ import torch
 from ..._torch import kernels as _k, native as _native, tensors as _tensors
 from ...pack import kernel as _pk
 
-__all__ = ["allow", "packed_pair", "copies_alive"]
+__all__ = ["allow", "packed_pair", "copies_alive", "drop", "count_python_call", "reconsider"]
 
 #: Elements of each weight compared bit for bit on every call.
 SAMPLE = _pk.SAMPLE
