@@ -34,7 +34,7 @@ SIZES = [
 
 
 def layer(x, w_ih, w_hh, b, h0):
-    return torch.ops.aten.mkldnn_rnn_layer.default(x, w_ih, w_hh, b, b, h0, h0, False, [], 2, w_hh.shape[1], 1, True,
+    return torch.ops.aten.mkldnn_rnn_layer.default(x, w_ih, w_hh, b, b, h0, h0, False, [], 2, h0.shape[2], 1, True,
                                                    False, False, False)[0]
 
 

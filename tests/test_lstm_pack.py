@@ -217,3 +217,13 @@ def test_a_model_made_where_a_dead_one_was_gets_its_own_answer():
         assert (_rnn_row(model).stats.get("packed_calls", 0) > 0) == packs
         del model
         gc.collect()
+
+
+def test_explain_says_an_inference_lstm_will_read_a_copy():
+    """``wfpass.explain`` (the defaults: oneDNN's kernel for hidden 128)
+    says so, and makes no copy."""
+    model = nn.Sequential(nn.LSTM(32, 128)).eval()
+    report = wfpass.explain(model, torch.randn(4, 2, 32))
+    row = report.find("rnn", "would rewrite")[0]
+    assert "will read each layer's weights from a copy in its own layout" in row.reason, row.reason
+    assert not any(lstm_pack._PAIRS.get(p) is not None for p in model.parameters())

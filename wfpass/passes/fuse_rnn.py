@@ -91,7 +91,7 @@ class FuseRnn(Format):
             path = _packed.packed_path(spec, s.weights[0].tensor, trains(s))
             s.plan += "; variable lengths (a packed batch): " + _PACKED_PLANS[path]
         if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
-            s.plan += planned_kernels(s)
+            s.plan += planned_kernels(s, packs=ctx.config.pack.mode != "off")
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
                         bidirectional=spec.bidirectional, block_elements=spec.numel)
         return None

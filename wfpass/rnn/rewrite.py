@@ -175,9 +175,11 @@ def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, spe
         ctx.add_site(site)
 
 
-def planned_kernels(s: RnnCall) -> str:
+def planned_kernels(s: RnnCall, packs: bool = False) -> str:
     """What a dry run (``wfpass.explain``) says about the call's kernel:
-    ``"; T=12: oneDNN LSTM; threshold N=2"``, as the row will once it runs."""
+    ``"; T=12: oneDNN LSTM; threshold N=2"``, as the row will once it runs;
+    ``packs`` (``pack.mode`` is not ``"off"``): also that an inference call
+    on oneDNN's kernel will read its weights from a copy in oneDNN's layout."""
     spec = s.spec
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
@@ -186,8 +188,13 @@ def planned_kernels(s: RnnCall) -> str:
     steps = _static_steps(s)
     if spec.threshold == "auto":
         return "; threshold N measured when compiled (seq_threshold='auto')"
-    words = kernel_words(spec, choose_path(spec, ref, steps, spec.threshold, trains(s)), ref)[0]
-    return f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
+    path = choose_path(spec, ref, steps, spec.threshold, trains(s))
+    words = kernel_words(spec, path, ref)[0]
+    out = f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
+    if packs and path == "mkldnn" and not trains(s) and ref.device.type == "cpu" and ref.dtype == torch.float32:
+        out += ("; in inference oneDNN will read each layer's weights from a copy in its own layout "
+                "(within pack.max_bytes)")
+    return out
 
 
 def note_kernel(record, spec: RnnSpec, path: str, x: torch.Tensor, bucket: str, n=None) -> str:
