@@ -3,8 +3,9 @@
 ATen's oneDNN LSTM layer (``aten.mkldnn_rnn_layer``, what
 ``wfpass::lstm_layer`` calls) reorders both weights of a layer into
 oneDNN's layout on every call it is given plain weights: measured here
-(torch 2.13, 1 thread, AMD EPYC with AVX-512) 35-50 us of a call of
-38-440 us, at sizes RNNs run (``benchmarks/lstm_pack_kernel.py``). Given the
+(torch 2.13, 1 thread, AMD EPYC with AVX-512) 23-53 us of a call at
+hidden 64-128, 2.5 ms of a 2.7 ms step at hidden 512
+(``benchmarks/lstm_pack_kernel.py``, docs/rnn.md). Given the
 weights already in that layout (torch's
 ``mkldnn::_reorder_mkldnn_rnn_layer_weight``, what Inductor's freezing
 passes give it) it skips the reorder, and computes the same bits.
@@ -51,7 +52,6 @@ __all__ = ["allow", "packed_pair", "copies_alive", "drop", "count_python_call", 
 #: Elements of each weight compared bit for bit on every call.
 SAMPLE = _pk.SAMPLE
 
-_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _IDS = itertools.count(1)
 
 
@@ -131,11 +131,6 @@ def _release(p: _Pair) -> None:
         torch.ops.wfpass._lstm_pack_forget(p.id, None, None)
 
 
-def _sample(w: torch.Tensor) -> torch.Tensor:
-    flat = w.detach().reshape(-1)
-    return flat.view(_INT_VIEW[flat.element_size()])[:: max(1, flat.numel() // SAMPLE)]
-
-
 def _state_of(w_ih: torch.Tensor, w_hh: torch.Tensor) -> tuple:
     return ((w_ih.data_ptr(), w_hh.data_ptr()), (w_ih._version, w_hh._version))
 
@@ -145,7 +140,7 @@ def _holds(p: _Pair, w_ih: torch.Tensor, w_hh: torch.Tensor) -> bool:
         return False
     ptrs_versions, samples = p.made_from[:2], p.made_from[2]
     return (_state_of(w_ih, w_hh) == ptrs_versions
-            and torch.equal(_sample(w_ih), samples[0]) and torch.equal(_sample(w_hh), samples[1]))
+            and torch.equal(_pk._sample_of(w_ih), samples[0]) and torch.equal(_pk._sample_of(w_hh), samples[1]))
 
 
 def _servable(w: torch.Tensor) -> bool:
@@ -192,7 +187,7 @@ def _make(p: _Pair, input, w_ih, w_hh, reverse, hidden_size, has_biases) -> bool
         _release(p)
         p.record.bump("repacked")
     p.copy, p.nbytes = (got[0], got[1]), nbytes
-    p.made_from = (*_state_of(w_ih, w_hh), (_sample(w_ih).clone(), _sample(w_hh).clone()))
+    p.made_from = (*_state_of(w_ih, w_hh), (_pk._sample_of(w_ih).clone(), _pk._sample_of(w_hh).clone()))
     _pk._ALIVE[0] += nbytes
     p.record.bump("packed_bytes", nbytes)
     _say(p.record, "in inference oneDNN reads each layer's weights from a copy in its own layout, made once and "
