@@ -2,6 +2,7 @@
 layout: what ``rnn/cpu/lstm_pack.py`` keeps for inference graphs.
 
     python benchmarks/lstm_pack_kernel.py [--threads 1] [--rounds 9] [--out FILE]
+    python benchmarks/lstm_pack_kernel.py --against-loop [--threads 1]
 
 For each size (one layer, one direction, float32, inference), the kernel
 ``aten.mkldnn_rnn_layer`` as wfpass's op calls it, once with the plain
@@ -47,15 +48,68 @@ def per_call_us(fn, budget_s: float) -> float:
     return (time.perf_counter() - t0) / max(n, 1) * 1e6
 
 
+LOOP_SIZES = [(4, 4, 32, 64), (16, 1, 32, 64), (8, 16, 64, 64), (32, 4, 64, 64), (4, 32, 64, 64),
+              (16, 1, 128, 128), (64, 4, 64, 128), (16, 8, 128, 128)]
+
+
+def against_loop(rounds: int, sample_s: float) -> list:
+    """``--against-loop``: wfpass's ops as a compiled inference graph calls
+    them, at the sizes of docs/rnn.md's kernel table: the C++ loop
+    (``packed_layer_fw``), oneDNN's layer from the plain weights and from
+    the copy (``lstm_layer_fw`` with the pair allowed a copy)."""
+    import wfpass  # noqa: F401  (registers the ops)
+    from wfpass._torch import native
+    from wfpass.records import Record
+    from wfpass.rnn.cpu import lstm_layer, lstm_pack, packed_layer  # noqa: F401
+
+    if not native.loaded():
+        raise SystemExit("--against-loop needs wfpass's C++ kernels (python -m wfpass doctor)")
+    ops = torch.ops.wfpass
+    lines = ["| T | batch | input | hidden | C++ loop | oneDNN, plain weights | oneDNN, copy | loop / copy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for T, B, I, H in LOOP_SIZES:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, B, I, generator=g)
+        w = [torch.randn(4 * H, I, generator=g) * 0.1, torch.randn(4 * H, H, generator=g) * 0.1,
+             torch.randn(4 * H, generator=g) * 0.1, torch.randn(4 * H, generator=g) * 0.1]
+        wc = [t.clone() for t in w]
+        rec = Record("rnn", "rewritten", "lstm_pack_kernel.py", ["w_ih", "w_hh"])
+        lstm_pack.allow(rec, [(wc[0], wc[1])], None)
+        none = torch.empty(0, dtype=torch.int64)
+        calls = {"loop": lambda: ops.packed_layer_fw(x, none, *w, None, None, None, "LSTM", False, False),
+                 "plain": lambda: ops.lstm_layer_fw(x, *w, None, None, False, H, True, False),
+                 "copy": lambda: ops.lstm_layer_fw(x, *wc, None, None, False, H, True, False)}
+        times = {k: [] for k in calls}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for k, f in calls.items():
+                    times[k].append(per_call_us(f, sample_s))
+        rec.stats._sync()
+        if not rec.stats.get("packed_calls"):
+            raise SystemExit(f"the copy was not read at {(T, B, I, H)}: {dict(rec.stats)}")
+        m = {k: statistics.median(v) for k, v in times.items()}
+        r = statistics.median([a / b for a, b in zip(times["loop"], times["copy"])])
+        lines.append(f"| {T} | {B} | {I} | {H} | {m['loop']:.1f} | {m['plain']:.1f} | {m['copy']:.1f} | {r:.2f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sample-s", type=float, default=0.05)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--against-loop", action="store_true", help="the copy against wfpass's C++ loop")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.against_loop:
+        head = [f"Command: `python benchmarks/lstm_pack_kernel.py --against-loop --threads {args.threads}`  ",
+                f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), {args.rounds} interleaved "
+                "rounds; us per layer call, inference (median over rounds); loop / copy: the median of per-round "
+                "ratios (above 1: oneDNN from the copy is faster)", ""]
+        emit("\n".join(head + against_loop(args.rounds, args.sample_s)), args.out)
+        return 0
     lines = [f"Command: `python benchmarks/lstm_pack_kernel.py --threads {args.threads}`  ",
              f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), {args.rounds} interleaved "
              "rounds; us per layer call (median over rounds); x = plain weights / copy in oneDNN's layout", "",
