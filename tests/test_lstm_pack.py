@@ -227,3 +227,27 @@ def test_explain_says_an_inference_lstm_will_read_a_copy():
     row = report.find("rnn", "would rewrite")[0]
     assert "will read each layer's weights from a copy in its own layout" in row.reason, row.reason
     assert not any(lstm_pack._PAIRS.get(p) is not None for p in model.parameters())
+
+
+def test_a_hook_that_changes_the_weights_every_call_and_inference_mode():
+    """A forward pre-hook that scales a weight through ``.data`` before every
+    call (no version bump): each call reads the weights it sees, also under
+    ``torch.inference_mode``."""
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    ref = copy.deepcopy(model)
+    def shrink(mod, args):
+        mod.rnn.weight_hh_l0.data.mul_(0.9)  # returns None: the call's arguments stay
+
+    for m in (model, ref):
+        m.register_forward_pre_hook(shrink)
+    fn = _compiled(model)
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            _close(fn(x), ref(x))
+    with torch.inference_mode():
+        for _ in range(2):
+            _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    assert row.stats.get("repacked", 0) >= 4 and row.stats["packed_calls"] > 0, row.stats
