@@ -251,3 +251,19 @@ def test_a_hook_that_changes_the_weights_every_call_and_inference_mode():
             _close(fn(x), ref(x))
     row = _rnn_row(model)
     assert row.stats.get("repacked", 0) >= 4 and row.stats["packed_calls"] > 0, row.stats
+
+
+def test_one_copy_serves_every_length_and_batch_of_a_dynamic_graph():
+    """The copy is made at the first call's length and batch; a graph with
+    both symbolic reads it at every other one."""
+    torch.manual_seed(0)
+    model = Tagger(bidirectional=False).eval()
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN), dynamic=True)
+    with torch.no_grad():
+        for T, B in ((5, 2), (9, 3), (2, 1), (17, 4)):
+            x = torch.randn(T, B, 8)
+            _close(fn(x), ref(x))
+    row = _rnn_row(model)
+    assert row.stats["packed_calls"] == 4 * 2 * 2, row.stats  # 4 calls, 2 LSTM calls each, 2 layers
+    assert row.stats.get("repacked", 0) == 0, row.stats
