@@ -267,3 +267,20 @@ def test_one_copy_serves_every_length_and_batch_of_a_dynamic_graph():
     row = _rnn_row(model)
     assert row.stats["packed_calls"] == 4 * 2 * 2, row.stats  # 4 calls, 2 LSTM calls each, 2 layers
     assert row.stats.get("repacked", 0) == 0, row.stats
+
+
+@pytest.mark.skipif(not __import__("wfpass._torch.kernels", fromlist=["x"]).mkldnn_rnn_dtype(torch.bfloat16),
+                    reason="oneDNN's LSTM does not run bfloat16 on this CPU")
+def test_a_bfloat16_lstm_reads_a_copy_too():
+    torch.manual_seed(0)
+    model = Tagger().eval().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    fn = _compiled(model)
+    x = torch.randn(4, 2, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):
+            rtol, atol = TOL[torch.bfloat16]
+            torch.testing.assert_close(fn(x), ref(x), rtol=rtol, atol=atol)
+    row = _rnn_row(model)
+    assert row.stats["packed_calls"] == 2 * 2 * 4, row.stats  # 2 calls, 2 LSTM calls each, 4 layer directions
+    assert row.stats["packed_bytes"] > 0

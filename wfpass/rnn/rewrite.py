@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .._torch import dynamo as _dynamo
+from .._torch import dynamo as _dynamo, kernels as _kernels
 from ..config import default_seq_threshold
 from ..graph import PassContext, meta_value, same_size, static_int
 from ..groups import find_layout, group_record, open_site
@@ -152,7 +152,9 @@ def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
     if ctx.config.pack.mode == "off" or ctx.config.dry_run:
         return
     ws = [r.tensor for r in s.weights]
-    if not all(w.device.type == "cpu" and w.dtype == torch.float32 for w in ws):
+    if not all(w.device.type == "cpu" and w.dtype in _lstm_pack.DTYPES for w in ws):
+        return
+    if not _kernels.mkldnn_rnn_dtype(ws[0].dtype):  # bf16: oneDNN's LSTM runs it on this CPU
         return
     per = s.spec.weights_per_layer
     pairs = [(ws[k], ws[k + 1]) for k in range(0, len(ws), per)]
@@ -191,7 +193,8 @@ def planned_kernels(s: RnnCall, packs: bool = False) -> str:
     path = choose_path(spec, ref, steps, spec.threshold, trains(s))
     words = kernel_words(spec, path, ref)[0]
     out = f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
-    if packs and path == "mkldnn" and not trains(s) and ref.device.type == "cpu" and ref.dtype == torch.float32:
+    if (packs and path == "mkldnn" and not trains(s) and ref.device.type == "cpu" and ref.dtype in _lstm_pack.DTYPES
+            and _kernels.mkldnn_rnn_dtype(ref.dtype)):
         out += ("; in inference oneDNN will read each layer's weights from a copy in its own layout "
                 "(within pack.max_bytes)")
     return out

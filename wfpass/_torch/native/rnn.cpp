@@ -99,11 +99,12 @@ bool sample_equal(const Tensor& w, int64_t step, int64_t esize, const std::vecto
   return j == ref.size();
 }
 
-// The weights as plain contiguous float tensors on the CPU: the only ones
-// this path serves (a copy is made from their bytes).
+// The weights as plain contiguous float32 / bfloat16 tensors on the CPU:
+// the only ones this path serves (a copy is made from their bytes; Python
+// allows a pair only where oneDNN's LSTM runs its dtype).
 bool servable(const Tensor& w) {
   return w.defined() && w.device().is_cpu() && w.layout() == at::kStrided && w.is_contiguous() &&
-         w.scalar_type() == at::kFloat;
+         (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
 }
 
 bool holds(const PairEntry& e, const Tensor& w_ih, const Tensor& w_hh) {
@@ -119,7 +120,9 @@ bool holds(const PairEntry& e, const Tensor& w_ih, const Tensor& w_hh) {
 // asks Python once where nothing here answers.
 std::pair<Tensor, Tensor> packed_pair(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh, bool reverse,
                                       int64_t hidden_size, bool has_biases) {
-  if (!servable(w_ih) || !servable(w_hh) || input.scalar_type() != at::kFloat) return {};
+  if (!servable(w_ih) || !servable(w_hh) || input.scalar_type() != w_ih.scalar_type() ||
+      w_hh.scalar_type() != w_ih.scalar_type())
+    return {};
   const PairKey key{w_ih.data_ptr(), w_hh.data_ptr(), reverse};
   for (int attempt = 0; attempt < 2; ++attempt) {
     {

@@ -15,7 +15,8 @@ copy per layer and direction beside the parameters: the parameters stay
 the truth (the state_dict, the optimizer, the backward read them); the copy
 is derived state under the packed-weight format's rules (``docs/pack.md``):
 
-* made only where the rewrite allowed it (``allow``: a float32 CPU LSTM on
+* made only where the rewrite allowed it (``allow``: a float32 or bfloat16
+  (where oneDNN runs it) CPU LSTM on
   oneDNN's path in a graph that computes no gradient, ``pack.mode`` not
   ``"off"``); training graphs read the parameters;
 * counted with the packed linears' copies against ``pack.max_bytes`` (by
@@ -143,8 +144,12 @@ def _holds(p: _Pair, w_ih: torch.Tensor, w_hh: torch.Tensor) -> bool:
             and torch.equal(_pk._sample_of(w_ih), samples[0]) and torch.equal(_pk._sample_of(w_hh), samples[1]))
 
 
+#: The dtypes a copy is made for (where oneDNN's LSTM runs them: ``allow``'s caller checks).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _servable(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.layout == torch.strided and w.dtype == torch.float32
+    return (w.device.type == "cpu" and w.layout == torch.strided and w.dtype in DTYPES
             and w.is_contiguous() and not w.is_mkldnn)
 
 
@@ -154,7 +159,8 @@ def packed_pair(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, rev
     None: the call reads the parameters (not allowed, over the budget, or
     oneDNN keeps this shape's weights in the plain layout)."""
     p = _PAIRS.get(w_ih)
-    if p is None or p.w_hh() is not w_hh or p.refused or not (_servable(w_ih) and _servable(w_hh)):
+    if (p is None or p.w_hh() is not w_hh or p.refused or not (_servable(w_ih) and _servable(w_hh))
+            or not (input.dtype == w_ih.dtype == w_hh.dtype)):
         return None
     if not _holds(p, w_ih, w_hh):
         if not _make(p, input, w_ih, w_hh, reverse, hidden_size, has_biases):
