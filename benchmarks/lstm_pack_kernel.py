@@ -3,6 +3,7 @@ layout: what ``rnn/cpu/lstm_pack.py`` keeps for inference graphs.
 
     python benchmarks/lstm_pack_kernel.py [--threads 1] [--rounds 9] [--out FILE]
     python benchmarks/lstm_pack_kernel.py --against-loop [--threads 1]
+    python benchmarks/lstm_pack_kernel.py --dtype bfloat16 [--threads 1]
 
 For each size (one layer, one direction, float32, inference), the kernel
 ``aten.mkldnn_rnn_layer`` as wfpass's op calls it, once with the plain
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-s", type=float, default=0.05)
     ap.add_argument("--out", default=None)
     ap.add_argument("--against-loop", action="store_true", help="the copy against wfpass's C++ loop")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -110,18 +112,21 @@ def main(argv=None) -> int:
                 "ratios (above 1: oneDNN from the copy is faster)", ""]
         emit("\n".join(head + against_loop(args.rounds, args.sample_s)), args.out)
         return 0
-    lines = [f"Command: `python benchmarks/lstm_pack_kernel.py --threads {args.threads}`  ",
-             f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), {args.rounds} interleaved "
+    dt = getattr(torch, args.dtype)
+    lines = [f"Command: `python benchmarks/lstm_pack_kernel.py --threads {args.threads}"
+             + (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + "`  ",
+             f"torch {torch.__version__}, {platform.machine()}, {args.dtype}, {args.threads} thread(s), {args.rounds} interleaved "
              "rounds; us per layer call (median over rounds); x = plain weights / copy in oneDNN's layout", "",
              "| input | hidden | T | batch | plain weights | copy | x | max abs diff |", "|---|---|---|---|---|---|---|---|"]
     with torch.no_grad():
         for inp, hid, shapes in SIZES:
-            w_ih, w_hh, b = torch.randn(4 * hid, inp) * 0.1, torch.randn(4 * hid, hid) * 0.1, torch.randn(4 * hid) * 0.1
+            w_ih, w_hh, b = (torch.randn(4 * hid, inp) * 0.1).to(dt), (torch.randn(4 * hid, hid) * 0.1).to(dt), \
+                (torch.randn(4 * hid) * 0.1).to(dt)
             t0, b0 = shapes[0]
             p_ih, p_hh = torch.ops.mkldnn._reorder_mkldnn_rnn_layer_weight(w_ih, w_hh, hid, False, True, False, [t0, b0, inp])
             for T, B in shapes:
-                x, h0 = torch.randn(T, B, inp), torch.zeros(1, B, hid)
-                diff = (layer(x, w_ih, w_hh, b, h0) - layer(x, p_ih, p_hh, b, h0)).abs().max().item()
+                x, h0 = torch.randn(T, B, inp, dtype=dt), torch.zeros(1, B, hid, dtype=dt)
+                diff = (layer(x, w_ih, w_hh, b, h0).float() - layer(x, p_ih, p_hh, b, h0).float()).abs().max().item()
                 plain, packed, ratios = [], [], []
                 for _ in range(args.rounds):
                     a = per_call_us(lambda: layer(x, w_ih, w_hh, b, h0), args.sample_s)
