@@ -50,6 +50,7 @@ from ..storage import layout_of
 from . import state as _state
 
 __all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE", "note_weights",
+           "over_budget", "charge",
            "weight_bytes", "budget_of"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
@@ -258,11 +259,30 @@ def budget_of(max_bytes) -> Optional[int]:
     return weight_bytes() if max_bytes == "weights" else max_bytes
 
 
+def over_budget(max_bytes, need: int, old: int = 0) -> Optional[int]:
+    """The budget (``pack.max_bytes`` in bytes now) a new copy of ``need``
+    bytes, replacing one of ``old``, would take the copies alive over;
+    None where it fits. The linears' copies and the LSTMs'
+    (``rnn/cpu/lstm_pack.py``) share it."""
+    budget = budget_of(max_bytes)
+    return budget if budget is not None and _ALIVE[0] - old + need > budget else None
+
+
+def charge(record: Optional[Record], nbytes: int) -> None:
+    """A copy of ``nbytes`` made (negative: freed): the process's total and
+    the row's ``packed_bytes``."""
+    _ALIVE[0] += nbytes
+    if record is None:
+        return
+    if nbytes >= 0:
+        record.bump("packed_bytes", nbytes)
+    else:
+        st = record.stats
+        st["packed_bytes"] = max(0, st.get("packed_bytes", 0) + nbytes)
+
+
 def _release(c: _Copy) -> None:
-    _ALIVE[0] -= c.nbytes
-    st = c.site.record.stats if c.site is not None else None
-    if st is not None:
-        st["packed_bytes"] = max(0, st.get("packed_bytes", 0) - c.nbytes)
+    charge(c.site.record if c.site is not None else None, -c.nbytes)
 
 
 def copies_of(w: torch.Tensor) -> Dict[tuple, _Copy]:
@@ -378,12 +398,12 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         return None  # not in one block this call: the plain GEMM over their concatenation
     block = block.detach()
     old = c.nbytes if c is not None else 0
-    budget = budget_of(site.max_bytes)
     # The copy's size: the one measured for this shape (MKL's is larger than
     # the weight and made per row count), else the weight's.
     need = _COPY_BYTES.get((kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0),
                            block.numel() * block.element_size())
-    if budget is not None and _ALIVE[0] - old + need > budget:
+    budget = over_budget(site.max_bytes, need, old)
+    if budget is not None:
         _over_budget(site, w0, m, kernel, need, budget)
         return None
     if not block.is_contiguous():
@@ -394,7 +414,8 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         packed = _k.onednn_pack(block)
     nbytes = _k.onednn_nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
     _COPY_BYTES[(kernel, block.dtype, tuple(block.shape), m if kernel == "mkl" else 0)] = nbytes
-    if budget is not None and _ALIVE[0] - old + nbytes > budget:
+    budget = over_budget(site.max_bytes, nbytes, old)
+    if budget is not None:
         _over_budget(site, w0, m, kernel, nbytes, budget)
         return None
     sample = _sample_of(block)
@@ -403,8 +424,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         site.record.bump("repacked")
     new = _Copy(packed, ptrs, versions, sample, sample.clone(), nbytes, site)
     table[key] = new
-    _ALIVE[0] += nbytes
-    site.record.bump("packed_bytes", nbytes)
+    charge(site.record, nbytes)
     return new
 
 

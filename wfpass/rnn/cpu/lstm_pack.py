@@ -48,7 +48,7 @@ import torch
 from ..._torch import kernels as _k, native as _native, tensors as _tensors
 from ...pack import kernel as _pk
 
-__all__ = ["allow", "packed_pair", "copies_alive", "drop", "count_python_call", "reconsider"]
+__all__ = ["allow", "packed_pair", "drop", "count_python_call", "reconsider"]
 
 #: Elements of each weight compared bit for bit on every call.
 SAMPLE = _pk.SAMPLE
@@ -124,9 +124,7 @@ class _Counts:
 def _release(p: _Pair) -> None:
     """The pair's w_ih died (or ``drop``): free its copy's bytes."""
     if p.copy is not None:
-        _pk._ALIVE[0] -= p.nbytes
-        st = p.record.stats
-        st["packed_bytes"] = max(0, st.get("packed_bytes", 0) - p.nbytes)
+        _pk.charge(p.record, -p.nbytes)
     p.copy, p.nbytes, p.made_from = None, 0, None
     if _native.is_loaded():
         torch.ops.wfpass._lstm_pack_forget(p.id, None, None)
@@ -171,8 +169,8 @@ def packed_pair(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, rev
 def _make(p: _Pair, input, w_ih, w_hh, reverse, hidden_size, has_biases) -> bool:
     old = p.nbytes
     need = (w_ih.numel() + w_hh.numel()) * w_ih.element_size()  # oneDNN's blocked copy: about the weights' bytes
-    budget = _pk.budget_of(p.max_bytes)
-    if budget is not None and _pk._ALIVE[0] - old + need > budget:
+    budget = _pk.over_budget(p.max_bytes, need, old)
+    if budget is not None:
         _refuse(p, need, budget)
         return False
     with torch.no_grad():
@@ -186,7 +184,8 @@ def _make(p: _Pair, input, w_ih, w_hh, reverse, hidden_size, has_biases) -> bool
         _release(p)
         return False
     nbytes = sum(_k.onednn_nbytes(t) for t in got)
-    if budget is not None and _pk._ALIVE[0] - old + nbytes > budget:
+    budget = _pk.over_budget(p.max_bytes, nbytes, old)
+    if budget is not None:
         _refuse(p, nbytes, budget)
         return False
     if p.copy is not None:
@@ -194,8 +193,7 @@ def _make(p: _Pair, input, w_ih, w_hh, reverse, hidden_size, has_biases) -> bool
         p.record.bump("repacked")
     p.copy, p.nbytes = (got[0], got[1]), nbytes
     p.made_from = (*_state_of(w_ih, w_hh), (_pk._sample_of(w_ih).clone(), _pk._sample_of(w_hh).clone()))
-    _pk._ALIVE[0] += nbytes
-    p.record.bump("packed_bytes", nbytes)
+    _pk.charge(p.record, nbytes)
     _say(p.record, "in inference oneDNN reads each layer's weights from a copy in its own layout, made once and "
                    "checked against the parameters on every call, instead of reordering them on every call "
                    "(packed_calls, packed_bytes)")
@@ -224,7 +222,7 @@ def _refuse(p: _Pair, need: int, budget: int) -> None:
     whose = "the weights' bytes" if p.max_bytes == "weights" else "pack.max_bytes"
     _say(p.record, f"in inference oneDNN reads the parameters, not a copy in its own layout: a copy "
                    f"({need / 2**20:.1f} MiB) would take the packed copies over their budget ({budget / 2**20:.1f} "
-                   f"MiB, {whose}; {_pk._ALIVE[0] / 2**20:.1f} MiB in use) (over_bound_calls)")
+                   f"MiB, {whose}; {_pk.packed_bytes_alive() / 2**20:.1f} MiB in use) (over_bound_calls)")
 
 
 def reconsider() -> None:
@@ -236,11 +234,6 @@ def reconsider() -> None:
                 w_hh = p.w_hh()
                 if w_hh is not None:
                     torch.ops.wfpass._lstm_pack_forget(0, w_ih, w_hh)
-
-
-def copies_alive() -> int:
-    """Bytes of the LSTM copies alive (also in ``pack.kernel.packed_bytes_alive``)."""
-    return sum(p.nbytes for p in list(_PAIRS.values()))
 
 
 def drop(w: torch.Tensor) -> int:
