@@ -4,6 +4,7 @@ layout: what ``rnn/cpu/lstm_pack.py`` keeps for inference graphs.
     python benchmarks/lstm_pack_kernel.py [--threads 1] [--rounds 9] [--out FILE]
     python benchmarks/lstm_pack_kernel.py --against-loop [--threads 1]
     python benchmarks/lstm_pack_kernel.py --dtype bfloat16 [--threads 1]
+    python benchmarks/lstm_pack_kernel.py --packed [--dtype bfloat16] [--threads 1]
 
 For each size (one layer, one direction, float32, inference), the kernel
 ``aten.mkldnn_rnn_layer`` as wfpass's op calls it, once with the plain
@@ -94,6 +95,52 @@ def against_loop(rounds: int, sample_s: float) -> list:
     return lines
 
 
+# (input, hidden, batch, lengths): packed batches, longest first.
+PACKED_SIZES = [(32, 64, 8, [16, 14, 12, 10, 8, 6, 4, 2]), (128, 128, 4, [16, 9, 5, 1]),
+                (128, 128, 16, [100 - 5 * k for k in range(16)]), (256, 256, 8, [40, 35, 30, 25, 20, 15, 10, 5])]
+
+
+def packed_runs(rounds: int, sample_s: float, dt: torch.dtype) -> list:
+    """``--packed``: ``wfpass::packed_lstm_runs`` (a packed batch's layer
+    without grad, oneDNN's layer over each run of equal batch size, what
+    runs in bf16 or where the C++ loop has no fast path), reading the plain
+    weights (a reorder per run) against the layer direction's copy."""
+    import wfpass  # noqa: F401  (registers the ops)
+    from wfpass.records import Record
+    from wfpass.rnn.cpu import lstm_pack, packed_lstm_runs  # noqa: F401
+
+    op = torch.ops.wfpass.packed_lstm_runs_fw
+    lines = ["| input | hidden | batch | lengths | runs | plain weights | copy | x | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for I, H, B, lengths in PACKED_SIZES:
+        g = torch.Generator().manual_seed(0)
+        L = torch.tensor(lengths)
+        padded = torch.randn(int(L.max()), B, I, generator=g).to(dt)
+        packed = torch.nn.utils.rnn.pack_padded_sequence(padded, L)
+        w = [(torch.randn(4 * H, I, generator=g) * 0.1).to(dt), (torch.randn(4 * H, H, generator=g) * 0.1).to(dt),
+             (torch.randn(4 * H, generator=g) * 0.1).to(dt), (torch.randn(4 * H, generator=g) * 0.1).to(dt)]
+        wc = [t.clone() for t in w]
+        rec = Record("rnn", "rewritten", "lstm_pack_kernel.py", ["w_ih", "w_hh"])
+        lstm_pack.allow(rec, [(wc[0], wc[1])], None)
+        calls = {"plain": lambda: op(packed.data, packed.batch_sizes, *w, None, None, False, False),
+                 "copy": lambda: op(packed.data, packed.batch_sizes, *wc, None, None, False, False)}
+        with torch.no_grad():
+            diff = (calls["plain"]()[0].float() - calls["copy"]()[0].float()).abs().max().item()
+            times = {k: [] for k in calls}
+            for _ in range(rounds):
+                for k, f in calls.items():
+                    times[k].append(per_call_us(f, sample_s))
+        rec.stats._sync()
+        if not rec.stats.get("packed_calls"):
+            raise SystemExit(f"the copy was not read at {(I, H, B)}: {dict(rec.stats)}")
+        m = {k: statistics.median(v) for k, v in times.items()}
+        r = statistics.median([a / b for a, b in zip(times["plain"], times["copy"])])
+        n_runs = len(set(packed.batch_sizes.tolist()))
+        lines.append(f"| {I} | {H} | {B} | {min(lengths)}-{max(lengths)} | {n_runs} | {m['plain']:.1f} | "
+                     f"{m['copy']:.1f} | {r:.2f} | {diff:.1e} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -102,9 +149,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--against-loop", action="store_true", help="the copy against wfpass's C++ loop")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--packed", action="store_true", help="a packed batch's layer run by run (packed_lstm_runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.packed:
+        head = [f"Command: `python benchmarks/lstm_pack_kernel.py --packed --threads {args.threads}"
+                + (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + "`  ",
+                f"torch {torch.__version__}, {platform.machine()}, {args.dtype}, {args.threads} thread(s), "
+                f"{args.rounds} interleaved rounds; us per layer call over a packed batch, inference (median over "
+                "rounds); runs: runs of equal batch size (one oneDNN call each); x = plain / copy, the median of "
+                "per-round ratios (above 1: the copy is faster)", ""]
+        emit("\n".join(head + packed_runs(args.rounds, args.sample_s, getattr(torch, args.dtype))), args.out)
+        return 0
     if args.against_loop:
         head = [f"Command: `python benchmarks/lstm_pack_kernel.py --against-loop --threads {args.threads}`  ",
                 f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), {args.rounds} interleaved "

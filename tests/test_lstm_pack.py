@@ -284,3 +284,64 @@ def test_a_bfloat16_lstm_reads_a_copy_too():
     row = _rnn_row(model)
     assert row.stats["packed_calls"] == 2 * 2 * 4, row.stats  # 2 calls, 2 LSTM calls each, 4 layer directions
     assert row.stats["packed_bytes"] > 0
+
+
+class PackedTagger(nn.Module):
+    """A padded batch packed by its lengths into a 2-layer bidirectional
+    LSTM, unpacked, with a residual that reuses the projected input."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.rnn = nn.LSTM(32, 64, num_layers=2, bidirectional=True)
+        self.out = nn.Linear(128, 32)
+
+    def forward(self, x, lengths):
+        h = self.inp(x)
+        packed = nn.utils.rnn.pack_padded_sequence(h, lengths, enforce_sorted=False)
+        y, _ = self.rnn(packed)
+        y, _ = nn.utils.rnn.pad_packed_sequence(y, total_length=x.shape[0])
+        return self.out(y) + h
+
+
+_BF16 = __import__("wfpass._torch.kernels", fromlist=["x"]).mkldnn_rnn_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not _BF16, reason="oneDNN's LSTM does not run bfloat16 on this CPU"))])
+def test_a_packed_batch_on_onednn_reads_the_copies_run_by_run(dtype, monkeypatch):
+    """Without grad a packed LSTM runs oneDNN's layer over each run of
+    equal batch size (``packed_lstm_runs``: bf16, or fp32 where the C++
+    loop has no fast path, as on a CPU without AVX2, made so here): every
+    run reads the layer direction's copy, with the same bits as from the
+    parameters, and a weight written through ``.data`` is read fresh."""
+    from wfpass._torch import native
+
+    if dtype == torch.float32:
+        monkeypatch.setattr(native, "serves", lambda x: False)  # the fp32 loop's fast path "absent"
+    torch.manual_seed(0)
+    model = PackedTagger().eval().to(dtype)
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    x, lengths = torch.randn(6, 4, 8, dtype=dtype), torch.tensor([6, 3, 4, 1])  # runs of 1, 3, 4 and 6 rows
+    (planned,) = wfpass.explain(copy.deepcopy(model), x, lengths).find("rnn", "would rewrite")
+    assert "will read each layer's weights from a copy in its own layout" in planned.reason, planned.reason
+    fn = _compiled(model)
+    fn_plain = _compiled(plain, pack={"mode": "off"})  # the same kernels from the parameters
+    rtol, atol = TOL[dtype]
+    with torch.no_grad():
+        for _ in range(2):
+            got = fn(x, lengths)
+            torch.testing.assert_close(got, ref(x, lengths), rtol=rtol, atol=atol)
+            assert torch.equal(got, fn_plain(x, lengths))
+        new = torch.randn_like(model.rnn.weight_hh_l1)
+        for m in (model, ref, plain):
+            m.rnn.weight_hh_l1.data.copy_(new)  # no version bump: only the bits tell
+        got = fn(x, lengths)
+        torch.testing.assert_close(got, ref(x, lengths), rtol=rtol, atol=atol)
+        assert torch.equal(got, fn_plain(x, lengths))
+    row = _rnn_row(model)
+    assert row.detail["paths"] == {"T=variable": "packed_onednn"}, row.detail
+    assert row.stats["packed_calls"] == 3 * 4, row.stats  # 3 calls, 4 layer directions, one count per call
+    assert row.stats["repacked"] == 1 and row.stats["packed_bytes"] > 0, row.stats
+    assert "reads each layer's weights from a copy in its own layout" in row.reason, row.reason
+    assert _rnn_row(plain).stats.get("packed_calls", 0) == 0

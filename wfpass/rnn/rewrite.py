@@ -116,6 +116,8 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")
     _count_at_site(ctx, site, w_nodes, "fused_calls", spec, path, s.weights[0].tensor, "T=variable")
+    if path == "packed_onednn":  # no grad: oneDNN's layer per run, from the layer's copy as the padded path reads it
+        _allow_packed_weights(ctx, s, record)
     with g.inserting_before(s.node):
         return g.call_function(PackedRnnForward(spec, path, bool(s.consts[3])), (s.x, s.batch_sizes, s.hx, *w_nodes))
 
@@ -146,15 +148,14 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
 
 
 def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
-    """An inference LSTM on oneDNN's layer op: let each layer direction keep
-    its weights in oneDNN's layout (``cpu/lstm_pack.py``), under the packed
-    format's options (``pack.mode="off"``: none) and budget."""
+    """An inference LSTM on oneDNN's layer op (a padded batch's ``mkldnn``
+    path, or a packed batch's ``packed_onednn``, run by run): let each layer
+    direction keep its weights in oneDNN's layout (``cpu/lstm_pack.py``),
+    under the packed format's options (``pack.mode="off"``: none) and budget."""
     if ctx.config.pack.mode == "off" or ctx.config.dry_run:
         return
     ws = [r.tensor for r in s.weights]
-    if not all(w.device.type == "cpu" and w.dtype in _lstm_pack.DTYPES for w in ws):
-        return
-    if not _kernels.mkldnn_rnn_dtype(ws[0].dtype):  # bf16: oneDNN's LSTM runs it on this CPU
+    if not all(_copies_here(w) for w in ws):  # bf16: only where oneDNN's LSTM runs it on this CPU
         return
     per = s.spec.weights_per_layer
     pairs = [(ws[k], ws[k + 1]) for k in range(0, len(ws), per)]
@@ -186,18 +187,27 @@ def planned_kernels(s: RnnCall, packs: bool = False) -> str:
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
     if s.batch_sizes is not None:
-        return f"; T=variable: {kernel_words(spec, packed_path(spec, ref, trains(s)), ref)[0]}"
+        path = packed_path(spec, ref, trains(s))
+        out = f"; T=variable: {kernel_words(spec, path, ref)[0]}"
+        return out + (_COPY_PLANNED if packs and path == "packed_onednn" and _copies_here(ref) else "")
     steps = _static_steps(s)
     if spec.threshold == "auto":
         return "; threshold N measured when compiled (seq_threshold='auto')"
     path = choose_path(spec, ref, steps, spec.threshold, trains(s))
     words = kernel_words(spec, path, ref)[0]
     out = f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
-    if (packs and path == "mkldnn" and not trains(s) and ref.device.type == "cpu" and ref.dtype in _lstm_pack.DTYPES
-            and _kernels.mkldnn_rnn_dtype(ref.dtype)):
-        out += ("; in inference oneDNN will read each layer's weights from a copy in its own layout "
-                "(within pack.max_bytes)")
+    if packs and path == "mkldnn" and not trains(s) and _copies_here(ref):
+        out += _COPY_PLANNED
     return out
+
+
+_COPY_PLANNED = "; in inference oneDNN will read each layer's weights from a copy in its own layout (within pack.max_bytes)"
+
+
+def _copies_here(ref: torch.Tensor) -> bool:
+    """Would an inference call on oneDNN's LSTM layer keep a copy of
+    weights like ``ref`` (``_allow_packed_weights``'s dtype and device test)?"""
+    return ref.device.type == "cpu" and ref.dtype in _lstm_pack.DTYPES and _kernels.mkldnn_rnn_dtype(ref.dtype)
 
 
 def note_kernel(record, spec: RnnSpec, path: str, x: torch.Tensor, bucket: str, n=None) -> str:

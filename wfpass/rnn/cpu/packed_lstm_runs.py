@@ -37,7 +37,10 @@ Forward and backward together: 12.85 ms against the loop's 10.49 ms for
 that layer (docs/packed_layer.md): the recompute and oneDNN's backward cost
 more than the faster forward saves.
 
-The kernels are Python: a few ATen calls per run, not per step.
+The kernels are Python: a few ATen calls per run, not per step. Without
+grad the runs read the layer direction's copy of its weights in oneDNN's
+layout where the rewrite allowed one (``lstm_pack.py``, as the padded
+path's inference does): oneDNN then reorders nothing per run.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..ops import define_rnn_op
+from . import lstm_pack as _lstm_pack
 from .packed_layer_py import LayerCall, check_shapes, check_states, steps as _steps
 from .packed_layer_py_backward import carry, check_grads
 from ..packed.meta import batch_of
@@ -108,19 +112,32 @@ def _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, op=_OP):
 
 
 def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
-    H, B, _ = _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0)
+    H, B, bs = _checked(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0)
+    has_biases = b_ih is not None
     b_ih, b_hh = _bias(b_ih, w_ih), _bias(b_hh, w_ih)
     out = data.new_empty((data.shape[0], H))
     ws = data.new_empty((data.shape[0], 2 * H)) if train else data.new_empty(0)
     h, c = carry(h0, data, B, H), carry(c0, data, B, H)  # running states, overwritten run by run
+    layer_ih, layer_hh = w_ih, w_hh
+    if not train:
+        # The layer direction's copy in oneDNN's layout, as the padded
+        # path's inference reads it (lstm_pack.py): one copy serves every
+        # run (its layout does not depend on the run's length or batch, nor
+        # on has_biases: checked bit for bit); without it oneDNN would
+        # reorder both weights once per run.
+        packed = _lstm_pack.packed_pair(data.narrow(0, 0, bs[0]).view(1, bs[0], -1), w_ih, w_hh, reverse, H,
+                                        has_biases)
+        if packed is not None:
+            _lstm_pack.count_python_call(w_ih)
+            layer_ih, layer_hh = packed
     with torch.no_grad():
         for row, steps, n in runs(batch_sizes, reverse):
             x = data.narrow(0, row, steps * n).view(steps, n, -1)
             if train:
                 ws[row:row + n, :H] = h[:n]
                 ws[row:row + n, H:] = c[:n]
-            y, hy, cy, _ = _LAYER(x, w_ih, w_hh, b_ih, b_hh, h[:n].unsqueeze(0), c[:n].unsqueeze(0), reverse, [],
-                                  _LSTM, H, 1, True, False, False, False)
+            y, hy, cy, _ = _LAYER(x, layer_ih, layer_hh, b_ih, b_hh, h[:n].unsqueeze(0), c[:n].unsqueeze(0), reverse,
+                                  [], _LSTM, H, 1, True, False, False, False)
             out.narrow(0, row, steps * n).copy_(y.view(steps * n, H))
             h[:n] = hy[0]
             c[:n] = cy[0]
