@@ -345,3 +345,38 @@ def test_a_packed_batch_on_onednn_reads_the_copies_run_by_run(dtype, monkeypatch
     assert row.stats["repacked"] == 1 and row.stats["packed_bytes"] > 0, row.stats
     assert "reads each layer's weights from a copy in its own layout" in row.reason, row.reason
     assert _rnn_row(plain).stats.get("packed_calls", 0) == 0
+
+
+class LstmBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 32)
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.lin(y) + x  # a residual around the LSTM
+
+
+def test_regional_compilation_each_blocks_lstm_reads_its_own_copy():
+    """Each block compiled on its own (``block.compile``), as users compile
+    a stack of repeated blocks: every block's LSTM reads a copy of its own
+    weights, none another block's, and all of them fit the default budget
+    (the weights of every block, counted as each compiles)."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[LstmBlock() for _ in range(3)]).eval()
+    ref = copy.deepcopy(blocks)
+    for b in blocks:
+        b.compile(backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN))
+    x = torch.randn(5, 2, 32)
+    with torch.no_grad():
+        for _ in range(2):
+            _close(blocks(x), ref(x))
+        blocks[1].rnn.weight_hh_l0.mul_(0.5)  # one block's weight: only its copy is made again
+        ref[1].rnn.weight_hh_l0.mul_(0.5)
+        _close(blocks(x), ref(x))
+    rows = wfpass.report(blocks).find("rnn", "rewritten")
+    assert sorted(r.params[0] for r in rows) == [f"{k}.rnn.weight_ih_l0" for k in range(3)], rows
+    for r in rows:
+        assert r.stats["packed_calls"] == 3 and r.stats.get("over_bound_calls", 0) == 0, (r.params, r.stats)
+        assert r.stats.get("repacked", 0) == (1 if r.params[0].startswith("1.") else 0), (r.params, r.stats)
