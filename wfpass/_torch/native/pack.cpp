@@ -28,6 +28,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weight_sample.h"
+
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
 #endif
@@ -144,24 +146,6 @@ at::Tensor block_of(at::TensorList ts, int64_t rows) {
   return t0.as_strided({rows, k}, {k, 1}, t0.storage_offset());
 }
 
-void take_sample(const at::Tensor& block, int64_t step, int64_t esize, Vec<uint8_t>& out) {
-  const auto* base = static_cast<const uint8_t*>(block.data_ptr());
-  const int64_t n = block.numel();
-  out.clear();
-  for (int64_t i = 0; i < n; i += step) out.insert(out.end(), base + i * esize, base + (i + 1) * esize);
-}
-
-bool sample_equal(const at::Tensor& block, const Entry& e) {
-  const auto* base = static_cast<const uint8_t*>(block.data_ptr());
-  const int64_t n = block.numel();
-  const uint8_t* ref = e.ref.data();
-  size_t j = 0;
-  for (int64_t i = 0; i < n; i += e.step, j += e.esize) {
-    if (j + e.esize > e.ref.size() || std::memcmp(base + i * e.esize, ref + j, e.esize) != 0) return false;
-  }
-  return j == e.ref.size();
-}
-
 // Is the copy still what the members hold? Their addresses and version
 // counters, and a sample of the block's bits (writes through ``.data``
 // bypass the version counter): the Python kernel's check.
@@ -169,7 +153,7 @@ bool fresh(const Entry& e, at::TensorList weights, const at::Tensor& block) {
   if (e.ptrs.size() != weights.size()) return false;
   for (size_t i = 0; i < weights.size(); ++i)
     if (weights[i].data_ptr() != e.ptrs[i] || weights[i]._version() != e.versions[i]) return false;
-  return sample_equal(block, e);
+  return wfpass_sample::equal(block, e.step, e.esize, e.ref);
 }
 
 bool needs_autograd(const at::Tensor& x, at::TensorList weights) {
@@ -287,7 +271,7 @@ void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::T
     }
     e.esize = block.element_size();
     e.step = std::max<int64_t>(1, block.numel() / sample);
-    take_sample(block, e.step, e.esize, e.ref);
+    wfpass_sample::take(block, e.step, e.esize, e.ref);
   }
   std::lock_guard<std::mutex> g(mu);
   Site& st = sites[site];

@@ -19,6 +19,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weight_sample.h"
+
 namespace {
 
 using at::Tensor;
@@ -85,20 +87,6 @@ std::mutex pack_mu;
 std::unordered_map<PairKey, PairEntry, PairHash> pairs;
 std::unordered_map<int64_t, int64_t> packed_calls;  // pair id -> calls since the last read
 
-void take_sample(const Tensor& w, int64_t step, int64_t esize, std::vector<uint8_t>& out) {
-  const auto* base = static_cast<const uint8_t*>(w.data_ptr());
-  out.clear();
-  for (int64_t i = 0; i < w.numel(); i += step) out.insert(out.end(), base + i * esize, base + (i + 1) * esize);
-}
-
-bool sample_equal(const Tensor& w, int64_t step, int64_t esize, const std::vector<uint8_t>& ref) {
-  const auto* base = static_cast<const uint8_t*>(w.data_ptr());
-  size_t j = 0;
-  for (int64_t i = 0; i < w.numel(); i += step, j += esize)
-    if (j + esize > ref.size() || std::memcmp(base + i * esize, ref.data() + j, esize) != 0) return false;
-  return j == ref.size();
-}
-
 // The weights as plain contiguous float32 / bfloat16 tensors on the CPU:
 // the only ones this path serves (a copy is made from their bytes; Python
 // allows a pair only where oneDNN's LSTM runs its dtype).
@@ -113,7 +101,7 @@ bool holds(const PairEntry& e, const Tensor& w_ih, const Tensor& w_hh) {
       e.self_hh.expired())
     return false;
   return w_ih._version() == e.v_ih && w_hh._version() == e.v_hh &&
-         sample_equal(w_ih, e.step_ih, e.esize, e.ref_ih) && sample_equal(w_hh, e.step_hh, e.esize, e.ref_hh);
+         wfpass_sample::equal(w_ih, e.step_ih, e.esize, e.ref_ih) && wfpass_sample::equal(w_hh, e.step_hh, e.esize, e.ref_hh);
 }
 
 // The copy for this call's pair, or undefined tensors (the plain weights);
@@ -169,8 +157,8 @@ void lstm_pack_put(int64_t id, const Tensor& w_ih, const Tensor& w_hh, bool reve
   e.esize = w_ih.element_size();
   e.step_ih = std::max<int64_t>(1, w_ih.numel() / std::max<int64_t>(1, sample));
   e.step_hh = std::max<int64_t>(1, w_hh.numel() / std::max<int64_t>(1, sample));
-  take_sample(w_ih, e.step_ih, e.esize, e.ref_ih);
-  take_sample(w_hh, e.step_hh, e.esize, e.ref_hh);
+  wfpass_sample::take(w_ih, e.step_ih, e.esize, e.ref_ih);
+  wfpass_sample::take(w_hh, e.step_hh, e.esize, e.ref_hh);
   std::lock_guard<std::mutex> g(pack_mu);
   if (pairs.size() >= kMaxPairs) {
     for (auto it = pairs.begin(); it != pairs.end();)
