@@ -208,6 +208,36 @@ def test_a_gru_compiled_with_dynamic_sizes_keeps_the_loop_at_each_size():
 
 
 @fast
+def test_a_training_lstm_after_a_dynamic_recompile_keeps_the_loop_at_each_size():
+    """A training graph recompiled with symbolic sizes specializes them (the
+    oneDNN workspace has no size formula): at those sizes the rule takes
+    the loop as a static graph does (hidden 128, batch 4 and 8: the loop's
+    training sizes), not oneDNN's layer because the sizes were once
+    symbolic. Every gradient and an SGD step against eager."""
+    torch.manual_seed(6)
+    model = Net(H=128, layers=2)
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))  # dynamic=None: recompiles symbolic
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    g = torch.Generator().manual_seed(0)
+    for T, B in ((5, 4), (7, 8), (9, 4)):
+        x = torch.randn(T, B, 16, generator=g)
+        Rs = [torch.randn(o.shape, generator=g) for o in ref(x)]
+        for m, f, opt in ((model, fn, opts[0]), (ref, ref, opts[1])):
+            opt.zero_grad()
+            _loss(f(x), Rs).backward()
+        scale = max(q.grad.abs().max().item() for q in ref.parameters())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p.grad - q.grad).abs().max().item() <= 2e-5 * scale
+        for opt in opts:
+            opt.step()
+    row = _row(model)
+    assert "specialized" in row.detail, row.detail  # the recompiled graph's sizes
+    assert row.detail["paths"] == {"T=5, training": "cxx", "T=7, training": "cxx", "T=9, training": "cxx"}, row.detail
+    assert row.stats["cxx_loop_calls"] == 3 and row.stats.get("onednn_lstm_calls", 0) == 0, row.stats
+
+
+@fast
 def test_graphs_hold_one_loop_op_per_layer_and_one_backward_op_each():
     """AOTAutograd's forward graph calls the loop op once per layer
     (both directions in one ``packed_bilayer``), its backward graph one

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import kernels as _kernels
+from ..graph import static_int
 from .cpu import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
 from .cpu import native_layer  # registers wfpass::rnn_layer, which native_path calls
 from .cpu import packed_layer  # noqa: F401  (registers wfpass::packed_layer, which cxx_path calls)
@@ -304,8 +305,10 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
             return True
         H = spec.hidden_size
         return H <= 128 or (H <= 256 and (train or spec.mode != "GRU"))
-    batch = x.shape[0 if spec.batch_first else 1]
-    if steps is None or not isinstance(batch, int):
+    # A size Dynamo specialized (a training graph recompiled with symbolic
+    # sizes: rewrite._must_specialize) is still a SymInt, but a concrete one.
+    batch = static_int(x.shape[0 if spec.batch_first else 1])
+    if steps is None or batch is None:
         return False
     H = spec.hidden_size
     return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= 8)

@@ -96,7 +96,7 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
         record.detail["specialized"] = ("training graph with a symbolic length or batch: sizes specialized "
                                         "(the kernel's workspace has no size formula; "
                                         "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
-                                        "them symbolic)")
+                                        "them symbolic); the kernel is then chosen as for those static sizes")
     path = _take_path(ctx, s, site, v, w_nodes)
     hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
     if hx != list(s.hx):
