@@ -238,6 +238,23 @@ def test_a_training_lstm_after_a_dynamic_recompile_keeps_the_loop_at_each_size()
 
 
 @fast
+def test_seq_threshold_auto_is_measured_at_the_sizes_a_recompiled_training_graph_specialized():
+    """``seq_threshold="auto"`` measures N at a call's static sizes; the
+    sizes a recompiled training graph specialized count as static (before,
+    that graph took the default N unmeasured)."""
+    torch.manual_seed(7)
+    model = Net(H=32, layers=1)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn={"seq_threshold": "auto",
+                                                                               "auto_lengths": (1, 2)}))
+    for T, B in ((5, 2), (7, 3)):
+        fn(torch.randn(T, B, 16))[0].sum().backward()
+    row = _row(model)
+    assert "specialized" in row.detail, row.detail
+    measured = row.detail.get("auto_thresholds", {})
+    assert any(k.startswith("batch=3") for k in measured), measured  # the recompiled graph's batch
+
+
+@fast
 def test_graphs_hold_one_loop_op_per_layer_and_one_backward_op_each():
     """AOTAutograd's forward graph calls the loop op once per layer
     (both directions in one ``packed_bilayer``), its backward graph one

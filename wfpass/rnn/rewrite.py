@@ -310,9 +310,10 @@ def _compile_threshold(ctx: PassContext, s: RnnCall, spec: RnnSpec, record) -> i
     if spec.threshold != "auto":
         return spec.threshold
     v = meta_value(s.x)
-    if not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape) or v.dim() != 3:
+    # static_int: a size the rewrite specialized (a recompiled training graph) counts as static.
+    if not isinstance(v, torch.Tensor) or any(static_int(d) is None for d in v.shape) or v.dim() != 3:
         return default_seq_threshold(v.device.type if isinstance(v, torch.Tensor) else "cpu")
-    x = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+    x = torch.empty(tuple(static_int(d) for d in v.shape), dtype=v.dtype, device=v.device)
     ws = [r.tensor.detach() for r in s.weights]
     hx = zero_state(spec, x)
     need_grad = torch.is_grad_enabled() and any(r.tensor.requires_grad for r in s.weights)
