@@ -22,11 +22,14 @@ the faster one here.
     python benchmarks/cpu_rnn_kernels.py --threads 1
     python benchmarks/cpu_rnn_kernels.py --threads 2
     python benchmarks/cpu_rnn_kernels.py --lm --threads 1   # the LSTM LM's training step on both kernels
+    python benchmarks/cpu_rnn_kernels.py --lm-recompiled --threads 1   # the same after a dynamic recompile
+    python benchmarks/cpu_rnn_kernels.py --training-bound --threads 2  # the sizes around the LSTM's training bound
     python benchmarks/cpu_rnn_kernels.py --quick        # a smoke run (tests/test_benchmarks.py)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import sys
 from typing import List, Optional
@@ -47,6 +50,11 @@ SIZES = [
 ]
 QUICK = [("LSTM", 4, 4, 32, 64), ("GRU", 4, 4, 32, 64)]
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1}
+
+
+#: ``--training-bound``: around the LSTM's training bound (hidden 128: batch 8 at 1 thread, 4 at more).
+BOUND_SIZES = [("LSTM", T, B, 128, 128) for T in (16, 64) for B in (1, 4, 8)] + [
+    ("LSTM", 16, 8, 64, 64), ("LSTM", 16, 32, 64, 64)]
 
 
 def _calls(mode: str, T: int, B: int, I: int, H: int):
@@ -187,6 +195,58 @@ def lm_steps(shapes, rounds: int, sample_s: float) -> List[str]:
     return lines
 
 
+def lm_recompiled_steps(shapes, rounds: int, sample_s: float) -> List[str]:
+    """``--lm-recompiled``: the LSTM language model's training step (loss:
+    a fixed random projection of the logits, SGD) after Dynamo recompiled
+    it with a symbolic length and batch, whose sizes wfpass's training graph
+    specializes: Inductor (the default), wformat with ``cpu_kernel="eager"``
+    (oneDNN's layer, what such a graph ran whatever its sizes until the rule
+    was applied to specialized sizes) and wformat (``auto``'s kernel for
+    those sizes), each its own copy and forward code object, interleaved
+    rounds per shape, medians (ms)."""
+    import copy
+
+    import wfpass
+    from wfpass.tools.bench import own_code
+    from wfpass.tools.bench_models import RnnLM
+    from wfpass.tools.bench_timing import interleaved
+
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    torch.manual_seed(0)
+    base = RnnLM(vocab=500, hidden=128, layers=2)
+    warm = [(1, 1), (4, 2)]  # the second shape makes Dynamo recompile with symbolic sizes
+    g = torch.Generator().manual_seed(1)
+    xs = {s: torch.randint(0, 500, s, generator=g) for s in warm + shapes}
+    Rs = {s: torch.randn(*s, 500, generator=g) for s in warm + shapes}
+    variants = {"inductor": "inductor", "onednn": wfpass.backend(rnn={"cpu_kernel": "eager"}), "auto": "wformat"}
+    steps = {}
+    for name, backend in variants.items():
+        m = own_code(copy.deepcopy(base))
+        f = torch.compile(m, backend=backend)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+        def step(s, f=f, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            (f(xs[s]) * Rs[s]).sum().backward()
+            opt.step()
+        for s in warm + shapes:
+            step(s)
+        for s in shapes:
+            steps[(s, name)] = functools.partial(step, s)
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds, "
+             "median ms per training step after a dynamic recompile; x = the other's time / wformat's",
+             "", "| T | batch | Inductor | wformat, cpu_kernel='eager' | wformat | vs Inductor | vs cpu_kernel='eager' |",
+             "|---|---|---|---|---|---|---|"]
+    for s in shapes:
+        ms = {k: v.median * 1e3 for k, v in interleaved({n: steps[(s, n)] for n in variants}, rounds=rounds,
+                                                         min_s=sample_s).items()}
+        lines.append(f"| {s[0]} | {s[1]} | {ms['inductor']:.3f} | {ms['onednn']:.3f} | {ms['auto']:.3f} | "
+                     f"{ms['inductor'] / ms['auto']:.2f} | {ms['onednn'] / ms['auto']:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -195,9 +255,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two sizes, one round: a smoke run")
     ap.add_argument("--lm", action="store_true",
                     help="instead: the LSTM language model's training step at T 16 and 64, batch 8, both kernels")
+    ap.add_argument("--training-bound", action="store_true",
+                    help="instead: the sizes around auto's training bound for LSTMs (hidden 128, batch 1-8; hidden 64, "
+                         "batch 8 and 32)")
+    ap.add_argument("--lm-recompiled", action="store_true",
+                    help="instead: its training step after a dynamic recompile, T 16-256, batch 1 and 8")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    if a.lm:
+    if a.training_bound:
+        lines = run(BOUND_SIZES, a.rounds, a.sample_s)
+    elif a.lm_recompiled:
+        lines = lm_recompiled_steps([(16, 1), (16, 8), (64, 1), (64, 8), (256, 1), (256, 8)], a.rounds,
+                                    max(a.sample_s, 0.15))
+    elif a.lm:
         lines = lm_steps([(16, 8), (64, 8)], a.rounds, max(a.sample_s, 0.2))
     elif a.quick:
         lines = run(QUICK, 1, 0.002)

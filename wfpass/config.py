@@ -103,9 +103,10 @@ class RnnOptions:
                    GRU and plain RNN (with AVX2 only: up to hidden 256, a
                    GRU's inference up to 128), and a small LSTM (hidden
                    size <= 64 with batch <= 32; in training also <= 128
-                   with batch <= 8; static sizes, or those a training
-                   graph specialized after a dynamic recompile), on a CPU with AVX-512
-                   or AVX2 with FMA; the kernels eager PyTorch
+                   with batch <= 8 at 1 thread, <= 4 at more; static
+                   sizes, or those a training graph specialized after a
+                   dynamic recompile), on a CPU with AVX-512 or AVX2 with
+                   FMA; the kernels eager PyTorch
                    runs otherwise (oneDNN's LSTM, ATen's GRU and RNN);
                    ``"eager"``: those kernels always; ``"cxx"``: the C++
                    loop wherever it can run.

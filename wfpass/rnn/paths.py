@@ -288,6 +288,14 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       inference keeps oneDNN there. Larger ones are oneDNN's. The same
       bounds held with AVX2 (where taken: 1.10-2.35x in training,
       1.12-1.40x in inference; ties at 0.93-0.98x with 2 threads).
+      With more than one thread (``torch.get_num_threads()`` when the graph
+      compiles) the training bound at hidden 65-128 is batch <= 4: at batch
+      8 with 2 threads the loop's training call lost to oneDNN's
+      (0.84-0.93x per layer at T 16 and 64, and the LM's step 0.89-0.96x,
+      with glibc's malloc thresholds raised, the state of a process that
+      has freed a large block; the 1.07-1.45x above was measured in a fresh
+      process at glibc's defaults, where oneDNN's fresh workspace pages
+      fault on every call); at batch 1-4 it tied or won (0.98-1.57x).
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
@@ -311,7 +319,7 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     if steps is None or batch is None:
         return False
     H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= 8)
+    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= (8 if torch.get_num_threads() == 1 else 4))
 
 
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:
