@@ -50,6 +50,21 @@ def per_call_us(fn, budget_s: float) -> float:
     return (time.perf_counter() - t0) / max(n, 1) * 1e6
 
 
+def _rounds(calls: dict, rounds: int, sample_s: float, rec, where) -> tuple:
+    """Every call timed in each of ``rounds`` interleaved rounds, without
+    grad: (per-round times, medians) in us; stops if the copy allowed on
+    ``rec`` was never read (the figures would be the plain weights')."""
+    times = {k: [] for k in calls}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k, f in calls.items():
+                times[k].append(per_call_us(f, sample_s))
+    rec.stats._sync()
+    if not rec.stats.get("packed_calls"):
+        raise SystemExit(f"the copy was not read at {where}: {dict(rec.stats)}")
+    return times, {k: statistics.median(v) for k, v in times.items()}
+
+
 LOOP_SIZES = [(4, 4, 32, 64), (16, 1, 32, 64), (8, 16, 64, 64), (32, 4, 64, 64), (4, 32, 64, 64),
               (16, 1, 128, 128), (64, 4, 64, 128), (16, 8, 128, 128)]
 
@@ -81,15 +96,7 @@ def against_loop(rounds: int, sample_s: float) -> list:
         calls = {"loop": lambda: ops.packed_layer_fw(x, none, *w, None, None, None, "LSTM", False, False),
                  "plain": lambda: ops.lstm_layer_fw(x, *w, None, None, False, H, True, False),
                  "copy": lambda: ops.lstm_layer_fw(x, *wc, None, None, False, H, True, False)}
-        times = {k: [] for k in calls}
-        with torch.no_grad():
-            for _ in range(rounds):
-                for k, f in calls.items():
-                    times[k].append(per_call_us(f, sample_s))
-        rec.stats._sync()
-        if not rec.stats.get("packed_calls"):
-            raise SystemExit(f"the copy was not read at {(T, B, I, H)}: {dict(rec.stats)}")
-        m = {k: statistics.median(v) for k, v in times.items()}
+        times, m = _rounds(calls, rounds, sample_s, rec, (T, B, I, H))
         r = statistics.median([a / b for a, b in zip(times["loop"], times["copy"])])
         lines.append(f"| {T} | {B} | {I} | {H} | {m['loop']:.1f} | {m['plain']:.1f} | {m['copy']:.1f} | {r:.2f} |")
     return lines
@@ -126,14 +133,7 @@ def packed_runs(rounds: int, sample_s: float, dt: torch.dtype) -> list:
                  "copy": lambda: op(packed.data, packed.batch_sizes, *wc, None, None, False, False)}
         with torch.no_grad():
             diff = (calls["plain"]()[0].float() - calls["copy"]()[0].float()).abs().max().item()
-            times = {k: [] for k in calls}
-            for _ in range(rounds):
-                for k, f in calls.items():
-                    times[k].append(per_call_us(f, sample_s))
-        rec.stats._sync()
-        if not rec.stats.get("packed_calls"):
-            raise SystemExit(f"the copy was not read at {(I, H, B)}: {dict(rec.stats)}")
-        m = {k: statistics.median(v) for k, v in times.items()}
+        times, m = _rounds(calls, rounds, sample_s, rec, (I, H, B))
         r = statistics.median([a / b for a, b in zip(times["plain"], times["copy"])])
         n_runs = len(set(packed.batch_sizes.tolist()))
         lines.append(f"| {I} | {H} | {B} | {min(lengths)}-{max(lengths)} | {n_runs} | {m['plain']:.1f} | "
