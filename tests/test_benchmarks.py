@@ -182,3 +182,21 @@ def test_cudnn_body_cost_benchmark_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"Python body, kernel stubbed: ([\d.]+) us; a C\+\+ op call with the same weights: ([\d.]+) us", r.stdout)
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, r.stdout
+
+
+def test_lstm_pack_kernel_packed_mode_reads_the_copy_with_the_same_bits(capsys, monkeypatch):
+    """``lstm_pack_kernel.py --packed`` (docs/rnn.md): every packed size
+    timed from the plain weights and from the copy (the script stops if the
+    copy was never read), the outputs the same bits."""
+    from wfpass._torch.kernels import mkldnn_rnn_dtype
+
+    if not torch.backends.mkldnn.is_available() or not mkldnn_rnn_dtype(torch.float32):
+        pytest.skip("needs oneDNN's LSTM")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its _out.py
+    assert _load("lstm_pack_kernel").main(["--packed", "--rounds", "1", "--sample-s", "0.001"]) == 0
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4, rows
+    for r in rows:
+        plain, copy, x, diff = float(r[5]), float(r[6]), float(r[7]), float(r[8])
+        assert plain > 0 and copy > 0 and x > 0 and diff == 0.0, r
