@@ -421,6 +421,26 @@ def test_a_training_graph_and_an_inference_graph_name_their_own_kernels():
 
 
 @fast
+def test_the_row_says_when_the_thread_count_gave_a_training_lstm_onednns_kernel():
+    """Hidden 128, batch 8, training: the C++ loop at 1 thread, oneDNN's
+    layer at 2, and the row says the thread count decided it."""
+    before = torch.get_num_threads()
+    try:
+        for threads, path in ((1, "cxx"), (2, "mkldnn")):
+            torch.set_num_threads(threads)
+            torch._dynamo.reset()
+            model = Net(H=128, layers=1)
+            fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager"))
+            fn(torch.randn(6, 8, 16))[0].sum().backward()
+            row = _row(model)
+            assert row.detail["paths"] == {"T=6, training": path} if path == "cxx" else {"T=6": path}, row.detail
+            said = "training at batch 8 with 2 threads: oneDNN's layer" in row.reason
+            assert said == (threads == 2) and ("thread_bound" in row.detail) == said, row.reason
+    finally:
+        torch.set_num_threads(before)
+
+
+@fast
 def test_the_option_picks_the_kernel():
     torch.manual_seed(0)
     x = torch.randn(6, 3, 16)

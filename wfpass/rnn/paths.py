@@ -57,7 +57,7 @@ from .cpu import packed_layer  # noqa: F401  (registers wfpass::packed_layer, wh
 from .cuda.cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "cxx_path", "cxx_serves", "choose_path", "kernel_words", "no_onednn_reason",
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "cxx_path", "cxx_serves", "training_batch_bound", "thread_bound_words", "choose_path", "kernel_words", "no_onednn_reason",
            "paths_differ", "RnnForward"]
 
 
@@ -319,7 +319,35 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     if steps is None or batch is None:
         return False
     H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= (8 if torch.get_num_threads() == 1 else 4))
+    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= training_batch_bound())
+
+
+def training_batch_bound() -> int:
+    """The largest batch at which ``auto`` gives a training LSTM of hidden
+    65-128 the C++ loop: 8 at 1 thread, 4 at more (``cxx_serves``)."""
+    return 8 if torch.get_num_threads() == 1 else 4
+
+
+def thread_bound_words(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], path: str, train: bool) -> Optional[str]:
+    """Why a training LSTM took oneDNN's layer where at 1 thread it would
+    take the C++ loop (``training_batch_bound``), in the row's words; None
+    where the thread count decided nothing."""
+    if not train or path != "mkldnn" or spec.mode != "LSTM" or spec.options.cpu_kernel != "auto":
+        return None
+    batch = static_int(x.shape[0 if spec.batch_first else 1])
+    if steps is None or batch is None or not (64 < spec.hidden_size <= 128 and 4 < batch <= 8):
+        return None
+    if training_batch_bound() < batch and _loop_runs(spec, x):
+        return (f"training at batch {batch} with {torch.get_num_threads()} threads: oneDNN's layer (the C++ loop "
+                "takes a training LSTM of hidden 65-128 up to batch 8 at 1 thread, up to 4 at more)")
+    return None
+
+
+def _loop_runs(spec: RnnSpec, x: torch.Tensor) -> bool:
+    """Could the C++ loop run this call at all (``cpu_kernel="cxx"`` would take it)?"""
+    import dataclasses
+
+    return cxx_serves(dataclasses.replace(spec, options=dataclasses.replace(spec.options, cpu_kernel="cxx")), x, 1)
 
 
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:

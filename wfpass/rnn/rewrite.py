@@ -27,7 +27,7 @@ from .eager import RnnModuleCall
 from .match import RnnCall
 from .packed.sequence import PackedRnnForward, packed_path
 from .cpu import lstm_pack as _lstm_pack
-from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason
+from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason, thread_bound_words
 from .spec import RnnSpec, zero_state
 
 __all__ = ["rewrite_call", "new_group", "note_kernel", "planned_kernels", "trains"]
@@ -135,6 +135,10 @@ def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -
     why_not = no_onednn_reason(spec, ref)
     if why_not:
         record.detail["kernel"] = why_not
+    bound = thread_bound_words(spec, ref, steps, path, train)
+    if bound and record.detail.get("thread_bound") != bound:
+        record.detail["thread_bound"] = bound
+        record.reason += f"; {bound}"
     # Counted by length, as the report's threshold reads: GRUs and plain
     # RNNs run the same kernels on both sides of N on the CPU.
     counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
