@@ -44,6 +44,7 @@ once per shape at compile time (with the model's weights; ``auto.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional, Sequence
 
 import torch
@@ -345,8 +346,6 @@ def thread_bound_words(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], pat
 
 def _loop_runs(spec: RnnSpec, x: torch.Tensor) -> bool:
     """Could the C++ loop run this call at all (``cpu_kernel="cxx"`` would take it)?"""
-    import dataclasses
-
     return cxx_serves(dataclasses.replace(spec, options=dataclasses.replace(spec.options, cpu_kernel="cxx")), x, 1)
 
 

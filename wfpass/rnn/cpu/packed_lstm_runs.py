@@ -125,7 +125,7 @@ def _forward(data, batch_sizes, w_ih, w_hh, b_ih, b_hh, h0, c0, reverse, train):
         # run (its layout does not depend on the run's length or batch, nor
         # on has_biases: checked bit for bit); without it oneDNN would
         # reorder both weights once per run.
-        packed = _lstm_pack.packed_pair(data.narrow(0, 0, bs[0]).view(1, bs[0], -1), w_ih, w_hh, reverse, H,
+        packed = _lstm_pack.packed_pair(data.narrow(0, 0, bs[0]).unsqueeze(0), w_ih, w_hh, reverse, H,
                                         has_biases)
         if packed is not None:
             _lstm_pack.count_python_call(w_ih)
