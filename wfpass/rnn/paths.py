@@ -292,11 +292,12 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       With more than one thread (``torch.get_num_threads()`` when the graph
       compiles) the training bound at hidden 65-128 is batch <= 4: at batch
       8 with 2 threads the loop's training call lost to oneDNN's
-      (0.84-0.93x per layer at T 16 and 64, and the LM's step 0.89-0.96x,
+      (0.84-0.96x per layer at T 16 and 64, and the LM's step 0.89-0.96x
+      in 6 of 7 runs, 1.08x in one,
       with glibc's malloc thresholds raised, the state of a process that
       has freed a large block; the 1.07-1.45x above was measured in a fresh
       process at glibc's defaults, where oneDNN's fresh workspace pages
-      fault on every call); at batch 1-4 it tied or won (0.98-1.57x).
+      fault on every call); at batch 1-4 it tied or won (0.96-1.70x).
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
