@@ -50,7 +50,7 @@ from ..storage import layout_of
 from . import state as _state
 
 __all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE", "note_weights",
-           "over_budget", "charge",
+           "over_budget", "charge", "sample_of",
            "weight_bytes", "budget_of"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
@@ -359,7 +359,12 @@ def _whole(ts: Sequence[torch.Tensor], rows: int, site: Optional["PackSite"]) ->
     return b
 
 
-def _sample_of(block: torch.Tensor) -> torch.Tensor:
+def sample_of(block: torch.Tensor) -> torch.Tensor:
+    """Every (numel // SAMPLE)-th element of a weight, read as integers of
+    its width: what a packed copy's freshness check compares bit for bit on
+    every call (the linears' blocks here, an inference LSTM's pair in
+    ``rnn/cpu/lstm_pack.py``; the C++ kernels' twin is
+    ``_torch/native/weight_sample.h``)."""
     flat = block.detach().reshape(-1)
     step = max(1, flat.numel() // SAMPLE)
     return flat.view(_INT_VIEW[flat.element_size()])[::step]
@@ -418,7 +423,7 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
     if budget is not None:
         _over_budget(site, w0, m, kernel, nbytes, budget)
         return None
-    sample = _sample_of(block)
+    sample = sample_of(block)
     if c is not None:
         _release(c)
         site.record.bump("repacked")

@@ -44,7 +44,6 @@ once per shape at compile time (with the model's weights; ``auto.py``).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional, Sequence
 
 import torch
@@ -262,7 +261,8 @@ def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_
     return out, torch.cat(hs, 0), (torch.cat(cs, 0) if lstm else None)
 
 
-def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool = False) -> bool:
+def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool = False,
+               threads: Optional[int] = None) -> bool:
     """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``?
     ``train``: the call is differentiated (a training graph).
     A float32 CPU RNN without projections, the C++ loop's fast steps
@@ -300,6 +300,7 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
       fault on every call); at batch 1-4 it tied or won (0.96-1.70x).
 
     ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
+    ``threads``: the rule at that thread count (default: torch's now).
     Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
     from .._torch import native as _native
 
@@ -321,33 +322,25 @@ def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool
     if steps is None or batch is None:
         return False
     H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= training_batch_bound())
+    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= training_batch_bound(threads))
 
 
-def training_batch_bound() -> int:
+def training_batch_bound(threads: Optional[int] = None) -> int:
     """The largest batch at which ``auto`` gives a training LSTM of hidden
-    65-128 the C++ loop: 8 at 1 thread, 4 at more (``cxx_serves``)."""
-    return 8 if torch.get_num_threads() == 1 else 4
+    65-128 the C++ loop at ``threads`` (default: torch's now): 8 at 1
+    thread, 4 at more (``cxx_serves``)."""
+    return 8 if (threads or torch.get_num_threads()) == 1 else 4
 
 
 def thread_bound_words(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], path: str, train: bool) -> Optional[str]:
-    """Why a training LSTM took oneDNN's layer where at 1 thread it would
-    take the C++ loop (``training_batch_bound``), in the row's words; None
-    where the thread count decided nothing."""
-    if not train or path != "mkldnn" or spec.mode != "LSTM" or spec.options.cpu_kernel != "auto":
+    """Why a training call took oneDNN's layer where at 1 thread the rule
+    would give it the C++ loop (``training_batch_bound``), in the row's
+    words; None where the thread count decided nothing."""
+    if not train or path != "mkldnn" or not cxx_serves(spec, x, steps, train, threads=1):
         return None
     batch = static_int(x.shape[0 if spec.batch_first else 1])
-    if steps is None or batch is None or not (64 < spec.hidden_size <= 128 and 4 < batch <= 8):
-        return None
-    if training_batch_bound() < batch and _loop_runs(spec, x):
-        return (f"training at batch {batch} with {torch.get_num_threads()} threads: oneDNN's layer (the C++ loop "
-                "takes a training LSTM of hidden 65-128 up to batch 8 at 1 thread, up to 4 at more)")
-    return None
-
-
-def _loop_runs(spec: RnnSpec, x: torch.Tensor) -> bool:
-    """Could the C++ loop run this call at all (``cpu_kernel="cxx"`` would take it)?"""
-    return cxx_serves(dataclasses.replace(spec, options=dataclasses.replace(spec.options, cpu_kernel="cxx")), x, 1)
+    return (f"training at batch {batch} with {torch.get_num_threads()} threads: oneDNN's layer (the C++ loop "
+            "takes a training LSTM of hidden 65-128 up to batch 8 at 1 thread, up to 4 at more)")
 
 
 def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:

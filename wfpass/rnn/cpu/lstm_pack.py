@@ -139,7 +139,7 @@ def _holds(p: _Pair, w_ih: torch.Tensor, w_hh: torch.Tensor) -> bool:
         return False
     ptrs_versions, samples = p.made_from[:2], p.made_from[2]
     return (_state_of(w_ih, w_hh) == ptrs_versions
-            and torch.equal(_pk._sample_of(w_ih), samples[0]) and torch.equal(_pk._sample_of(w_hh), samples[1]))
+            and torch.equal(_pk.sample_of(w_ih), samples[0]) and torch.equal(_pk.sample_of(w_hh), samples[1]))
 
 
 #: The dtypes a copy is made for (where oneDNN's LSTM runs them: ``allow``'s caller checks).
@@ -192,7 +192,7 @@ def _make(p: _Pair, input, w_ih, w_hh, reverse, hidden_size, has_biases) -> bool
         _release(p)
         p.record.bump("repacked")
     p.copy, p.nbytes = (got[0], got[1]), nbytes
-    p.made_from = (*_state_of(w_ih, w_hh), (_pk._sample_of(w_ih).clone(), _pk._sample_of(w_hh).clone()))
+    p.made_from = (*_state_of(w_ih, w_hh), (_pk.sample_of(w_ih).clone(), _pk.sample_of(w_hh).clone()))
     _pk.charge(p.record, nbytes)
     _say(p.record, "in inference oneDNN reads each layer's weights from a copy in its own layout, made once and "
                    "checked against the parameters on every call, instead of reordering them on every call "
