@@ -110,6 +110,56 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   });
 }
 
+#ifdef WFPASS_X86
+namespace {
+
+// One 8 x 8 block: d[j * ldd + i] = s[i * lds + j], in registers (the
+// classic unpack / shuffle / permute sequence), 8 loads and 8 stores.
+__attribute__((target("avx2"))) void transpose8(const float* s, int64_t lds, float* d, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(d + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(d + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+}  // namespace
+#endif
+
+void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  // 64 x 64 tiles of 8 x 8 blocks: a tile's 16 KB of source and of
+  // destination stay in L1 while it is done (the weights are 32 KB-1 MB).
+  constexpr int64_t kTile = 64;
+  const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+  for (int64_t i0 = 0; i0 < r8; i0 += kTile)
+    for (int64_t j0 = 0; j0 < c8; j0 += kTile)
+      for (int64_t i = i0; i < std::min(r8, i0 + kTile); i += 8)
+        for (int64_t j = j0; j < std::min(c8, j0 + kTile); j += 8) {
+#ifdef WFPASS_X86
+          transpose8(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+#else
+          for (int64_t a = i; a < i + 8; ++a)
+            for (int64_t b = j; b < j + 8; ++b) dst[b * ldd + a] = src[a * lds + b];
+#endif
+        }
+  // The edges: the last rows % 8 rows, and the last cols % 8 columns.
+  for (int64_t i = r8; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+  for (int64_t i = 0; i < r8; ++i)
+    for (int64_t j = c8; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
 // Blocks of 64 rows: what a reduction over R rows hands the ukernel. Why
 // blocks: ATen keeps one JIT kernel per shape (M, N, K, lda, ldb, ldc, ...)
 // in a thread_local map it never empties, and oneDNN's linear, which ran

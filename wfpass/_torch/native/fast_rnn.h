@@ -35,6 +35,12 @@ int64_t tn_scratch(int64_t R, int64_t M);
 void gemm_tn_rows(int64_t R, int64_t M, int64_t N, const float* A, int64_t lda, const float* B, int64_t ldb,
                   float* C, int64_t ldc, float* tbuf);
 
+// dst [cols, rows] (leading dim ldd) = src [rows, cols]^T (leading dim lds):
+// the weights' per-call transposes the loop's GEMMs read (W^T, as the
+// ukernel takes B as [K, N]). In 8 x 8 blocks transposed in AVX registers,
+// the edges element by element. Only where fast_loop() is true.
+void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd);
+
 // One step in processing order (packed_rnn.cpp, schedule): its rows
 // r0 : r0 + n; the first m rows of the state it reads are rows p0 : p0 + m
 // of the step before it, the rest rows m : n of the initial state.

@@ -30,6 +30,7 @@
 
 #include "fast_rnn.h"
 
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -354,14 +355,9 @@ float* fp(const Tensor& t) {
 }
 
 // out = data @ w.T (+ bias), over all N rows, into a column block of the
-// workspace. On the raw-pointer path w_t is w.T, made by the caller (a
-// column block of a contiguous [K, M] buffer: its row stride is the ldb).
-void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w, const Tensor& w_t) {
-  if (fast(data)) {
-    const Tensor x = data.contiguous(), b = bias.defined() ? bias.contiguous() : bias;
-    wfpass_fast::gemm_rows(x.size(0), out.size(1), x.size(1), fp(x), x.stride(0), fp(w_t), w_t.stride(0), fp(b),
-                           fp(out), out.stride(0), false);
-  } else if (use_onednn(data))
+// workspace (the ATen path; lean_forward has the raw-pointer one).
+void project(Tensor out, const Tensor& bias, const Tensor& data, const Tensor& w) {
+  if (use_onednn(data))
     onednn_rows(data, w, bias, out);
   else if (bias.defined())
     at::addmm_out(out, bias, data, w.t());
@@ -401,6 +397,14 @@ class Scratch {
       kept = at::empty({numel}, opts);
     buf_ = kept;
   }
+  // n floats of the buffer as a raw pointer: no view made (the lean
+  // forward's temporaries; fp32 only).
+  float* floats(int64_t n) {
+    TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer: scratch overrun");
+    float* p = buf_.data_ptr<float>() + used_;
+    used_ += n;
+    return p;
+  }
   Tensor take(at::IntArrayRef sizes) {
     const int64_t n = c10::multiply_integers(sizes);
     TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer: scratch overrun");
@@ -414,30 +418,18 @@ class Scratch {
   int64_t used_ = 0;
 };
 
-// dst [cols, rows] (leading dim ldd) = src [rows, cols]^T (leading dim lds),
-// fp32, in 16 x 16 tiles: ATen's copy_ of a transposed view ran at ~0.5 ns
-// a float on the small weights of a per-call transpose (measured), the
-// tiles at a fraction of that.
-void transpose_f32(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
-  constexpr int64_t kTile = 16;
-  for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
-    const int64_t ie = std::min(rows, i0 + kTile);
-    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
-      const int64_t je = std::min(cols, j0 + kTile);
-      for (int64_t i = i0; i < ie; ++i)
-        for (int64_t j = j0; j < je; ++j) dst[j * ldd + i] = src[i * lds + j];
-    }
-  }
-}
-
-// into = t.T: the tiles above for a small fp32 matrix (at most 16K floats,
-// unit column strides), ATen's copy_ otherwise. Measured per layer call: at
-// hidden 64 (weights of 8-16K floats) the tiles took 6-8 us off a 37 us
-// forward; at hidden 128 (64K) they were 20 us slower than copy_.
+// into = t.T. For fp32 with unit column strides where the fast loop runs,
+// its register transpose (fast_rnn.cpp, transpose); ATen's copy_ of the
+// transposed view otherwise. Measured per call (one thread, AVX-512 EPYC):
+// ATen's copy_ ran at ~0.5 ns a float, the 16 x 16 scalar tiles this
+// replaced at ~0.3 ns on weights of up to 16K floats and slower than copy_
+// above; at hidden 128 a layer's two weights (128K floats) took ~70 us of
+// a 116 us inference call at T 1, batch 1.
 void copy_transposed(Tensor& into, const Tensor& t) {
   if (t.scalar_type() == at::kFloat && into.scalar_type() == at::kFloat && t.is_cpu() && into.is_cpu() &&
-      t.stride(1) == 1 && into.stride(1) == 1 && t.numel() <= 16384) {
-    transpose_f32(t.data_ptr<float>(), t.size(0), t.size(1), t.stride(0), into.data_ptr<float>(), into.stride(0));
+      t.stride(1) == 1 && into.stride(1) == 1 && wfpass_fast::fast_loop()) {
+    wfpass_fast::transpose(t.size(0), t.size(1), t.data_ptr<float>(), t.stride(0), into.data_ptr<float>(),
+                           into.stride(0));
   } else {
     into.copy_(t.t());
   }
@@ -506,30 +498,118 @@ std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& 
   return {onednn_rows(dg, w_ih.t(), Tensor()), d_w[0], d_w[1]};
 }
 
-// A forward call's buffers: its workspace (an output in training, where the
-// backward reads it; else a temporary) and, on the raw-pointer path, the
-// transposed weights its GEMMs read. On that path the temporaries come from
-// the thread's scratch buffer: fresh blocks of this size page-fault on every
-// call (8 weight transposes of 256-512 KB a call for the bench's 2-layer
-// bidirectional LSTM).
-struct FwBuffers {
-  Tensor ws, w_ih_t, w_hh_t, w_hr_t;
-  FwBuffers(int64_t N, int64_t K, const Tensor& data, bool train, const Tensor& w_ih, const Tensor& w_hh,
-            const Opt& w_hr) {
-    if (!fast(data)) {
-      ws = at::empty({N, K}, data.options());
-      return;
-    }
-    const int64_t temp = (train ? 0 : N * K) + w_ih.numel() + w_hh.numel() + (w_hr.has_value() ? w_hr->numel() : 0);
-    Scratch sc(temp, data.options());
-    ws = train ? at::empty({N, K}, data.options()) : sc.take({N, K});
-    w_ih_t = transposed(w_ih, &sc);
-    w_hh_t = transposed(w_hh, &sc);
-    if (w_hr.has_value()) w_hr_t = transposed(*w_hr, &sc);
-  }
-};
-
 using Fw = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// [1, B, W]: each sequence's state after its last step, from rows of
+// `states` (leading dim ld): final_state's copies on raw pointers.
+Tensor final_rows(const float* states, int64_t ld, int64_t W, const Steps& s, bool reverse,
+                  const at::TensorOptions& opts) {
+  Tensor fin = at::empty({1, s.B, W}, opts);
+  float* f = fin.data_ptr<float>();
+  const auto row = [&](int64_t j, int64_t r) { std::memcpy(f + j * W, states + r * ld, W * sizeof(float)); };
+  if (reverse) {
+    for (int64_t j = 0; j < s.B; ++j) row(j, j);
+    return fin;
+  }
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t m = t + 1 < s.T ? s.bs[t + 1] : 0;
+    for (int64_t j = m; j < s.bs[t]; ++j) row(j, s.off[t] + j);
+  }
+  return fin;
+}
+
+// A [rows, cols] fp32 matrix with unit column stride: t, or a contiguous copy.
+Tensor unit_cols(const Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+// One layer and direction's forward on the raw-pointer loop (fast(data)),
+// after layer_forward's checks: the same arithmetic, in the same order, as
+// the ATen path's projection and fast_rnn.cpp's steps, with the per-call
+// ATen calls cut to the outputs' allocations. Before, the call made ~35
+// ATen calls around the arithmetic (the workspace's column views, the
+// biases' sum, zero initial states, the transposes' scratch views, the
+// final states' row copies), each 0.3-1 us through the dispatcher: about
+// half of a small layer's call (hidden 16, T 1, batch 1: 26 us). The
+// temporaries (the inference workspace, the transposed weights, the summed
+// bias, zero initial states, the reversed direction's state rows) are raw
+// pointers into the thread's scratch buffer.
+Fw lean_forward(Mode mode, const Steps& s, bool reverse, bool train, const Tensor& data, const Tensor& w_ih,
+                const Tensor& w_hh, const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
+                const Tensor& into, int64_t H, int64_t Hout) {
+  const bool lstm = mode == Mode::LSTM, gru = mode == Mode::GRU, proj = w_hr.has_value();
+  const int64_t N = s.N, B = s.B, I = data.size(1), G = gate_count(mode) * H, K = workspace_width(mode, H);
+  const auto opts = data.options();
+  const std::vector<Step> steps = schedule(s, reverse);
+  const Tensor x = unit_cols(data), wi = unit_cols(w_ih), wh = unit_cols(w_hh);
+  const Tensor wr = proj ? unit_cols(*w_hr) : Tensor();
+  const Tensor bi = b_ih.has_value() ? b_ih->contiguous() : Tensor(), bh = b_hh.has_value() ? b_hh->contiguous() : Tensor();
+  const Tensor hs = h0.has_value() ? h0->select(0, 0).contiguous() : Tensor();
+  const Tensor cs = lstm && c0.has_value() ? c0->select(0, 0).contiguous() : Tensor();
+  const bool sum = bi.defined() && bh.defined();
+  Scratch sc((train ? 0 : N * K) + I * G + Hout * G + (proj ? H * Hout + B * H : 0) + (sum ? G : 0) +
+                 (hs.defined() ? 0 : B * Hout) + (lstm && !cs.defined() ? B * H : 0) +
+                 (reverse ? B * Hout + (lstm ? B * H : 0) : 0),
+             opts);
+  const Tensor ws_out = train ? at::empty({N, K}, opts) : Tensor();
+  float* ws = train ? ws_out.data_ptr<float>() : sc.floats(N * K);
+  float* wih_t = sc.floats(I * G);
+  float* whh_t = sc.floats(Hout * G);
+  float* whr_t = proj ? sc.floats(H * Hout) : nullptr;
+  wfpass_fast::transpose(G, I, fp(wi), wi.stride(0), wih_t, G);
+  wfpass_fast::transpose(G, Hout, fp(wh), wh.stride(0), whh_t, G);
+  if (proj) wfpass_fast::transpose(Hout, H, fp(wr), wr.stride(0), whr_t, Hout);
+  // The bias the input GEMM adds: b_ih + b_hh where both are given (the
+  // same float adds as at::add), else the one given, else none.
+  const float* bias = sum ? nullptr : bi.defined() ? fp(bi) : fp(bh);
+  if (sum) {
+    float* b = sc.floats(G);
+    const float *p = fp(bi), *q = fp(bh);
+    for (int64_t j = 0; j < G; ++j) b[j] = p[j] + q[j];
+    bias = b;
+  }
+  const auto zeros = [&](int64_t n) {
+    float* z = sc.floats(n);
+    std::memset(z, 0, n * sizeof(float));
+    return z;
+  };
+  const float* h_init = hs.defined() ? fp(hs) : zeros(B * Hout);
+  const float* c_init = !lstm ? nullptr : cs.defined() ? fp(cs) : zeros(B * H);
+  float* hbuf = reverse ? sc.floats(B * Hout) : nullptr;
+  float* cbuf = reverse && lstm ? sc.floats(B * H) : nullptr;
+  float* hpre = proj ? sc.floats(B * H) : nullptr;
+  const Tensor out = into.defined() ? into : at::empty({N, Hout}, opts);
+  float* o = fp(out);
+  const int64_t ldo = out.stride(0);
+  Tensor c_n;
+  if (lstm) {
+    wfpass_fast::gemm_rows(N, G, I, fp(x), x.stride(0), wih_t, G, bias, ws, K, false);
+    wfpass_fast::lstm_forward(steps, H, Hout, ws, o, ldo, h_init, Hout, c_init, H, whh_t, whr_t, hbuf, cbuf, hpre);
+    c_n = final_rows(ws + 4 * H, K, H, s, reverse, opts);
+  } else if (gru) {
+    // r | z from the summed biases, n from b_ih's, and hn starts as b_hn
+    // (zero without b_hh), so the step's GEMM leaves W_hn h + b_hn there.
+    wfpass_fast::gemm_rows(N, 2 * H, I, fp(x), x.stride(0), wih_t, G, bias, ws, K, false);
+    wfpass_fast::gemm_rows(N, H, I, fp(x), x.stride(0), wih_t + 2 * H, G, bi.defined() ? fp(bi) + 2 * H : nullptr,
+                           ws + 3 * H, K, false);
+    for (int64_t r = 0; r < N; ++r) {
+      float* hn = ws + r * K + 2 * H;
+      if (bh.defined())
+        std::memcpy(hn, fp(bh) + 2 * H, H * sizeof(float));
+      else
+        std::memset(hn, 0, H * sizeof(float));
+    }
+    wfpass_fast::gru_forward(steps, H, ws, o, ldo, h_init, H, whh_t, hbuf);
+    c_n = at::empty({0}, opts);
+  } else {
+    wfpass_fast::gemm_rows(N, H, I, fp(x), x.stride(0), wih_t, G, bias, o, ldo, false);
+    wfpass_fast::rnn_forward(steps, H, o, ldo, h_init, H, whh_t, hbuf, mode == Mode::RNN_RELU);
+    c_n = at::empty({0}, opts);
+  }
+  Tensor h_n = final_rows(o, ldo, Hout, s, reverse, opts);
+  return {out, h_n, c_n, train ? ws_out : at::empty({0}, opts)};
+}
+
 
 // One layer and direction. `into`, where given (the raw-pointer path only),
 // is the output: a column block of a bidirectional layer's [N, 2 Hout].
@@ -548,12 +628,12 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
   // Called below autograd; the guard also keeps any nested call from
   // recording a graph when the op runs through an autograd fallback.
   at::NoGradGuard no_grad;
+  if (fast(data)) return lean_forward(mode, s, reverse, train, data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, into, H, Hout);
   const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
   const Tensor hbuf = reverse ? at::empty({B, Hout}, opts) : Tensor();
   const Tensor w_hh_t = w_hh.t();
   const std::vector<Step> steps = schedule(s, reverse);
-  const FwBuffers buf(N, mode == Mode::LSTM ? 6 * H : mode == Mode::GRU ? 4 * H : 0, data, train, w_ih, w_hh, w_hr);
-  const Tensor ws = buf.ws;
+  const Tensor ws = at::empty({N, workspace_width(mode, H)}, opts);
   Tensor out, c_n;
   if (mode == Mode::LSTM) {
     const Tensor c_init = initial_state(c0, data, B, H, "c0");
@@ -561,16 +641,11 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
     const Tensor gates = ws.narrow(1, 0, 4 * H), c_all = ws.narrow(1, 4 * H, H), tc_all = ws.narrow(1, 5 * H, H);
     const Tensor i_all = ws.narrow(1, 0, H), f_all = ws.narrow(1, H, H), if_all = ws.narrow(1, 0, 2 * H);
     const Tensor g_all = ws.narrow(1, 2 * H, H), o_all = ws.narrow(1, 3 * H, H);
-    project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih, buf.w_ih_t);
+    project(gates, bias_sum(b_ih, b_hh, 0, 4 * H), data, w_ih);
     out = into.defined() ? into : at::empty({N, Hout}, opts);
     const Tensor cbuf = reverse ? at::empty({B, H}, opts) : Tensor();
     const Tensor w_hr_t = w_hr.has_value() ? w_hr->t() : Tensor();
     const Tensor hpre = w_hr.has_value() ? at::empty({B, H}, opts) : Tensor();
-    if (fast(data)) {
-      const Tensor hi = h_init.contiguous(), ci = c_init.contiguous();
-      wfpass_fast::lstm_forward(steps, H, Hout, fp(ws), fp(out), out.stride(0), fp(hi), Hout, fp(ci), H, fp(buf.w_hh_t),
-                                fp(buf.w_hr_t), fp(hbuf), fp(cbuf), fp(hpre));
-    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st), cp = prev_state(c_all, c_init, cbuf, st);
       const Tensor o = o_all.narrow(0, st.r0, st.n), g = g_all.narrow(0, st.r0, st.n);
@@ -591,28 +666,20 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
         at::mul_out(h, o, t_c);
       }
     }
-    }
     c_n = final_state(c_all, s, reverse);
   } else if (mode == Mode::GRU) {
     // r | z | hn | n: one recurrent GEMM a step accumulates into r | z | hn.
     const Tensor rz_all = ws.narrow(1, 0, 2 * H), rzh_all = ws.narrow(1, 0, 3 * H);
     const Tensor r_all = ws.narrow(1, 0, H), z_all = ws.narrow(1, H, H);
     const Tensor hn_all = ws.narrow(1, 2 * H, H), n_all = ws.narrow(1, 3 * H, H);
-    const Tensor w_ih_t = buf.w_ih_t;  // [K, 3H] on the raw-pointer path: column blocks r|z, then n
-    project(rz_all, bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih.narrow(0, 0, 2 * H),
-            w_ih_t.defined() ? w_ih_t.narrow(1, 0, 2 * H) : w_ih_t);
-    project(n_all, b_ih.has_value() ? b_ih->narrow(0, 2 * H, H) : Tensor(), data, w_ih.narrow(0, 2 * H, H),
-            w_ih_t.defined() ? w_ih_t.narrow(1, 2 * H, H) : w_ih_t);
+    project(rz_all, bias_sum(b_ih, b_hh, 0, 2 * H), data, w_ih.narrow(0, 0, 2 * H));
+    project(n_all, b_ih.has_value() ? b_ih->narrow(0, 2 * H, H) : Tensor(), data, w_ih.narrow(0, 2 * H, H));
     // hn starts as b_hn, so the step's GEMM leaves W_hn h + b_hn there.
     if (b_hh.has_value())
       hn_all.copy_(b_hh->narrow(0, 2 * H, H));
     else
       hn_all.zero_();
     out = into.defined() ? into : at::empty({N, H}, opts);
-    if (fast(data)) {
-      const Tensor hi = h_init.contiguous();
-      wfpass_fast::gru_forward(steps, H, fp(ws), fp(out), out.stride(0), fp(hi), H, fp(buf.w_hh_t), fp(hbuf));
-    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
       rzh_all.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
@@ -622,16 +689,11 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
       Tensor h = out.narrow(0, st.r0, st.n);
       at::lerp_out(h, nt, hp, z_all.narrow(0, st.r0, st.n));  // (1 - z) * n + z * h
     }
-    }
     c_n = at::empty({0}, opts);
   } else {
     out = into.defined() ? into : at::empty({N, H}, opts);
-    project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih, buf.w_ih_t);
+    project(out, bias_sum(b_ih, b_hh, 0, H), data, w_ih);
     const bool relu = mode == Mode::RNN_RELU;
-    if (fast(data)) {
-      const Tensor hi = h_init.contiguous();
-      wfpass_fast::rnn_forward(steps, H, fp(out), out.stride(0), fp(hi), H, fp(buf.w_hh_t), fp(hbuf), relu);
-    } else {
     for (const Step& st : steps) {
       const Tensor hp = prev_state(out, h_init, hbuf, st);
       Tensor h = out.narrow(0, st.r0, st.n).addmm_(hp, w_hh_t);
@@ -639,7 +701,6 @@ Fw layer_forward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_
         h.relu_();
       else
         h.tanh_();
-    }
     }
     c_n = at::empty({0}, opts);
   }
