@@ -468,6 +468,20 @@ bool direct_tn(int64_t N, int64_t K, int64_t G) {
 // backward (a 2-layer LSTM at T 16, batch 1, hidden 128: 265 -> 216 us a
 // layer's training call; measured): there the GEMM runs as g.T @ x
 // directly into [G, K] (direct_tn).
+// The same on raw pointers: g [N, G] (leading dim ldg), x [N, K] (ldx),
+// into [G, K] contiguous; temporaries from sc (t_rows_scratch floats).
+void t_rows_raw(int64_t N, int64_t K, int64_t G, const float* g, int64_t ldg, const float* x, int64_t ldx,
+                float* into, Scratch& sc) {
+  if (direct_tn(N, K, G)) {
+    wfpass_fast::gemm_tn_rows(N, G, K, g, ldg, x, ldx, into, K, sc.floats(wfpass_fast::tn_scratch(N, G)));
+    return;
+  }
+  float* tbuf = sc.floats(wfpass_fast::tn_scratch(N, K));
+  float* ct = sc.floats(K * G);
+  wfpass_fast::gemm_tn_rows(N, K, G, x, ldx, g, ldg, ct, G, tbuf);
+  wfpass_fast::transpose(K, G, ct, G, into, K);
+}
+
 Tensor t_rows_times(const Tensor& g, const Tensor& x, Scratch* sc, Tensor into = Tensor()) {
   const Tensor gc = g.stride(1) == 1 ? g : g.contiguous(), xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t N = xc.size(0), K = xc.size(1), G = gc.size(1);
@@ -764,43 +778,95 @@ std::pair<Tensor, Tensor> bias_grads(const Tensor& dg, const Opt& b_ih, const Op
   return {d_b_ih, d_b_hh};
 }
 
+// The rows each packed row's step read its state from (prev_index's
+// answer, on raw pointers): dst [N, W] (contiguous) gets, for every row,
+// its row of states [N, W] (leading dim ld) or of init [B, W] (contiguous).
+void gather_rows(float* dst, const float* states, int64_t ld, const float* init, int64_t W, const Steps& s,
+                 bool reverse) {
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t nxt = t + 1 < s.T ? s.bs[t + 1] : 0;
+    for (int64_t j = 0; j < s.bs[t]; ++j) {
+      const bool first = reverse ? j >= nxt : t == 0;
+      const float* src = first ? init + j * W : states + ((reverse ? s.off[t + 1] : s.off[t - 1]) + j) * ld;
+      std::memcpy(dst + (s.off[t] + j) * W, src, W * sizeof(float));
+    }
+  }
+}
+
+// A carry on raw pointers: the gradient of each sequence's final state
+// ([1, B, W] where given, else zeros) copied into dst [B, W].
+void carry_into(float* dst, const Opt& grad, int64_t B, int64_t W) {
+  if (!grad.has_value()) {
+    std::memset(dst, 0, B * W * sizeof(float));
+    return;
+  }
+  const Tensor g = grad->select(0, 0).contiguous();
+  std::memcpy(dst, g.data_ptr<float>(), B * W * sizeof(float));
+}
+
 // The LSTM backward on the raw-pointer loop (fast_rnn.cpp, lstm_backward):
 // the gates' gradients computed in the loop from the workspace, so none of
-// the ATen path's factor passes over [N, 4H] or its gathered c_prev; the
-// temporaries from the scratch buffer.
-Bw lstm_backward_fast(const Steps& s, bool reverse, const Tensor& data, const Tensor& w_ih, const Tensor& w_hh,
+// the ATen path's factor passes over [N, 4H] or its gathered c_prev. As in
+// lean_forward, the ATen calls are cut to the outputs' allocations (and the
+// bias gradients' column sums, kept on ATen's sum for its bits): the
+// temporaries (gates' gradients, gathered states, zero initial states, the
+// carries, the weight GEMMs' transposes) are raw pointers into the thread's
+// scratch buffer, and a carry that is returned (d_h0, d_c0) is written in
+// place.
+Bw lean_lstm_backward(const Steps& s, bool reverse, const Tensor& data, const Tensor& w_ih, const Tensor& w_hh,
                       const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
                       const Tensor& out, const Tensor& workspace, const Opt& grad_out, const Opt& grad_hn,
                       const Opt& grad_cn) {
-  const int64_t N = s.N, B = s.B, H = w_hh.size(0) / 4, I = data.size(1);
+  const int64_t N = s.N, B = s.B, H = w_hh.size(0) / 4, I = data.size(1), G = 4 * H;
   const bool proj = w_hr.has_value();
   const int64_t Hout = proj ? w_hr->size(0) : H;
   const auto opts = data.options();
-  const Tensor h_init = initial_state(h0, data, B, Hout, "h0").contiguous();
-  const Tensor c_init = initial_state(c0, data, B, H, "c0").contiguous();
-  Scratch sc(N * 4 * H + N * Hout + (proj ? N * Hout + B * H + N * H : B * Hout) + B * H +
-                 t_rows_scratch(N, I, 4 * H) + t_rows_scratch(N, Hout, 4 * H),
-             opts);
-  Tensor dg = sc.take({N, 4 * H}), h_prev = sc.take({N, Hout});
-  const auto where = prev_index(s, reverse);
-  at::index_select_out(h_prev, out, 0, where.first).index_copy_(0, where.second, h_init);
-  Tensor hcar = carry_from(grad_hn, data, B, Hout), ccar = carry_from(grad_cn, data, B, H);
-  const Tensor dh = sc.take({proj ? N : B, Hout}), dhp = proj ? sc.take({B, H}) : Tensor(), cbuf = sc.take({B, H});
+  const Tensor x = unit_cols(data), o = unit_cols(out);
   const Tensor ws = workspace.contiguous(), gout = grad_out.has_value() ? grad_out->contiguous() : Tensor();
-  wfpass_fast::lstm_backward(schedule(s, reverse), H, Hout, fp(gout), fp(hcar), fp(ccar), fp(ws), fp(c_init), H,
-                             fp(cbuf), fp(dg), fp(w_hh.contiguous()), proj ? fp(w_hr->contiguous()) : nullptr,
-                             fp(dh), fp(dhp));
+  const Tensor wh = w_hh.contiguous(), wi = w_ih.contiguous(), wr = proj ? w_hr->contiguous() : Tensor();
+  const Tensor hs = h0.has_value() ? h0->select(0, 0).contiguous() : Tensor();
+  const Tensor cs = c0.has_value() ? c0->select(0, 0).contiguous() : Tensor();
+  // The carries end as the initial states' gradients: returned where asked.
+  const Tensor d_h0 = at::empty(h0.has_value() ? at::IntArrayRef{1, B, Hout} : at::IntArrayRef{0}, opts);
+  const Tensor d_c0 = at::empty(c0.has_value() ? at::IntArrayRef{1, B, H} : at::IntArrayRef{0}, opts);
+  Scratch sc(N * G + N * Hout + (proj ? N * Hout + B * H + N * H : B * Hout) + B * H +
+                 t_rows_scratch(N, I, G) + t_rows_scratch(N, Hout, G) + (hs.defined() ? 0 : B * Hout) +
+                 (cs.defined() ? 0 : B * H) + (h0.has_value() ? 0 : B * Hout) + (c0.has_value() ? 0 : B * H),
+             opts);
+  const auto zeros = [&](int64_t n) {
+    float* z = sc.floats(n);
+    std::memset(z, 0, n * sizeof(float));
+    return z;
+  };
+  const float* h_init = hs.defined() ? fp(hs) : zeros(B * Hout);
+  const float* c_init = cs.defined() ? fp(cs) : zeros(B * H);
+  float* hcar = h0.has_value() ? fp(d_h0) : sc.floats(B * Hout);
+  float* ccar = c0.has_value() ? fp(d_c0) : sc.floats(B * H);
+  carry_into(hcar, grad_hn, B, Hout);
+  carry_into(ccar, grad_cn, B, H);
+  float* dg = sc.floats(N * G);
+  float* h_prev = sc.floats(N * Hout);
+  gather_rows(h_prev, fp(o), o.stride(0), h_init, Hout, s, reverse);
+  float* dh = sc.floats((proj ? N : B) * Hout);
+  float* dhp = proj ? sc.floats(B * H) : nullptr;
+  float* cbuf = sc.floats(B * H);
+  wfpass_fast::lstm_backward(schedule(s, reverse), H, Hout, fp(gout), hcar, ccar, fp(ws), c_init, H, cbuf, dg, fp(wh),
+                             fp(wr), dh, dhp);
   Tensor d_w_hr = at::empty({0}, opts);
-  if (proj) {
-    Tensor oc = sc.take({N, H});
-    at::mul_out(oc, ws.narrow(1, 3 * H, H), ws.narrow(1, 5 * H, H));  // o * tanh(c)
-    d_w_hr = at::mm(dh.t(), oc);
+  if (proj) {  // dh.T @ (o * tanh(c)), on ATen's mm as before (its bits)
+    float* oc = sc.floats(N * H);
+    const float* w = fp(ws);
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t k = 0; k < H; ++k) oc[r * H + k] = w[r * 6 * H + 3 * H + k] * w[r * 6 * H + 5 * H + k];
+    d_w_hr = at::mm(at::from_blob(dh, {N, Hout}, opts).t(), at::from_blob(oc, {N, H}, opts));
   }
-  Tensor d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh;
-  std::tie(d_data, d_w_ih, d_w_hh) = weight_grads(dg, data, h_prev, w_ih, &sc);
-  std::tie(d_b_ih, d_b_hh) = bias_grads(dg, b_ih, b_hh);
-  Tensor d_h0 = h0.has_value() ? hcar.unsqueeze(0) : at::empty({0}, opts);
-  Tensor d_c0 = c0.has_value() ? ccar.unsqueeze(0) : at::empty({0}, opts);
+  // d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev (weight_grads' fast path).
+  Tensor d_data = at::empty({N, I}, opts), d_w_ih = at::empty({G, I}, opts), d_w_hh = at::empty({G, Hout}, opts);
+  wfpass_fast::gemm_rows(N, I, G, dg, G, fp(wi), I, nullptr, fp(d_data), I, false);
+  t_rows_raw(N, I, G, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc);
+  t_rows_raw(N, Hout, G, dg, G, h_prev, Hout, fp(d_w_hh), sc);
+  Tensor d_b_ih, d_b_hh;
+  std::tie(d_b_ih, d_b_hh) = bias_grads(at::from_blob(dg, {N, G}, opts), b_ih, b_hh);
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
@@ -826,7 +892,7 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
   const auto opts = data.options();
   at::NoGradGuard no_grad;
   if (mode == Mode::LSTM && fast(data))
-    return lstm_backward_fast(s, reverse, data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, workspace, grad_out,
+    return lean_lstm_backward(s, reverse, data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, workspace, grad_out,
                               grad_hn, grad_cn);
   const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
   // Few fresh N-row buffers, no throwaway ones: each costs page faults (the
