@@ -200,3 +200,20 @@ def test_lstm_pack_kernel_packed_mode_reads_the_copy_with_the_same_bits(capsys, 
     for r in rows:
         plain, copy, x, diff = float(r[5]), float(r[6]), float(r[7]), float(r[8])
         assert plain > 0 and copy > 0 and x > 0 and diff == 0.0, r
+
+
+def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
+    """``layer_call_ab.py --quick`` (docs/host_cost.md): this checkout twice,
+    each in its own process importing it from its path, every size timed
+    in both and the ratio of the two columns printed."""
+    from wfpass._torch import native
+
+    if not (native.loaded() and native.fast_loop()):
+        pytest.skip("needs the C++ loop")
+    assert _load("layer_call_ab").main(["--quick"]) == 0
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| LSTM")]
+    assert len(rows) == 2, rows
+    for r in rows:
+        a, b, x = float(r[1]), float(r[2]), float(r[3])
+        assert a > 0 and b > 0 and x == pytest.approx(a / b, rel=0.01, abs=0.01), r
