@@ -439,3 +439,41 @@ def test_bilayer_gives_the_two_directions_bits(dtype, threads):
                 assert torch.equal(got_b[0], want_b[0]) and torch.equal(got_b[2], want_b[2])
                 assert torch.equal(got_b[3], want_b[3])
                 assert len(got_b[1]) == len(weights) and all(torch.equal(a, b) for a, b in zip(got_b[1], want_b[1]))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "lstm_proj", "gru", "rnn_tanh"])
+def test_strided_arguments_give_the_bits_of_their_contiguous_copies(cell):
+    """The raw-pointer forward and backward read their arguments through
+    pointers and leading dims: weights whose columns are not unit-stride
+    (a transposed storage), biases and states that are strided views, the
+    output gradient a column slice. Each must give the bits of the same call
+    on contiguous copies (the kernels copy what they cannot read in place)."""
+    if not native.loaded():
+        pytest.skip(native.status())
+    torch.manual_seed(0)
+    case = Case(cell, LENGTHS["repeats"], True, True, False)
+    args = list(case.op_args(detach=True))
+
+    def strided(t):
+        if t is None or not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            return t
+        if t is args[0]:  # the packed rows as a column slice: unit column stride, row stride 2 I
+            return torch.cat([t, t], 1)[:, :t.shape[1]]
+        if t.dim() == 2:  # the same values in column-major storage
+            return t.t().contiguous().t()
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1])  # every other element of a wider buffer
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    s_args = [strided(a) for a in args]
+    assert any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in s_args)
+    ref, got = torch.ops.wfpass.packed_layer_fw(*args), torch.ops.wfpass.packed_layer_fw(*s_args)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    g_out = torch.cat([case.R, case.R], 1)[:, :case.R.shape[1]]  # a column slice: row stride 2 H_out
+    assert not g_out.is_contiguous()
+    tail = (case.Rh, case.Rc, case.mode, False)
+    ref_b = OP_BACKWARD(*args[:9], *ref, case.R, *tail)
+    got_b = OP_BACKWARD(*s_args[:9], *got, g_out, *tail)
+    for a, b in zip(ref_b, got_b):
+        assert torch.equal(a, b)
