@@ -244,10 +244,6 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def onednn_nbytes(packed: torch.Tensor) -> int:
     """Bytes a oneDNN packed tensor holds (``torch.ops.mkldnn._nbytes``)."""
     return int(torch.ops.mkldnn._nbytes(packed))
@@ -287,7 +283,9 @@ def onednn_linear_available() -> bool:
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ w.T (+ b)`` by ``mkldnn::_linear_pointwise`` on dense contiguous tensors."""
+    """``x @ w.T (+ b)`` by ``mkldnn::_linear_pointwise``: ``w`` plain or in
+    oneDNN's layout (``onednn_pack``); ``x`` and ``b`` dense and contiguous
+    (the op reads the bias as contiguous whatever its stride)."""
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 

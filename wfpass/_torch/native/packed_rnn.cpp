@@ -265,12 +265,14 @@ bool use_onednn(const Tensor& x) {
   return x.scalar_type() == at::kFloat && at::globalContext().userEnabledMkldnn() && onednn_linear_op() != nullptr;
 }
 
-// x @ w.T (+ b): x [M, K], w [N, K], contiguous copies where they are not.
+// x @ w.T (+ b): x [M, K], w [N, K], contiguous copies where they are not;
+// the bias too: oneDNN's op reads it as contiguous whatever its stride (a
+// GRU's b_ih[2H:] of a strided bias gave wrong values; torch 2.13).
 Tensor onednn_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   torch::jit::Stack stack;
   stack.emplace_back(x.contiguous());
   stack.emplace_back(w.contiguous());
-  stack.emplace_back(b.defined() ? c10::IValue(b) : c10::IValue());
+  stack.emplace_back(b.defined() ? c10::IValue(b.contiguous()) : c10::IValue());
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<std::optional<c10::Scalar>>());
   stack.emplace_back(std::string(""));

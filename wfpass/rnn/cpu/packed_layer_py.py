@@ -234,7 +234,7 @@ def use_onednn(x) -> bool:
 
 def onednn_linear(x, w, b=None):
     """``x @ w.T (+ b)`` on oneDNN (``mkldnn::_linear_pointwise``), from contiguous copies where needed."""
-    return _kernels.onednn_linear(x.contiguous(), w.contiguous(), b)
+    return _kernels.onednn_linear(x.contiguous(), w.contiguous(), b.contiguous() if b is not None else None)
 
 
 #: oneDNN's GEMMs over the N packed rows run in blocks of ``ROW_BLOCK``
@@ -258,7 +258,10 @@ def _row_blocks(N: int):
 def onednn_rows(x, w, b=None, out=None):
     """``x @ w.T (+ b)`` over the rows of ``x`` ``[N, K]`` on oneDNN, in row
     blocks (``ROW_BLOCK``); into ``out`` ``[N, M]`` where given."""
+    # The bias too: oneDNN's op reads it as contiguous whatever its stride (a
+    # GRU's b_ih[2H:] of a strided b_ih gave wrong values; torch 2.13).
     x, w = x.contiguous(), w.contiguous()
+    b = b.contiguous() if b is not None else None
     out = x.new_empty((x.shape[0], w.shape[0])) if out is None else out
     for r0, r, rp in _row_blocks(x.shape[0]):
         xs = x[r0:r0 + r]
