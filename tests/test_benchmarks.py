@@ -217,3 +217,19 @@ def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
     for r in rows:
         a, b, x = float(r[1]), float(r[2]), float(r[3])
         assert a > 0 and b > 0 and x == pytest.approx(a / b, rel=0.01, abs=0.01), r
+
+
+def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
+    """``encoder_two_kernels.py`` (docs/rnn_speed.md): the encoder's
+    training step on the loop and on oneDNN's layer, both timed, the ratio
+    printed from them."""
+    from wfpass._torch import native
+
+    if not (native.loaded() and native.fast_loop()):
+        pytest.skip("needs the C++ loop")
+    assert _load("encoder_two_kernels").main(["--rounds", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    times = [float(line.split(": ")[1].split()[0]) for line in out.splitlines() if "ms per training step" in line]
+    ratio = float(out.split("oneDNN / loop: ")[1].split()[0])
+    assert len(times) == 2 and all(t > 0 for t in times), out
+    assert ratio == pytest.approx(times[1] / times[0], abs=0.01), out
