@@ -872,6 +872,83 @@ Bw lean_lstm_backward(const Steps& s, bool reverse, const Tensor& data, const Te
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
+// The GRU backward on the raw-pointer loop, as lean_lstm_backward: the
+// same arithmetic in the same order as the ATen path's quick branch (its
+// factor passes over [N, H] are the same float multiplies and adds per
+// element, in the same order, so the same bits), with the ATen calls cut to
+// the outputs' allocations and the bias gradients' column sums (ATen's sum,
+// for its bits); the temporaries from the thread's scratch buffer.
+Bw lean_gru_backward(const Steps& s, bool reverse, const Tensor& data, const Tensor& w_ih, const Tensor& w_hh,
+                     const Opt& b_ih, const Opt& b_hh, const Opt& h0, const Tensor& out, const Tensor& workspace,
+                     const Opt& grad_out, const Opt& grad_hn) {
+  const int64_t N = s.N, B = s.B, H = w_hh.size(0) / 3, I = data.size(1), G = 3 * H;
+  const auto opts = data.options();
+  const Tensor x = unit_cols(data), o = unit_cols(out);
+  const Tensor ws = workspace.contiguous(), gout = grad_out.has_value() ? grad_out->contiguous() : Tensor();
+  const Tensor wh = w_hh.contiguous(), wi = w_ih.contiguous();
+  const Tensor hs = h0.has_value() ? h0->select(0, 0).contiguous() : Tensor();
+  const Tensor d_h0 = at::empty(h0.has_value() ? at::IntArrayRef{1, B, H} : at::IntArrayRef{0}, opts);
+  Scratch sc(N * G + 3 * N * H + (hs.defined() ? 0 : B * H) + (h0.has_value() ? 0 : B * H) +
+                 t_rows_scratch(N, I, 2 * H) + t_rows_scratch(N, I, H) + t_rows_scratch(N, H, G),
+             opts);
+  const float* h_init = hs.defined() ? fp(hs) : nullptr;
+  if (h_init == nullptr) {
+    float* z = sc.floats(B * H);
+    std::memset(z, 0, B * H * sizeof(float));
+    h_init = z;
+  }
+  float* hcar = h0.has_value() ? fp(d_h0) : sc.floats(B * H);
+  carry_into(hcar, grad_hn, B, H);
+  float* h_prev = sc.floats(N * H);
+  gather_rows(h_prev, fp(o), o.stride(0), h_init, H, s, reverse);
+  // dL/d(recurrent gates) = dh * (k_r, k_z, a_n r), the factors written
+  // into dg here and scaled in the loop (native_layer._gates_backward).
+  float* dg = sc.floats(N * G);
+  float* a_n = sc.floats(N * H);
+  const float* w = fp(ws);
+  for (int64_t r = 0; r < N; ++r) {
+    const float* wr = w + r * 4 * H;
+    const float* hp = h_prev + r * H;
+    float* g = dg + r * G;
+    float* an = a_n + r * H;
+    for (int64_t k = 0; k < H; ++k) {
+      const float rg = wr[k], zg = wr[H + k], hn = wr[2 * H + k], nv = wr[3 * H + k];
+      const float one_z = -zg + 1.0f;
+      const float a = (-(nv * nv) + 1.0f) * one_z;  // (1 - n^2)(1 - z): through n
+      g[H + k] = (one_z * zg) * (hp[k] - nv);      // (1 - z) z (h_prev - n)
+      g[k] = (((-rg + 1.0f) * rg) * hn) * a;       // (1 - r) r hn a_n
+      g[2 * H + k] = a * rg;                       // the recurrent side of n is scaled by r
+      an[k] = a;
+    }
+  }
+  float* dh_all = sc.floats(N * H);
+  std::vector<int64_t> order(s.T);
+  for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
+  wfpass_fast::Rows rows;
+  for (const int64_t t : order) rows.emplace_back(s.off[t], s.bs[t]);
+  wfpass_fast::gru_backward(rows, H, fp(gout), hcar, w, dg, fp(wh), dh_all);
+  // The input side differs from dg only in n's third (not scaled by r):
+  // its gradients as GEMMs over dg's r | z columns and a_n * dh.
+  for (int64_t i = 0; i < N * H; ++i) a_n[i] = a_n[i] * dh_all[i];
+  const float* wip = fp(wi);
+  Tensor d_data = at::empty({N, I}, opts), d_w_ih = at::empty({G, I}, opts), d_w_hh = at::empty({G, H}, opts);
+  wfpass_fast::gemm_rows(N, I, 2 * H, dg, G, wip, I, nullptr, fp(d_data), I, false);
+  wfpass_fast::gemm_rows(N, I, H, a_n, H, wip + 2 * H * I, I, nullptr, fp(d_data), I, true);
+  t_rows_raw(N, I, 2 * H, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc);
+  t_rows_raw(N, I, H, a_n, H, fp(x), x.stride(0), fp(d_w_ih) + 2 * H * I, sc);
+  t_rows_raw(N, H, G, dg, G, h_prev, H, fp(d_w_hh), sc);
+  const Tensor dg2 = at::from_blob(dg, {N, G}, opts);
+  Tensor d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
+  if (b_ih.has_value()) {
+    d_b_ih = at::empty({G}, opts);
+    Tensor d_b_rz = d_b_ih.narrow(0, 0, 2 * H), d_b_n = d_b_ih.narrow(0, 2 * H, H);
+    at::sum_out(d_b_rz, dg2.narrow(1, 0, 2 * H), 0);
+    at::sum_out(d_b_n, at::from_blob(a_n, {N, H}, opts), 0);
+  }
+  if (b_hh.has_value()) d_b_hh = dg2.sum(0);
+  return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, at::empty({0}, opts), d_h0, at::empty({0}, opts)};
+}
+
 Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w_ih, const Tensor& w_hh,
                          const Opt& b_ih, const Opt& b_hh, const Opt& w_hr, const Opt& h0, const Opt& c0,
                          const Tensor& out, const Tensor& h_n, const Tensor& c_n, const Tensor& workspace,
@@ -896,6 +973,8 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
   if (mode == Mode::LSTM && fast(data))
     return lean_lstm_backward(s, reverse, data, w_ih, w_hh, b_ih, b_hh, w_hr, h0, c0, out, workspace, grad_out,
                               grad_hn, grad_cn);
+  if (mode == Mode::GRU && fast(data))
+    return lean_gru_backward(s, reverse, data, w_ih, w_hh, b_ih, b_hh, h0, out, workspace, grad_out, grad_hn);
   const Tensor h_init = initial_state(h0, data, B, Hout, "h0");
   // Few fresh N-row buffers, no throwaway ones: each costs page faults (the
   // CPU allocator hands large blocks back to the system), so the factors
