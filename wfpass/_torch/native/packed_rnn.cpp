@@ -407,6 +407,12 @@ class Scratch {
     used_ += n;
     return p;
   }
+  // n floats of the buffer, zeroed.
+  float* zeros(int64_t n) {
+    float* p = floats(n);
+    std::memset(p, 0, n * sizeof(float));
+    return p;
+  }
   Tensor take(at::IntArrayRef sizes) {
     const int64_t n = c10::multiply_integers(sizes);
     TORCH_CHECK(used_ + n <= buf_.numel(), "wfpass::packed_layer: scratch overrun");
@@ -419,30 +425,6 @@ class Scratch {
   Tensor buf_;
   int64_t used_ = 0;
 };
-
-// into = t.T. For fp32 with unit column strides where the fast loop runs,
-// its register transpose (fast_rnn.cpp, transpose); ATen's copy_ of the
-// transposed view otherwise. Measured per call (one thread, AVX-512 EPYC):
-// ATen's copy_ ran at ~0.5 ns a float, the 16 x 16 scalar tiles this
-// replaced at ~0.3 ns on weights of up to 16K floats and slower than copy_
-// above; at hidden 128 a layer's two weights (128K floats) took ~70 us of
-// a 116 us inference call at T 1, batch 1.
-void copy_transposed(Tensor& into, const Tensor& t) {
-  if (t.scalar_type() == at::kFloat && into.scalar_type() == at::kFloat && t.is_cpu() && into.is_cpu() &&
-      t.stride(1) == 1 && into.stride(1) == 1 && wfpass_fast::fast_loop()) {
-    wfpass_fast::transpose(t.size(0), t.size(1), t.data_ptr<float>(), t.stride(0), into.data_ptr<float>(),
-                           into.stride(0));
-  } else {
-    into.copy_(t.t());
-  }
-}
-
-// t.T, contiguous: in the scratch buffer where one is given, else fresh.
-Tensor transposed(const Tensor& t, Scratch* sc) {
-  Tensor out = sc == nullptr ? at::empty({t.size(1), t.size(0)}, t.options()) : sc->take({t.size(1), t.size(0)});
-  copy_transposed(out, t);
-  return out;
-}
 
 // Scratch floats t_rows_times takes for x [N, K] and g [N, G].
 int64_t t_rows_scratch(int64_t N, int64_t K, int64_t G) {
@@ -457,12 +439,12 @@ bool direct_tn(int64_t N, int64_t K, int64_t G) {
   return N * G <= N * K + 2 * K * G;
 }
 
-// g.T @ x over all N rows on the fast loop's GEMM (g [N, G], x [N, K], unit
-// column strides): [G, K], written into `into` where given, else fresh.
+// g.T @ x over all N rows on the fast loop's GEMM, on raw pointers: g [N, G]
+// (leading dim ldg), x [N, K] (ldx), unit column strides; written into
+// `into` [G, K] contiguous; tmp: t_rows_scratch(N, K, G) floats.
 // Computed as (x.T @ g).T in blocks of 64 rows (fast_rnn.cpp, gemm_tn_rows:
 // no kernel, cache entry or primitive per N, as oneDNN's linear made;
-// only x, the narrower side, copied transposed); its temporaries from sc
-// where given (t_rows_scratch floats).
+// only x, the narrower side, copied transposed).
 //
 // Where the rows are few (a small full batch: T * B rows), g's rows copied
 // transposed cost less than x's plus the [K, G] -> [G, K] transpose at the
@@ -470,45 +452,33 @@ bool direct_tn(int64_t N, int64_t K, int64_t G) {
 // backward (a 2-layer LSTM at T 16, batch 1, hidden 128: 265 -> 216 us a
 // layer's training call; measured): there the GEMM runs as g.T @ x
 // directly into [G, K] (direct_tn).
-// The same on raw pointers: g [N, G] (leading dim ldg), x [N, K] (ldx),
-// into [G, K] contiguous; temporaries from sc (t_rows_scratch floats).
 void t_rows_raw(int64_t N, int64_t K, int64_t G, const float* g, int64_t ldg, const float* x, int64_t ldx,
-                float* into, Scratch& sc) {
+                float* into, float* tmp) {
   if (direct_tn(N, K, G)) {
-    wfpass_fast::gemm_tn_rows(N, G, K, g, ldg, x, ldx, into, K, sc.floats(wfpass_fast::tn_scratch(N, G)));
+    wfpass_fast::gemm_tn_rows(N, G, K, g, ldg, x, ldx, into, K, tmp);
     return;
   }
-  float* tbuf = sc.floats(wfpass_fast::tn_scratch(N, K));
-  float* ct = sc.floats(K * G);
-  wfpass_fast::gemm_tn_rows(N, K, G, x, ldx, g, ldg, ct, G, tbuf);
+  float* ct = tmp + wfpass_fast::tn_scratch(N, K);
+  wfpass_fast::gemm_tn_rows(N, K, G, x, ldx, g, ldg, ct, G, tmp);
   wfpass_fast::transpose(K, G, ct, G, into, K);
 }
 
-Tensor t_rows_times(const Tensor& g, const Tensor& x, Scratch* sc, Tensor into = Tensor()) {
+// The same into a fresh [G, K] (its temporaries fresh too: a caller may
+// hold the thread's scratch buffer).
+Tensor t_rows_times(const Tensor& g, const Tensor& x) {
   const Tensor gc = g.stride(1) == 1 ? g : g.contiguous(), xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t N = xc.size(0), K = xc.size(1), G = gc.size(1);
-  if (direct_tn(N, K, G) && (!into.defined() || into.is_contiguous())) {
-    const int64_t nt = wfpass_fast::tn_scratch(N, G);
-    const Tensor tbuf = sc != nullptr ? sc->take({nt}) : at::empty({nt}, x.options());
-    if (!into.defined()) into = at::empty({G, K}, x.options());
-    wfpass_fast::gemm_tn_rows(N, G, K, fp(gc), gc.stride(0), fp(xc), xc.stride(0), fp(into), K, fp(tbuf));
-    return into;
-  }
-  const int64_t nt = wfpass_fast::tn_scratch(N, K);
-  const Tensor tbuf = sc != nullptr ? sc->take({nt}) : at::empty({nt}, x.options());
-  const Tensor ct = sc != nullptr ? sc->take({K, G}) : at::empty({K, G}, x.options());
-  wfpass_fast::gemm_tn_rows(N, K, G, fp(xc), xc.stride(0), fp(gc), gc.stride(0), fp(ct), G, fp(tbuf));
-  if (!into.defined()) into = at::empty({G, K}, x.options());
-  copy_transposed(into, ct);
+  Tensor into = at::empty({G, K}, x.options());
+  const Tensor tmp = at::empty({t_rows_scratch(N, K, G)}, x.options());
+  t_rows_raw(N, K, G, fp(gc), gc.stride(0), fp(xc), xc.stride(0), fp(into), fp(tmp));
   return into;
 }
 
 // d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev: each one
-// GEMM over the N rows (LSTM, RNN). On the raw-pointer path the weight
-// GEMMs' temporaries come from sc where given.
+// GEMM over the N rows (LSTM, RNN).
 std::tuple<Tensor, Tensor, Tensor> weight_grads(const Tensor& dg, const Tensor& data, const Tensor& h_prev,
-                                                const Tensor& w_ih, Scratch* sc = nullptr) {
-  if (fast(data)) return {rows_times(dg, w_ih), t_rows_times(dg, data, sc), t_rows_times(dg, h_prev, sc)};
+                                                const Tensor& w_ih) {
+  if (fast(data)) return {rows_times(dg, w_ih), t_rows_times(dg, data), t_rows_times(dg, h_prev)};
   if (!use_onednn(data)) return {at::mm(dg, w_ih), at::mm(dg.t(), data), at::mm(dg.t(), h_prev)};
   const std::vector<Tensor> d_w = onednn_t_rows(dg, {data, h_prev});
   return {onednn_rows(dg, w_ih.t(), Tensor()), d_w[0], d_w[1]};
@@ -584,13 +554,8 @@ Fw lean_forward(Mode mode, const Steps& s, bool reverse, bool train, const Tenso
     for (int64_t j = 0; j < G; ++j) b[j] = p[j] + q[j];
     bias = b;
   }
-  const auto zeros = [&](int64_t n) {
-    float* z = sc.floats(n);
-    std::memset(z, 0, n * sizeof(float));
-    return z;
-  };
-  const float* h_init = hs.defined() ? fp(hs) : zeros(B * Hout);
-  const float* c_init = !lstm ? nullptr : cs.defined() ? fp(cs) : zeros(B * H);
+  const float* h_init = hs.defined() ? fp(hs) : sc.zeros(B * Hout);
+  const float* c_init = !lstm ? nullptr : cs.defined() ? fp(cs) : sc.zeros(B * H);
   float* hbuf = reverse ? sc.floats(B * Hout) : nullptr;
   float* cbuf = reverse && lstm ? sc.floats(B * H) : nullptr;
   float* hpre = proj ? sc.floats(B * H) : nullptr;
@@ -780,6 +745,16 @@ std::pair<Tensor, Tensor> bias_grads(const Tensor& dg, const Opt& b_ih, const Op
   return {d_b_ih, d_b_hh};
 }
 
+// Each step's rows (r0, n) in the backward's order, the forward's reversed.
+wfpass_fast::Rows backward_rows(const Steps& s, bool reverse) {
+  wfpass_fast::Rows rows;
+  for (int64_t k = 0; k < s.T; ++k) {
+    const int64_t t = reverse ? k : s.T - 1 - k;
+    rows.emplace_back(s.off[t], s.bs[t]);
+  }
+  return rows;
+}
+
 // The rows each packed row's step read its state from (prev_index's
 // answer, on raw pointers): dst [N, W] (contiguous) gets, for every row,
 // its row of states [N, W] (leading dim ld) or of init [B, W] (contiguous).
@@ -835,13 +810,8 @@ Bw lean_lstm_backward(const Steps& s, bool reverse, const Tensor& data, const Te
                  t_rows_scratch(N, I, G) + t_rows_scratch(N, Hout, G) + (hs.defined() ? 0 : B * Hout) +
                  (cs.defined() ? 0 : B * H) + (h0.has_value() ? 0 : B * Hout) + (c0.has_value() ? 0 : B * H),
              opts);
-  const auto zeros = [&](int64_t n) {
-    float* z = sc.floats(n);
-    std::memset(z, 0, n * sizeof(float));
-    return z;
-  };
-  const float* h_init = hs.defined() ? fp(hs) : zeros(B * Hout);
-  const float* c_init = cs.defined() ? fp(cs) : zeros(B * H);
+  const float* h_init = hs.defined() ? fp(hs) : sc.zeros(B * Hout);
+  const float* c_init = cs.defined() ? fp(cs) : sc.zeros(B * H);
   float* hcar = h0.has_value() ? fp(d_h0) : sc.floats(B * Hout);
   float* ccar = c0.has_value() ? fp(d_c0) : sc.floats(B * H);
   carry_into(hcar, grad_hn, B, Hout);
@@ -865,17 +835,17 @@ Bw lean_lstm_backward(const Steps& s, bool reverse, const Tensor& data, const Te
   // d_data = dg @ w_ih, d_w_ih = dg.T @ data, d_w_hh = dg.T @ h_prev (weight_grads' fast path).
   Tensor d_data = at::empty({N, I}, opts), d_w_ih = at::empty({G, I}, opts), d_w_hh = at::empty({G, Hout}, opts);
   wfpass_fast::gemm_rows(N, I, G, dg, G, fp(wi), I, nullptr, fp(d_data), I, false);
-  t_rows_raw(N, I, G, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc);
-  t_rows_raw(N, Hout, G, dg, G, h_prev, Hout, fp(d_w_hh), sc);
+  t_rows_raw(N, I, G, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc.floats(t_rows_scratch(N, I, G)));
+  t_rows_raw(N, Hout, G, dg, G, h_prev, Hout, fp(d_w_hh), sc.floats(t_rows_scratch(N, Hout, G)));
   Tensor d_b_ih, d_b_hh;
   std::tie(d_b_ih, d_b_hh) = bias_grads(at::from_blob(dg, {N, G}, opts), b_ih, b_hh);
   return {d_data, d_w_ih, d_w_hh, d_b_ih, d_b_hh, d_w_hr, d_h0, d_c0};
 }
 
 // The GRU backward on the raw-pointer loop, as lean_lstm_backward: the
-// same arithmetic in the same order as the ATen path's quick branch (its
-// factor passes over [N, H] are the same float multiplies and adds per
-// element, in the same order, so the same bits), with the ATen calls cut to
+// factor passes over [N, H] are the ATen path's below, as the same float
+// multiplies and adds per element in the same order (so the same bits),
+// then fast_rnn.cpp's gru_backward and the GEMMs, with the ATen calls cut to
 // the outputs' allocations and the bias gradients' column sums (ATen's sum,
 // for its bits); the temporaries from the thread's scratch buffer.
 Bw lean_gru_backward(const Steps& s, bool reverse, const Tensor& data, const Tensor& w_ih, const Tensor& w_hh,
@@ -891,12 +861,7 @@ Bw lean_gru_backward(const Steps& s, bool reverse, const Tensor& data, const Ten
   Scratch sc(N * G + 3 * N * H + (hs.defined() ? 0 : B * H) + (h0.has_value() ? 0 : B * H) +
                  t_rows_scratch(N, I, 2 * H) + t_rows_scratch(N, I, H) + t_rows_scratch(N, H, G),
              opts);
-  const float* h_init = hs.defined() ? fp(hs) : nullptr;
-  if (h_init == nullptr) {
-    float* z = sc.floats(B * H);
-    std::memset(z, 0, B * H * sizeof(float));
-    h_init = z;
-  }
+  const float* h_init = hs.defined() ? fp(hs) : sc.zeros(B * H);
   float* hcar = h0.has_value() ? fp(d_h0) : sc.floats(B * H);
   carry_into(hcar, grad_hn, B, H);
   float* h_prev = sc.floats(N * H);
@@ -922,11 +887,7 @@ Bw lean_gru_backward(const Steps& s, bool reverse, const Tensor& data, const Ten
     }
   }
   float* dh_all = sc.floats(N * H);
-  std::vector<int64_t> order(s.T);
-  for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
-  wfpass_fast::Rows rows;
-  for (const int64_t t : order) rows.emplace_back(s.off[t], s.bs[t]);
-  wfpass_fast::gru_backward(rows, H, fp(gout), hcar, w, dg, fp(wh), dh_all);
+  wfpass_fast::gru_backward(backward_rows(s, reverse), H, fp(gout), hcar, w, dg, fp(wh), dh_all);
   // The input side differs from dg only in n's third (not scaled by r):
   // its gradients as GEMMs over dg's r | z columns and a_n * dh.
   for (int64_t i = 0; i < N * H; ++i) a_n[i] = a_n[i] * dh_all[i];
@@ -934,9 +895,9 @@ Bw lean_gru_backward(const Steps& s, bool reverse, const Tensor& data, const Ten
   Tensor d_data = at::empty({N, I}, opts), d_w_ih = at::empty({G, I}, opts), d_w_hh = at::empty({G, H}, opts);
   wfpass_fast::gemm_rows(N, I, 2 * H, dg, G, wip, I, nullptr, fp(d_data), I, false);
   wfpass_fast::gemm_rows(N, I, H, a_n, H, wip + 2 * H * I, I, nullptr, fp(d_data), I, true);
-  t_rows_raw(N, I, 2 * H, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc);
-  t_rows_raw(N, I, H, a_n, H, fp(x), x.stride(0), fp(d_w_ih) + 2 * H * I, sc);
-  t_rows_raw(N, H, G, dg, G, h_prev, H, fp(d_w_hh), sc);
+  t_rows_raw(N, I, 2 * H, dg, G, fp(x), x.stride(0), fp(d_w_ih), sc.floats(t_rows_scratch(N, I, 2 * H)));
+  t_rows_raw(N, I, H, a_n, H, fp(x), x.stride(0), fp(d_w_ih) + 2 * H * I, sc.floats(t_rows_scratch(N, I, H)));
+  t_rows_raw(N, H, G, dg, G, h_prev, H, fp(d_w_hh), sc.floats(t_rows_scratch(N, H, G)));
   const Tensor dg2 = at::from_blob(dg, {N, G}, opts);
   Tensor d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
   if (b_ih.has_value()) {
@@ -986,10 +947,7 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
   // The backward runs the steps in the opposite order of the forward.
   std::vector<int64_t> order(s.T);
   for (int64_t k = 0; k < s.T; ++k) order[k] = reverse ? k : s.T - 1 - k;
-  wfpass_fast::Rows rows;
-  const bool quick = fast(data);
-  if (quick)
-    for (const int64_t t : order) rows.emplace_back(s.off[t], s.bs[t]);
+  const bool quick = fast(data);  // a plain RNN's; LSTMs and GRUs took lean_*_backward above
   const Tensor gout = quick && grad_out.has_value() ? grad_out->contiguous() : Tensor();
   Tensor d_data, d_w_ih, d_w_hh, d_b_ih = at::empty({0}, opts), d_b_hh = at::empty({0}, opts);
   Tensor d_w_hr = at::empty({0}, opts), d_c0 = at::empty({0}, opts);
@@ -1053,10 +1011,6 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
     at::mul_out(dg_n, a_n, r);  // the recurrent side of n is scaled by r
     const Tensor dg2 = dg.view({N, 3 * H});
     const Tensor dh_all = at::empty({N, H}, opts);
-    if (quick) {
-      const Tensor ws = workspace.contiguous();
-      wfpass_fast::gru_backward(rows, H, fp(gout), fp(hcar), fp(ws), fp(dg), fp(w_hh.contiguous()), fp(dh_all));
-    } else {
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
       Tensor dh = dh_all.narrow(0, r0, n);
@@ -1066,17 +1020,10 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
       at::mul_out(hc, dh, z.narrow(0, r0, n));
       hc.addmm_(dg2.narrow(0, r0, n), w_hh);  // dL/dh_prev = dh * z + dgh @ W_hh
     }
-    }
     // The input side differs from dg only in n's third (not scaled by r):
     // its gradients as GEMMs over dg's r | z columns and this one.
     const Tensor dgi_n = a_n.mul_(dh_all), dg_rz = dg2.narrow(1, 0, 2 * H);
-    if (quick) {  // all on the fast loop's GEMM (t_rows_times: no oneDNN shape per N)
-      d_data = rows_times(dgi_n, w_ih.narrow(0, 2 * H, H), rows_times(dg_rz, w_ih.narrow(0, 0, 2 * H)));
-      d_w_ih = at::empty(w_ih.sizes(), opts);
-      t_rows_times(dg_rz, data, nullptr, d_w_ih.narrow(0, 0, 2 * H));
-      t_rows_times(dgi_n, data, nullptr, d_w_ih.narrow(0, 2 * H, H));
-      d_w_hh = t_rows_times(dg2, h_prev, nullptr);
-    } else if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
+    if (use_onednn(data)) {  // as packed_layer_py_backward._gru_weight_grads
       d_data = onednn_rows(dg_rz, w_ih.narrow(0, 0, 2 * H).t(), Tensor())
                    .add_(onednn_rows(dgi_n, w_ih.narrow(0, 2 * H, H).t(), Tensor()));
       d_w_ih = at::cat({onednn_t_rows(dg_rz, {data})[0], onednn_t_rows(dgi_n, {data})[0]});
@@ -1102,7 +1049,7 @@ Bw layer_backward(const Tensor& data, const Tensor& batch_sizes, const Tensor& w
         mode == Mode::RNN_RELU ? at::gt(out, 0).to(out.scalar_type()) : at::mul(out, out).neg_().add_(1);
     const Tensor dh_buf = at::empty({B, H}, opts);
     if (quick) {
-      wfpass_fast::rnn_backward(rows, H, fp(gout), fp(hcar), fp(dpre), fp(w_hh.contiguous()), fp(dh_buf));
+      wfpass_fast::rnn_backward(backward_rows(s, reverse), H, fp(gout), fp(hcar), fp(dpre), fp(w_hh.contiguous()), fp(dh_buf));
     } else {
     for (const int64_t t : order) {
       const int64_t r0 = s.off[t], n = s.bs[t];
