@@ -260,6 +260,28 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, row
     return torch.ops.mkl._mkl_linear(x, packed, w, bias, rows)
 
 
+def panel_packs(dtype: torch.dtype) -> bool:
+    """Can the ``"brgemm"`` kernel run a linear of ``dtype`` here? float32,
+    where wfpass's C++ kernels are loaded and oneDNN's fp32 small-GEMM
+    ukernel answers on this CPU (``native.fast_loop``)."""
+    from . import native  # lazily: native imports this module's neighbours
+
+    return dtype == torch.float32 and native.fast_loop() and hasattr(torch.ops.wfpass, "_panel_linear")
+
+
+def panel_pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in]) as ``[ceil(out / 64), in, 64]`` panels of ``w.T``'s
+    columns (zero past ``out``): the copy the ``"brgemm"`` kernel reads,
+    the weight's bytes (up to 63 padded columns more)."""
+    return torch.ops.wfpass._panel_pack(w)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, b: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``x @ w.T (+ b)`` from ``panel_pack(w)`` (``n`` = ``w``'s rows) on
+    oneDNN's small-GEMM ukernel (wfpass/_torch/native/fast_rnn.cpp)."""
+    return torch.ops.wfpass._panel_linear(x, panels, b, n)
+
+
 # -- packed sequences (torch._VF, private; torch 2.11.0-2.15.0) ---------------------------------
 
 def pack_padded(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool):

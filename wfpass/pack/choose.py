@@ -4,10 +4,21 @@ model on the same machine gets the same kernels from one process to the next.
 
 Candidates: ``"plain"`` (``F.linear`` on the parameter, what eager and
 Inductor run: oneDNN or MKL reorders the weight inside every call),
-``"onednn"`` (oneDNN's packed layout, one copy for every row count) and,
-for float32 with at most ``EXACT_ROWS`` rows, ``"mkl"`` (MKL's packed SGEMM,
-whose copy is made for one row count and is several MB larger than the
-weight).
+``"brgemm"`` (float32: oneDNN's small-GEMM ukernel over a copy of the weight
+in 64-column panels, wfpass's C++ kernel), ``"onednn"`` (oneDNN's packed
+layout, one copy for every row count) and, for float32 with at most
+``EXACT_ROWS`` rows, ``"mkl"`` (MKL's packed SGEMM, whose copy is made for
+one row count and is several MB larger than the weight).
+
+**Lightest first.** The packed kernels are taken in that order: brgemm where
+it gains the margin over the plain GEMM, then oneDNN only where it gains the
+margin over the kernel taken so far too, in three rounds of four at least
+level, then MKL the same way by ``MKL_MARGIN``. The copies of brgemm and
+oneDNN are the weight's bytes, but each row count a kernel runs makes the
+library compile one for it, and keep it: about 23 KB of code for brgemm's
+ukernel, 0.56 MiB for oneDNN's linear (torch 2.13, docs/pack.md). A
+near-tie between two packed kernels keeps the lighter, so it cannot flip
+between processes.
 
 **A gain clear of the noise.** Each candidate is timed in ``ROUNDS``
 interleaved rounds of about ``SAMPLE_S`` each beside the plain GEMM; each
@@ -118,7 +129,7 @@ ATTEMPTS = 3
 
 #: The decision rule's version, part of the decision file's key: decisions
 #: made by an earlier rule are measured again, not read.
-RULE = 7
+RULE = 8
 
 #: Row counts measured exactly; above it, at the next power of two.
 EXACT_ROWS = 8
@@ -154,6 +165,8 @@ def bucket(m: int) -> int:
 def kernels_for_dtype(dtype: torch.dtype, m: int) -> List[str]:
     """The packed kernels this CPU and build have for ``dtype`` at ``m`` rows."""
     out = []
+    if _k.panel_packs(dtype):
+        out.append("brgemm")
     if _k.onednn_packs(dtype):
         out.append("onednn")
     if _k.mkl_packs(dtype) and m <= EXACT_ROWS:
@@ -334,7 +347,11 @@ def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0)
             "plain": _timer(_cycle([lambda w=w: F.linear(x, w) for w in ws]))}
         nbytes: Dict[str, int] = {}
         for kern in kernels_for_dtype(dtype, mb):
-            if kern == "onednn":
+            if kern == "brgemm":
+                ps_panels = [_k.panel_pack(w) for w in ws]
+                nbytes[kern] = ps_panels[0].numel() * ps_panels[0].element_size()
+                runs[kern] = _timer(_cycle([lambda p=p: _k.panel_linear(x, p, None, n) for p in ps_panels]))
+            elif kern == "onednn":
                 ps = ps_onednn = [_k.onednn_pack(w) for w in ws]
                 nbytes[kern] = _k.onednn_nbytes(ps[0])
                 runs[kern] = _timer(_cycle([lambda p=p: _k.onednn_linear(x, p, None) for p in ps]))
@@ -348,6 +365,8 @@ def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0)
                                             for p, w in zip(ps, ws)]))
         # The first packed call makes the library's kernel for this shape and
         # row count, which stays in its cache: counted (state.py).
+        if "brgemm" in runs:
+            _state.run_first(_state.key_of("brgemm", x, n, False), lambda: _k.panel_linear(x, ps_panels[0], None, n))
         if "onednn" in runs:
             _state.run_first(_state.key_of("onednn", x, n, False), lambda: _k.onednn_linear(x, ps_onednn[0], None))
         if "mkl" in runs:
@@ -412,19 +431,31 @@ def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Deci
                     "measured", time.strftime("%Y-%m-%d"))
 
 
+#: The packed kernels in the order they are taken (lightest first: see the
+#: module's docstring), each with the margin it must gain.
+_CHALLENGERS = (("brgemm", MARGIN), ("onednn", MARGIN), ("mkl", MKL_MARGIN))
+
+
 def _best(d: Decision, pick: Callable[[List[float]], float] = statistics.median,
-          margins: Tuple[float, float] = (MARGIN, MKL_MARGIN)) -> str:
+          vs_plain: Optional[float] = None) -> str:
     """The plain GEMM, unless a packed kernel's gain is clear (see the module's
-    docstring); ``pick`` reads the rounds (the median; a quartile for
-    ``_settled``), ``margins`` are oneDNN's and MKL's."""
+    docstring). Against the plain GEMM, ``pick`` reads the rounds (the
+    median; a quartile for ``_settled``) and ``vs_plain`` replaces the
+    margins; a later packed kernel must beat the one taken so far, round by
+    round, in the median by its margin and in the upper quartile at least
+    level, else the one taken so far stays."""
     best = "plain"
-    if "onednn" in d.ratios and _clear(d.ratios["onednn"], margins[0], pick):
-        best = "onednn"
-    if "mkl" in d.ratios and _clear(d.ratios["mkl"], margins[1], pick):
-        # MKL's copy is one per row count and larger: it must beat oneDNN too, round by round.
-        if best == "plain" or _clear([x / y for x, y in zip(d.ratios["mkl"], d.ratios["onednn"])], margins[1],
-                                     pick):
-            best = "mkl"
+    for name, margin in _CHALLENGERS:
+        rs = d.ratios.get(name)
+        if not rs:
+            continue
+        if best == "plain":
+            if _clear(rs, margin if vs_plain is None else vs_plain, pick):
+                best = name
+            continue
+        rel = [x / y for x, y in zip(rs, d.ratios[best])]
+        if _clear(rel, margin) and _clear(rel, 1.0, _quartile(3)):
+            best = name
     return best
 
 
@@ -457,7 +488,7 @@ def _settled(d: Decision) -> bool:
     the margin and an upper quartile in 0.86-0.91, docs/choice_spread.md),
     which rule 6 measured again and then left to the plain GEMM."""
     if _best(d) != "plain":
-        return _best(d, _quartile(3), margins=(1.0, 1.0)) != "plain"
+        return _best(d, _quartile(3), vs_plain=1.0) != "plain"
     return _best(d, _quartile(1)) == "plain"
 
 

@@ -64,11 +64,16 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
         return (f"M={m}: the plain GEMM ({us['plain']:.0f} us; packed {alt}, {op:.0f} us for the op's call "
                 f"included: no clear gain, which needs {choose.MARGIN:.2f}x in the median round, MKL "
                 f"{choose.MKL_MARGIN:.2f}x; {rounds})")
-    name = "oneDNN" if d.kernel == "onednn" else "MKL"
-    return (f"M={m}: {name}'s packed kernel, {1 / d.median_ratio(d.kernel):.2f}x faster than the plain GEMM "
+    name = _KERNEL_WORDS[d.kernel]
+    return (f"M={m}: {name}, {1 / d.median_ratio(d.kernel):.2f}x faster than the plain GEMM "
             f"in the median round ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
             f"{1 / d.clear_ratio(d.kernel):.2f}x in round {choose.CLEAR_ROUND} from the worst; its copy "
             f"{_kib(d.nbytes.get(d.kernel, 0))} ({rounds})")
+
+
+#: How the report names each packed kernel.
+_KERNEL_WORDS = {"brgemm": "oneDNN's small-GEMM ukernel over a copy in 64-column panels (brgemm)",
+                 "onednn": "oneDNN's packed kernel", "mkl": "MKL's packed kernel"}
 
 
 def _kib(nbytes: int) -> str:

@@ -73,7 +73,7 @@ class PackSite:
     """One packed call of one compiled graph: its report record, its
     options, and the kernel chosen for each row count seen.
 
-    ``choose(m)`` returns ``"onednn"``, ``"mkl"`` or ``"plain"``; a site
+    ``choose(m)`` returns ``"brgemm"``, ``"onednn"``, ``"mkl"`` or ``"plain"``; a site
     asks it once per row count and remembers the answer."""
 
     def __init__(self, record: Record, choose, max_bytes: Optional[int]):
@@ -149,7 +149,7 @@ def register_site(site: PackSite) -> int:
     return site.id
 
 
-_KERNEL_CODE = {"plain": 0, "onednn": 1, "mkl": 2}
+_KERNEL_CODE = {"plain": 0, "onednn": 1, "mkl": 2, "brgemm": 3}
 
 
 class _NativeCounts:
@@ -415,6 +415,8 @@ def _fresh(site: PackSite, weights: Sequence[torch.Tensor], rows: int, kernel: s
         block = block.contiguous()
     if kernel == "mkl":
         packed = _k.mkl_pack(block, m)
+    elif kernel == "brgemm":
+        packed = _k.panel_pack(block)
     else:
         packed = _k.onednn_pack(block)
     nbytes = _k.onednn_nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
@@ -482,6 +484,8 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                 bias = _whole(biases, rows, s)
                 if kernel == "mkl":
                     y, grown = _state.run_first(skey, lambda: _k.mkl_linear(x, c.packed, _laid_out(weights, rows), bias, m))
+                elif kernel == "brgemm":
+                    y, grown = _state.run_first(skey, lambda: _k.panel_linear(x, c.packed, bias, rows))
                 else:
                     y, grown = _state.run_first(skey, lambda: _k.onednn_linear(x, c.packed, bias))
                 if grown:

@@ -39,7 +39,7 @@ __all__ = ["GUESS", "total", "known", "estimate", "run_first", "key_of"]
 
 #: The charge of a first call where the heap cannot be read, per kernel
 #: (measured as above; MKL's rounded up).
-GUESS: Dict[str, int] = {"onednn": 600 << 10, "mkl": 1536 << 10}
+GUESS: Dict[str, int] = {"onednn": 600 << 10, "mkl": 1536 << 10, "brgemm": 32 << 10}
 
 _SEEN: Set[tuple] = set()
 _TOTAL = [0]

@@ -110,6 +110,47 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   });
 }
 
+int64_t panel_floats(int64_t N, int64_t K) { return (N + kPanel - 1) / kPanel * K * kPanel; }
+
+void panel_pack(int64_t N, int64_t K, const float* w, int64_t ldw, float* out) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* d = out + p * K * kPanel;
+      const int64_t n = std::min(kPanel, N - p * kPanel);
+      if (n < kPanel) std::memset(d, 0, K * kPanel * sizeof(float));
+      transpose(n, K, w + p * kPanel * ldw, ldw, d, kPanel);
+    }
+  });
+}
+
+void panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* panels,
+                  const float* bias, float* y, int64_t ldy) {
+  constexpr int64_t kRows = 64;
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  // Panels per thread: at least ~256K multiply-adds each, so a small call
+  // (a 384x256 weight at one row: 6 panels of 16K) runs on one thread
+  // rather than pay the threads' start for a few microseconds of work.
+  constexpr int64_t kMinWork = 1 << 18;
+  const int64_t per_panel = std::min(M, kRows) * K * kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, per_panel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, n = std::min(kPanel, N - n0);
+      const float* B = panels + p * K * kPanel;
+      // The panel (K x 64 floats: 64 KB at K 256) stays in cache while
+      // every block of rows goes through it.
+      for (int64_t i = 0; i < M; i += kRows) {
+        const int64_t m = std::min(kRows, M - i);
+        float* c = y + i * ldy + n0;
+        if (bias != nullptr)
+          for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldy, bias + n0, n * sizeof(float));
+        gemm(m, n, K, x + i * ldx, ldx, B, kPanel, c, ldy, bias != nullptr);
+      }
+    }
+  });
+}
+
 #ifdef WFPASS_X86
 namespace {
 

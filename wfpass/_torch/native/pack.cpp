@@ -28,6 +28,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fast_rnn.h"
 #include "weight_sample.h"
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -92,7 +93,7 @@ using Vec = std::vector<T, OwnPages<T>>;
 template <class K, class V>
 using Map = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, OwnPages<std::pair<const K, V>>>;
 
-enum Kernel : int64_t { PLAIN = 0, ONEDNN = 1, MKL = 2 };
+enum Kernel : int64_t { PLAIN = 0, ONEDNN = 1, MKL = 2, BRGEMM = 3 };
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
@@ -182,6 +183,60 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(x, packed, w, bias, m);
 }
 
+// The "brgemm" kernel: oneDNN's small-GEMM ukernel (fast_rnn.cpp) over a
+// copy of the weight in panels of 64 columns of W^T. Why beside oneDNN's
+// packed linear: the ukernel is made per (shape, row count) too, but
+// ~23 KB of JIT code each against the 0.56 MiB oneDNN's linear keeps per
+// row count, and it skips that op's per-call descriptors (a 384x256
+// weight at one row: 6 us against 34 us, 13 us plain; 1 thread, this
+// project's AVX-512 EPYC, docs/pack.md). float32, where fast_loop() is true.
+bool panels_ok() { return wfpass_fast::fast_loop(); }
+
+at::Tensor panel_pack_op(const at::Tensor& w) {
+  TORCH_CHECK(panels_ok(), "wfpass::_panel_pack: oneDNN's fp32 ukernel is not available on this CPU or build");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
+              "wfpass::_panel_pack: expected a 2-D float32 CPU weight, got ", w.scalar_type(), " of shape ",
+              w.sizes());
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  at::Tensor out = at::empty({(N + wfpass_fast::kPanel - 1) / wfpass_fast::kPanel, K, wfpass_fast::kPanel},
+                             wc.options());
+  if (N > 0 && K > 0) wfpass_fast::panel_pack(N, K, wc.const_data_ptr<float>(), K, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor panel_linear_op(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                           int64_t n) {
+  // Every shape is checked: a malformed call must raise, never read past a buffer.
+  TORCH_CHECK(panels_ok(), "wfpass::_panel_linear: oneDNN's fp32 ukernel is not available on this CPU or build");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
+                  panels.size(2) == wfpass_fast::kPanel && panels.is_contiguous(),
+              "wfpass::_panel_linear: panels must be a contiguous float32 CPU tensor [P, K, ", wfpass_fast::kPanel,
+              "], got ", panels.sizes());
+  const int64_t K = panels.size(1);
+  TORCH_CHECK(n >= 0 && (n + wfpass_fast::kPanel - 1) / wfpass_fast::kPanel == panels.size(0),
+              "wfpass::_panel_linear: ", n, " output features do not fill ", panels.size(0), " panels");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+              "wfpass::_panel_linear: input of shape ", x.sizes(), " and dtype ", x.scalar_type(),
+              " for a float32 weight with ", K, " input features");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->numel() == n,
+                "wfpass::_panel_linear: bias of ", bias->numel(), " elements for ", n, " output features");
+    b = bias->contiguous();
+  }
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t M = y.numel() / std::max<int64_t>(1, n);
+  if (M == 0 || n == 0) return y;
+  if (K == 0) return b.defined() ? y.copy_(b.expand_as(y)) : y.zero_();
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  wfpass_fast::panel_linear(M, n, K, x2.const_data_ptr<float>(), K, panels.const_data_ptr<float>(),
+                            b.defined() ? b.const_data_ptr<float>() : nullptr, y.data_ptr<float>(), n);
+  return y;
+}
+
 at::Tensor slow(const at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t rows, int64_t site) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("wfpass::packed_linear_slow", "")
@@ -240,7 +295,9 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::Tensor
   }
   if (kernel < 0) return slow(x, weights, biases, rows, site);
   at::Tensor y;
-  if (kernel == ONEDNN)
+  if (kernel == BRGEMM)
+    y = panel_linear_op(x, packed, bias, rows);
+  else if (kernel == ONEDNN)
     y = onednn_linear(x, packed, bias);
   else if (kernel == MKL)
     y = mkl_linear(x, packed, block, bias, m);
@@ -315,9 +372,14 @@ TORCH_LIBRARY_FRAGMENT(wfpass, m) {
         pack_put);
   m.def("_pack_take_counts(int site) -> int[]", pack_take_counts);
   m.def("_pack_forget(int site) -> ()", pack_forget);
+  m.def("_panels_ok() -> bool", panels_ok);
+  m.def("_panel_pack(Tensor w) -> Tensor");
+  m.def("_panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("packed_linear", packed_linear);
   m.impl("packed_linear_train", packed_linear);
+  m.impl("_panel_pack", panel_pack_op);
+  m.impl("_panel_linear", panel_linear_op);
 }
