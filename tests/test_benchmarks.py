@@ -165,7 +165,7 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
     got = {(row[0], row[1]) for row in rows}
     assert got == {(s, m) for s in ("128x64", "64x64", "344x64", "64x172") for m in ("1", "5")}, rows
     for row in rows:
-        assert row[2] in ("plain", "onednn", "mkl"), row
+        assert row[2] in ("plain", "brgemm", "onednn", "mkl"), row
         assert float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0, row
     assert re.search(r"slower than the plain GEMM on the real calls \(median round\): \d+ of \d+", out.read_text())
 

@@ -83,9 +83,27 @@ def _dtypes():
     return [torch.float32] + ([torch.bfloat16] if BF16 else [])
 
 
+BRGEMM = _k.panel_packs(torch.float32)
+
+
+@pytest.fixture(params=["brgemm", "onednn"])
+def packed_kernel(request, monkeypatch):
+    """The float32 packed kernel ``pack.mode="always"`` takes: brgemm (the
+    ukernel over panels) where this CPU has it, and oneDNN's packed linear
+    with brgemm switched off, so both kernels pass the same checks."""
+    if request.param == "brgemm" and not BRGEMM:
+        pytest.skip("no brgemm kernel here (wfpass's C++ kernels or oneDNN's fp32 ukernel missing)")
+    if request.param == "onednn":
+        monkeypatch.setattr(_k, "panel_packs", lambda dtype: False)
+    return request.param
+
+
+_KERNEL_TEXT = {"brgemm": "(brgemm)", "onednn": "oneDNN's packed kernel"}
+
+
 @pytest.mark.parametrize("dtype", _dtypes())
 @pytest.mark.parametrize("tokens", [1, 16])
-def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens):
+def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens, packed_kernel):
     torch.manual_seed(0)
     model = Block().to(dtype).eval()
     ref = copy.deepcopy(model)
@@ -102,6 +120,8 @@ def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens)
     assert sum(r.stats["packed_bytes"] for r in rows) >= sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("weight"))
     block = next(r for r in rows if len(r.params) == 3)
     assert "block" in block.reason
+    expect = packed_kernel if dtype == torch.float32 else "onednn"  # brgemm is float32's
+    assert all(_KERNEL_TEXT[expect] in r.reason for r in rows), [r.reason for r in rows]
 
 
 def test_prefill_and_decode_graphs_share_one_copy_of_a_block():
@@ -157,7 +177,7 @@ def _changes():
 
 
 @pytest.mark.parametrize("change", _changes(), ids=lambda f: f.__name__)
-def test_a_weight_change_is_seen_on_the_next_call(change):
+def test_a_weight_change_is_seen_on_the_next_call(change, packed_kernel):
     torch.manual_seed(0)
     model = Block().eval()
     ref = copy.deepcopy(model)
@@ -311,6 +331,14 @@ def fresh_kernel_count(monkeypatch):
     monkeypatch.setattr(pstate, "_SEEN", set())
 
 
+@pytest.fixture
+def onednn_kernel(monkeypatch):
+    """``pack.mode="always"`` on oneDNN's packed linear (brgemm off): the
+    tests of the kernels' budget need a kernel of 0.55-0.6 MiB per row
+    count, which oneDNN's is; brgemm's is about 16 KiB."""
+    monkeypatch.setattr(_k, "panel_packs", lambda dtype: False)
+
+
 def _regional(n, d=64, **pack):
     torch.manual_seed(0)
     layers = nn.Sequential(*[Head(d) for _ in range(n)]).eval()
@@ -342,7 +370,7 @@ def test_regional_compilation_counts_every_layer_into_the_budget(fresh_kernel_co
     assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph runs every layer"
 
 
-def test_regional_compilation_asks_the_budget_again_as_layers_join(fresh_kernel_count):
+def test_regional_compilation_asks_the_budget_again_as_layers_join(fresh_kernel_count, onednn_kernel):
     """Four 256x256 layers through one graph: the first layer's first call
     meets a budget of its own weights (0.25 MiB), smaller than the kernel
     the library compiles for it (0.55-0.6 MiB), and so does the second's;
@@ -402,7 +430,7 @@ class EmbedHead(nn.Module):
         return self.head(self.emb(ids))
 
 
-def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_kernel_count):
+def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_kernel_count, onednn_kernel):
     """oneDNN compiles a kernel for every row count its packed linear runs
     and keeps it (0.55-0.6 MiB each on torch 2.13's CPU build, about 40 KiB
     after the first on 2.11's CUDA build): a graph with a symbolic row count
@@ -607,7 +635,7 @@ def test_the_cpp_kernel_is_in_use_where_a_compiler_is():
     assert native.loaded(), native.status()
 
 
-def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(monkeypatch):
+def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(monkeypatch, packed_kernel):
     if not native.loaded():
         pytest.skip(native.status())
     fresh_calls = []
@@ -790,6 +818,79 @@ def test_spread_rounds_decide_where_the_quartiles_hold_the_medians_verdict():
     assert choose._settled(wide_win) and choose._best(wide_win) == "onednn"
     # A median gain with a quarter of the rounds and more slower than the plain GEMM.
     assert not choose._settled(decision([0.5] * 6 + [1.2] * 5))
+
+
+def test_the_lighter_packed_kernel_stays_unless_another_is_clearly_faster():
+    """brgemm (about 16 KiB of kernel per row count) is taken where it gains
+    the margin over the plain GEMM; oneDNN (0.56 MiB per row count) only
+    where it gains the margin over brgemm too, in three rounds of four at
+    least level; a near-tie between the two keeps brgemm, so it cannot flip
+    between processes."""
+    from wfpass.pack import choose
+
+    n = choose.ROUNDS
+
+    def decision(brgemm, onednn):
+        return choose.Decision("plain", {"plain": 1e-5}, {"brgemm": brgemm, "onednn": onednn}, {}, "measured", "")
+
+    assert choose._best(decision([0.6] * n, [0.55] * n)) == "brgemm"  # a near-tie: the lighter
+    assert choose._best(decision([0.6] * n, [0.5] * n)) == "onednn"  # 0.83 of brgemm's time
+    assert choose._best(decision([0.9] * n, [0.8] * n)) == "onednn"  # brgemm no clear gain, oneDNN one
+    assert choose._best(decision([0.9] * n, [0.9] * n)) == "plain"
+    # oneDNN's median gains the margin over brgemm, but a third of its rounds are slower: brgemm stays.
+    assert choose._best(decision([0.6] * n, [0.4] * 7 + [0.7] * 4)) == "brgemm"
+    assert choose._settled(decision([0.6] * n, [0.55] * n))
+
+
+@pytest.mark.skipif(not BRGEMM, reason="no brgemm kernel here")
+def test_the_brgemm_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
+    """``wfpass::_panel_linear`` over ``_panel_pack``'s copy: the plain GEMM's
+    values for any shape (a last panel partly padded, more than 64 rows,
+    batched and strided inputs, with and without a bias, at 1 and 2
+    threads), and a clear error, never a read past a buffer, for a call
+    whose tensors do not fit together."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k in ((384, 256), (100, 37), (1, 5), (65, 3), (2752, 64)):
+                w, b = torch.randn(n, k), torch.randn(n)
+                p = _k.panel_pack(w)
+                assert p.shape == ((n + 63) // 64, k, 64)
+                for x in (torch.randn(1, k), torch.randn(70, k), torch.randn(2, 3, k), torch.randn(k, 9).t()):
+                    for bias in (b, None, b.view(n, 1)[:, 0]):
+                        torch.testing.assert_close(_k.panel_linear(x, p, bias, n), F.linear(x, w, bias),
+                                                   rtol=1e-5, atol=1e-5 * k)
+    finally:
+        torch.set_num_threads(threads)
+    w = torch.randn(100, 37)
+    p = _k.panel_pack(w)
+    x = torch.randn(4, 37)
+    bad = [(x, p, None, 129), (x, p, None, 64), (torch.randn(4, 36), p, None, 100), (x, p[:1], None, 100),
+           (x, p, torch.randn(99), 100), (x.double(), p, None, 100), (x, p.double(), None, 100),
+           (x, p.transpose(0, 1), None, 100), (x, p[:, :, :32], None, 100), (x, p.reshape(-1), None, 100)]
+    for args in bad:
+        with pytest.raises(RuntimeError, match="_panel_linear"):
+            _k.panel_linear(*args)
+    with pytest.raises(RuntimeError, match="_panel_pack"):
+        _k.panel_pack(torch.randn(4, 5, 6))
+    with pytest.raises(RuntimeError, match="_panel_pack"):
+        _k.panel_pack(torch.randn(4, 5).double())
+
+
+@pytest.mark.skipif(not BRGEMM or pstate._HEAP is None, reason="no brgemm kernel here, or no glibc heap to read")
+def test_a_brgemm_kernel_for_a_new_row_count_costs_kilobytes_not_a_mebibyte():
+    """What a new row count leaves behind with brgemm (oneDNN's ukernel for
+    that shape) is measured and charged like oneDNN's kernels; it is about
+    16 KiB here, against 0.55-0.6 MiB for oneDNN's packed linear."""
+    p = _k.panel_pack(torch.randn(200, 72))
+    charged = []
+    for m in (3, 4, 5, 6):
+        _, c = pstate.run_first(("brgemm", torch.float32, 200, 72, m, "test"),
+                                lambda m=m: _k.panel_linear(torch.randn(m, 72), p, None, 200))
+        charged.append(c)
+    assert max(charged[1:]) < 128 << 10, charged
 
 
 def test_decisions_are_timed_among_the_graphs_weights(monkeypatch, tmp_path):

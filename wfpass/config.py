@@ -154,9 +154,11 @@ class PackOptions:
 
     mode:      ``"auto"``: per linear and row count, the kernel measured
                fastest for that shape on this machine (the plain GEMM where
-               no packed kernel beats it); ``"always"``: oneDNN's packed
-               kernel wherever it takes the dtype, unmeasured; ``"off"``:
-               no packed copies.
+               no packed kernel beats it); ``"always"``: a packed kernel
+               wherever one takes the dtype, unmeasured (float32: oneDNN's
+               small-GEMM ukernel over a copy in 64-column panels where the
+               CPU has AVX2 or AVX-512, else oneDNN's packed linear);
+               ``"off"``: no packed copies.
     training:  also pack linears in graphs that compute gradients: the
                forward reads the packed copy, the backward the parameter,
                and the copy is made again after every optimizer step.

@@ -32,14 +32,23 @@ def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int,
     """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``, in a
     graph reading ``pool_bytes`` of weights per call."""
     if opts.mode == "always":
-        return "onednn" if _k.onednn_packs(dtype) else "plain"
+        return _always(dtype)
     return choose.measured(dtype, k, n, m, pool_bytes)[0]
+
+
+def _always(dtype: torch.dtype) -> str:
+    """``pack.mode="always"``: the first packed kernel ``choose`` would try
+    (brgemm, where the CPU and the dtype allow it), else oneDNN's."""
+    if _k.panel_packs(dtype):
+        return "brgemm"
+    return "onednn" if _k.onednn_packs(dtype) else "plain"
 
 
 def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The row's words for the choice at ``m`` rows."""
     if opts.mode == "always":
-        return f"M={m}: oneDNN's packed kernel (pack.mode='always', not measured)"
+        kernel = _always(dtype)
+        return f"M={m}: {_KERNEL_WORDS.get(kernel, 'the plain GEMM')} (pack.mode='always', not measured)"
     d = choose.decide(dtype, k, n, m, pool_bytes)
     pool = choose.pool_mib(pool_bytes)
     us = {name: t * 1e6 for name, t in d.times.items()}
