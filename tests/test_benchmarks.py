@@ -233,3 +233,21 @@ def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
     ratio = float(out.split("oneDNN / loop: ")[1].split()[0])
     assert len(times) == 2 and all(t > 0 for t in times), out
     assert ratio == pytest.approx(times[1] / times[0], abs=0.01), out
+
+
+def test_brgemm_kernel_times_the_three_kernels_and_their_kernel_bytes(capsys):
+    """``brgemm_kernel.py`` (docs/pack.md): each kernel timed per shape and
+    row count (brgemm checked against the plain GEMM first), the ratios
+    printed from the times, and the heap a new row count leaves."""
+    from wfpass._torch import kernels
+
+    if not kernels.panel_packs(torch.float32):
+        pytest.skip("no brgemm kernel here")
+    assert _load("brgemm_kernel").main(["--rounds", "1", "--shapes", "100x40", "--rows", "1,2"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| 100x40")]
+    assert len(rows) == 3, out  # two row counts timed, one line of heap figures
+    for r in rows[:2]:
+        plain, onednn, brgemm, xo, xb = (float(v) for v in r[2:])
+        assert xo == pytest.approx(plain / onednn, abs=0.01) and xb == pytest.approx(plain / brgemm, abs=0.01), r

@@ -1066,3 +1066,29 @@ def test_default_budget_keeps_the_copies_within_the_weights_bytes(fresh_kernel_c
     assert "packed copies alive:" in str(wfpass.report(model))
     with pytest.raises(ValueError, match="pack.max_bytes"):
         wfpass.PackOptions(max_bytes="all")
+
+
+def test_a_decision_for_a_kernel_this_process_lacks_takes_the_best_it_has(monkeypatch, tmp_path):
+    """A decision file written where brgemm ran (wfpass's C++ kernels
+    loaded), read by a process without it (``WFPASS_NATIVE=0``): the same
+    rounds decide again among the kernels this process has, instead of
+    calling a kernel that is not there."""
+    from wfpass.pack import choose
+
+    monkeypatch.setenv("WFPASS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choose, "_DECIDED", {})
+    monkeypatch.setattr(choose, "_FILE_STATE", {"path": None, "data": None})
+    n = choose.ROUNDS
+    written = choose.Decision("brgemm", {"plain": 1e-5, "brgemm": 4e-6, "onednn": 7e-6},
+                              {"brgemm": [0.4] * n, "onednn": [0.7] * n}, {"brgemm": 4096, "onednn": 4096},
+                              "measured", "2026-11-29")
+    key = (torch.float32, 40, 24, 1, torch.get_num_threads(), 0)
+    choose._to_file(key, written)
+    monkeypatch.setattr(_k, "panel_packs", lambda dtype: False)
+    monkeypatch.setattr(_k, "onednn_packs", lambda dtype: True)
+    d = choose.decide(torch.float32, 40, 24, 1)
+    assert d.source == "file" and d.kernel == "onednn" and "brgemm" not in d.ratios
+    monkeypatch.setattr(choose, "_DECIDED", {})
+    monkeypatch.setattr(_k, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(_k, "mkl_packs", lambda dtype: False)
+    assert choose.decide(torch.float32, 40, 24, 1).kernel == "plain"

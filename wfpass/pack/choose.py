@@ -418,8 +418,25 @@ def decide(dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> D
             got.source, got.noisy, got.kernel = "noisy", True, "plain"
         if got.noisy:
             _to_file(key, got)
+    got = _runnable(got, dtype, mb)
     _DECIDED[key] = got
     return got
+
+
+def _runnable(d: Decision, dtype: torch.dtype, mb: int) -> Decision:
+    """``d``, or where its kernel cannot run in this process (a decision
+    file written where wfpass's C++ kernels ran, read by a process without
+    them: ``WFPASS_NATIVE=0``, ``WFPASS_FAST_LOOP=0``), the same rounds
+    decided again among the kernels this process has."""
+    have = set(kernels_for_dtype(dtype, mb))
+    if d.kernel == "plain" or d.kernel in have:
+        return d
+    keep = have | {"plain"}
+    out = Decision("plain", {k: v for k, v in d.times.items() if k in keep},
+                   {k: v for k, v in d.ratios.items() if k in have}, {k: v for k, v in d.nbytes.items() if k in have},
+                   d.source, d.when, d.noisy)
+    out.kernel = "plain" if d.noisy else _best(out)
+    return out
 
 
 def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Decision:

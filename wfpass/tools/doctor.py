@@ -68,6 +68,8 @@ def lines() -> List[str]:
                 else "no (a CPU with neither AVX-512 nor AVX2 with FMA, oneDNN's small-GEMM kernel not answering, "
                      "or WFPASS_FAST_LOOP=0)")
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
+        out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
+                   f"{_yes(kernels.panel_packs(torch.float32))}")
         both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
                 else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")
         out.append(f"bidirectional packed layers, both directions at once: {both}")

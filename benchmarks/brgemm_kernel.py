@@ -1,0 +1,97 @@
+"""The packed linears' kernels side by side, per weight shape and row count:
+the plain GEMM (``F.linear``, what eager and Inductor run), oneDNN's packed
+linear (``mkldnn::_linear_pointwise`` on its reordered copy) and wfpass's
+``brgemm`` (oneDNN's small-GEMM ukernel over a copy in 64-column panels),
+each called directly (no op around it); and what each leaves on the heap
+for a row count it has not run before (the kernel the library compiles and
+keeps for it).
+
+    python benchmarks/brgemm_kernel.py [--threads 1] [--rounds 9] [--shapes 384x256,2752x256]
+
+Shapes are ``out x in`` (the bench decoder's by default). Each cell is the
+median over ``--rounds`` interleaved rounds (plain, oneDNN, brgemm in one
+fixed order) of ~2 ms of calls each, in us per call, with each weight timed
+alone (it stays in the core's caches: the kernels' own cost, not the
+model's memory traffic, which ``choose.py`` times instead).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def per_call(fn, budget_s: float = 2e-3) -> float:
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < budget_s:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rows", default="1,2,5,8,16,64,256")
+    ap.add_argument("--shapes", default="384x256,256x256,2752x256,256x1376")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from wfpass._torch import kernels as k, native
+    from wfpass.pack import state
+
+    if not k.panel_packs(torch.float32):
+        print(f"no brgemm kernel here: {native.status()}")
+        return 1
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"torch {torch.__version__}, {args.threads} thread(s); us per call, median of {args.rounds} "
+          f"interleaved rounds; x = plain / kernel")
+    print()
+    print("| weight | M | plain | oneDNN packed | brgemm | oneDNN x | brgemm x |")
+    print("|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for n, kk in shapes:
+        w, b = torch.randn(n, kk), torch.randn(n)
+        od, br = k.onednn_pack(w), k.panel_pack(w)
+        for m in rows:
+            x = torch.randn(m, kk)
+            fns = {"plain": lambda: F.linear(x, w, b), "onednn": lambda: k.onednn_linear(x, od, b),
+                   "brgemm": lambda: k.panel_linear(x, br, b, n)}
+            torch.testing.assert_close(fns["brgemm"](), fns["plain"](), rtol=1e-4, atol=1e-4 * kk ** 0.5)
+            times = {name: [] for name in fns}
+            for f in fns.values():
+                f()
+            for _ in range(args.rounds):
+                for name, f in fns.items():
+                    times[name].append(per_call(f) * 1e6)
+            med = {name: statistics.median(v) for name, v in times.items()}
+            print(f"| {n}x{kk} | {m} | {med['plain']:.1f} | {med['onednn']:.1f} | {med['brgemm']:.1f} | "
+                  f"{med['plain'] / med['onednn']:.2f} | {med['plain'] / med['brgemm']:.2f} |")
+    if state._HEAP is None:
+        return 0
+    print()
+    print("Heap left by a row count's first call (its output aside), KiB, 3 new row counts per weight:")
+    print()
+    print("| weight | oneDNN packed | brgemm |")
+    print("|---|---|---|")
+    for n, kk in shapes:
+        w = torch.randn(n, kk)
+        od, br = k.onednn_pack(w), k.panel_pack(w)
+        left = {"onednn": [], "brgemm": []}
+        for m in (3, 6, 7):  # row counts the timing above did not run
+            for name, f in (("onednn", lambda: k.onednn_linear(torch.randn(m, kk), od, None)),
+                             ("brgemm", lambda: k.panel_linear(torch.randn(m, kk), br, None, n))):
+                x0 = state._HEAP()
+                y = f()
+                left[name].append((state._HEAP() - x0 - y.numel() * y.element_size()) / 1024)
+        print(f"| {n}x{kk} | {', '.join(f'{v:.0f}' for v in left['onednn'])} | "
+              f"{', '.join(f'{v:.0f}' for v in left['brgemm'])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
