@@ -186,10 +186,11 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 // The "brgemm" kernel: oneDNN's small-GEMM ukernel (fast_rnn.cpp) over a
 // copy of the weight in panels of 64 columns of W^T. Why beside oneDNN's
 // packed linear: the ukernel is made per (shape, row count) too, but
-// ~23 KB of JIT code each against the 0.56 MiB oneDNN's linear keeps per
+// ~16 KiB of heap each against the 0.56 MiB oneDNN's linear keeps per
 // row count, and it skips that op's per-call descriptors (a 384x256
-// weight at one row: 6 us against 34 us, 13 us plain; 1 thread, this
-// project's AVX-512 EPYC, docs/pack.md). float32, where fast_loop() is true.
+// weight at one row: 7.6 us against 22.3 us, 9.9 us plain; 1 thread, a
+// 2-core AMD EPYC with AVX-512, benchmarks/brgemm_kernel.py). float32,
+// where fast_loop() is true.
 bool panels_ok() { return wfpass_fast::fast_loop(); }
 
 at::Tensor panel_pack_op(const at::Tensor& w) {
