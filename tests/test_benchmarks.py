@@ -216,7 +216,7 @@ def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
     assert len(rows) == 2, rows
     for r in rows:
         a, b, x = float(r[1]), float(r[2]), float(r[3])
-        assert a > 0 and b > 0 and x == pytest.approx(a / b, rel=0.01, abs=0.01), r
+        assert a > 0 and b > 0 and _ratio_of_printed(x, a, b), r
 
 
 def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
@@ -250,4 +250,13 @@ def test_brgemm_kernel_times_the_three_kernels_and_their_kernel_bytes(capsys):
     assert len(rows) == 3, out  # two row counts timed, one line of heap figures
     for r in rows[:2]:
         plain, onednn, brgemm, xo, xb = (float(v) for v in r[2:])
-        assert xo == pytest.approx(plain / onednn, abs=0.01) and xb == pytest.approx(plain / brgemm, abs=0.01), r
+        assert _ratio_of_printed(xo, plain, onednn) and _ratio_of_printed(xb, plain, brgemm), r
+
+
+def _ratio_of_printed(x: float, a: float, b: float) -> bool:
+    """Is ``x`` (printed to 0.01) the ratio of two times printed to 0.1 us
+    and computed from the unrounded ones? A time of 6.8 us printed is 6.75
+    to 6.85: 1.5% either way, which a fixed relative tolerance missed now
+    and then."""
+    lo, hi = (a - 0.05) / (b + 0.05), (a + 0.05) / max(b - 0.05, 1e-9)
+    return lo - 0.006 <= x <= hi + 0.006
