@@ -110,10 +110,8 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   });
 }
 
-int64_t panel_floats(int64_t N, int64_t K) { return (N + kPanel - 1) / kPanel * K * kPanel; }
-
 void panel_pack(int64_t N, int64_t K, const float* w, int64_t ldw, float* out) {
-  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t P = panels_of(N);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       float* d = out + p * K * kPanel;
@@ -127,7 +125,7 @@ void panel_pack(int64_t N, int64_t K, const float* w, int64_t ldw, float* out) {
 void panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* panels,
                   const float* bias, float* y, int64_t ldy) {
   constexpr int64_t kRows = 64;
-  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t P = panels_of(N);
   // Panels per thread: at least ~256K multiply-adds each, so a small call
   // (a 384x256 weight at one row: 6 panels of 16K) runs on one thread
   // rather than pay the threads' start for a few microseconds of work.

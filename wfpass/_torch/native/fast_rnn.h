@@ -44,13 +44,13 @@ void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float*
 // A linear from a copy of its weight in panels: W [N, K] row-major as
 // ceil(N / kPanel) blocks of [K, kPanel] (W^T's columns, kPanel at a time,
 // zero past N), the layout the ukernel reads B in. panel_pack makes the copy
-// (panel_floats(N, K) floats); panel_linear computes Y [M, N] (leading dim
+// ([panels_of(N), K, kPanel] floats); panel_linear computes Y [M, N] (leading dim
 // ldy) = X [M, K] (leading dim ldx) . W^T (+ bias[N] on every row, where
 // given), one ukernel call per panel and block of up to 64 rows, the panels
 // shared out among torch's threads where there is enough work. Only where
 // fast_loop() is true.
 constexpr int64_t kPanel = 64;
-int64_t panel_floats(int64_t N, int64_t K);
+inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
 void panel_pack(int64_t N, int64_t K, const float* w, int64_t ldw, float* out);
 void panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* panels,
                   const float* bias, float* y, int64_t ldy);

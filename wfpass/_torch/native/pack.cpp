@@ -191,17 +191,16 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 // weight at one row: 7.6 us against 22.3 us, 9.9 us plain; 1 thread, a
 // 2-core AMD EPYC with AVX-512, benchmarks/brgemm_kernel.py). float32,
 // where fast_loop() is true.
-bool panels_ok() { return wfpass_fast::fast_loop(); }
 
 at::Tensor panel_pack_op(const at::Tensor& w) {
-  TORCH_CHECK(panels_ok(), "wfpass::_panel_pack: oneDNN's fp32 ukernel is not available on this CPU or build");
+  TORCH_CHECK(wfpass_fast::fast_loop(),
+              "wfpass::_panel_pack: oneDNN's fp32 ukernel is not available on this CPU or build");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
               "wfpass::_panel_pack: expected a 2-D float32 CPU weight, got ", w.scalar_type(), " of shape ",
               w.sizes());
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
-  at::Tensor out = at::empty({(N + wfpass_fast::kPanel - 1) / wfpass_fast::kPanel, K, wfpass_fast::kPanel},
-                             wc.options());
+  at::Tensor out = at::empty({wfpass_fast::panels_of(N), K, wfpass_fast::kPanel}, wc.options());
   if (N > 0 && K > 0) wfpass_fast::panel_pack(N, K, wc.const_data_ptr<float>(), K, out.data_ptr<float>());
   return out;
 }
@@ -209,13 +208,14 @@ at::Tensor panel_pack_op(const at::Tensor& w) {
 at::Tensor panel_linear_op(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                            int64_t n) {
   // Every shape is checked: a malformed call must raise, never read past a buffer.
-  TORCH_CHECK(panels_ok(), "wfpass::_panel_linear: oneDNN's fp32 ukernel is not available on this CPU or build");
+  TORCH_CHECK(wfpass_fast::fast_loop(),
+              "wfpass::_panel_linear: oneDNN's fp32 ukernel is not available on this CPU or build");
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.dim() == 3 &&
                   panels.size(2) == wfpass_fast::kPanel && panels.is_contiguous(),
               "wfpass::_panel_linear: panels must be a contiguous float32 CPU tensor [P, K, ", wfpass_fast::kPanel,
               "], got ", panels.sizes());
   const int64_t K = panels.size(1);
-  TORCH_CHECK(n >= 0 && (n + wfpass_fast::kPanel - 1) / wfpass_fast::kPanel == panels.size(0),
+  TORCH_CHECK(n >= 0 && wfpass_fast::panels_of(n) == panels.size(0),
               "wfpass::_panel_linear: ", n, " output features do not fill ", panels.size(0), " panels");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
               "wfpass::_panel_linear: input of shape ", x.sizes(), " and dtype ", x.scalar_type(),
@@ -373,7 +373,6 @@ TORCH_LIBRARY_FRAGMENT(wfpass, m) {
         pack_put);
   m.def("_pack_take_counts(int site) -> int[]", pack_take_counts);
   m.def("_pack_forget(int site) -> ()", pack_forget);
-  m.def("_panels_ok() -> bool", panels_ok);
   m.def("_panel_pack(Tensor w) -> Tensor");
   m.def("_panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
 }
