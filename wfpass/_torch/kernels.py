@@ -260,6 +260,22 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, row
     return torch.ops.mkl._mkl_linear(x, packed, w, bias, rows)
 
 
+def direct_runs(dtype: torch.dtype) -> bool:
+    """Can the ``"direct"`` kernel run a linear of ``dtype`` here? float32,
+    where wfpass's C++ kernels are loaded on an x86-64 CPU with AVX-512F
+    (and ``WFPASS_DIRECT`` is not off)."""
+    from . import native  # lazily: native imports this module's neighbours
+
+    return (dtype == torch.float32 and native.loaded() and hasattr(torch.ops.wfpass, "native_direct")
+            and bool(torch.ops.wfpass.native_direct()))
+
+
+def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, w, b)`` from the weight as it is, no copy: dot products
+    of 16 outputs at a time in AVX-512 registers (wfpass/_torch/native/direct.cpp)."""
+    return torch.ops.wfpass._direct_linear(x, w, b)
+
+
 def panel_packs(dtype: torch.dtype) -> bool:
     """Can the ``"brgemm"`` kernel run a linear of ``dtype`` here? float32,
     where wfpass's C++ kernels are loaded and oneDNN's fp32 small-GEMM

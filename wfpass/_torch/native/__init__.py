@@ -42,9 +42,9 @@ import torch
 __all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("pack.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp", "cudnn.cpp")
+_SOURCES = ("pack.cpp", "direct.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp", "cudnn.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
-_HEADERS = ("fast_rnn.h", "fast_gates.h", "weight_sample.h")
+_HEADERS = ("direct.h", "fast_rnn.h", "fast_gates.h", "weight_sample.h")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]

@@ -28,6 +28,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "direct.h"
 #include "fast_rnn.h"
 #include "weight_sample.h"
 
@@ -93,7 +94,10 @@ using Vec = std::vector<T, OwnPages<T>>;
 template <class K, class V>
 using Map = std::unordered_map<K, V, std::hash<K>, std::equal_to<K>, OwnPages<std::pair<const K, V>>>;
 
-enum Kernel : int64_t { PLAIN = 0, ONEDNN = 1, MKL = 2, BRGEMM = 3 };
+enum Kernel : int64_t { PLAIN = 0, ONEDNN = 1, MKL = 2, BRGEMM = 3, DIRECT = 4 };
+
+// Kernels that read the parameters themselves (no copy to check).
+bool copy_free(int64_t kernel) { return kernel == PLAIN || kernel == DIRECT; }
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
@@ -115,7 +119,7 @@ constexpr size_t kMaxSets = 1024;  // past this, sets whose copy died go first, 
 
 struct Site {
   Map<int64_t, Vec<Entry>> by_m;
-  int64_t packed_calls = 0, plain_calls = 0;
+  int64_t packed_calls = 0, plain_calls = 0, direct_calls = 0;
   int64_t eager_training = -1;  // -1: a compiled graph; 0/1: pack.training of a wfpass.apply graph
 };
 
@@ -283,6 +287,9 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::Tensor
         if (e.kernel == PLAIN) {
           kernel = PLAIN;
           ++st.plain_calls;
+        } else if (e.kernel == DIRECT) {
+          kernel = DIRECT;
+          ++st.direct_calls;
         } else if (fresh(e, weights, block)) {
           auto p = e.packed.lock();
           if (p) {
@@ -296,7 +303,9 @@ at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::Tensor
   }
   if (kernel < 0) return slow(x, weights, biases, rows, site);
   at::Tensor y;
-  if (kernel == BRGEMM)
+  if (kernel == DIRECT)
+    y = wfpass_direct::linear_op(x, block, bias);
+  else if (kernel == BRGEMM)
     y = panel_linear_op(x, packed, bias, rows);
   else if (kernel == ONEDNN)
     y = onednn_linear(x, packed, bias);
@@ -316,9 +325,10 @@ void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::T
   Entry e;
   e.kernel = kernel;
   // Every entry knows its weight set (the first address finds it); a
-  // plain one needs nothing more: the plain GEMM is right for any set.
+  // plain or direct one needs nothing more: it reads whatever the
+  // parameters hold (packed_linear checks they are still one block).
   e.ptrs.push_back(weights[0].data_ptr());
-  if (kernel != PLAIN) {
+  if (!copy_free(kernel)) {
     const at::Tensor block = block_of(weights, rows);
     if (!packed.has_value() || !block.defined()) return;  // the Python kernel keeps answering
     e.packed = WeakImpl(packed->getIntrusivePtr());
@@ -342,20 +352,21 @@ void pack_put(int64_t site, int64_t m, int64_t kernel, const std::optional<at::T
     }
   if (sets.size() >= kMaxSets) {
     sets.erase(std::remove_if(sets.begin(), sets.end(),
-                              [](const Entry& x) { return x.kernel != PLAIN && x.packed.expired(); }),
+                              [](const Entry& x) { return !copy_free(x.kernel) && x.packed.expired(); }),
                sets.end());
     if (sets.size() >= kMaxSets) sets.erase(sets.begin());
   }
   sets.push_back(std::move(e));
 }
 
-// The calls the C++ kernel counted since the last time, as [packed, plain]; zeroed.
+// The calls the C++ kernel counted since the last time, as [packed, plain,
+// direct]; zeroed.
 std::vector<int64_t> pack_take_counts(int64_t site) {
   std::lock_guard<std::mutex> g(mu);
   auto s = sites.find(site);
-  if (s == sites.end()) return {0, 0};
-  std::vector<int64_t> out{s->second.packed_calls, s->second.plain_calls};
-  s->second.packed_calls = s->second.plain_calls = 0;
+  if (s == sites.end()) return {0, 0, 0};
+  std::vector<int64_t> out{s->second.packed_calls, s->second.plain_calls, s->second.direct_calls};
+  s->second.packed_calls = s->second.plain_calls = s->second.direct_calls = 0;
   return out;
 }
 

@@ -1,0 +1,26 @@
+// The "direct" linear kernel (direct.cpp): Y = X . W^T (+ bias) read from
+// the weight as it is, [N, K] row-major, with no copy of it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace wfpass_direct {
+
+// Can direct_linear run here? An x86-64 CPU with AVX-512F, and
+// WFPASS_DIRECT is not 0 / false / no / off. Asked once per process.
+bool available();
+
+// Y [M, N] (leading dim ldy) = X [M, K] (leading dim ldx) . W^T, W [N, K]
+// (leading dim ldw), + bias[N] on every row where given. Only where
+// available() is true.
+void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                   const float* bias, float* y, int64_t ldy);
+
+// wfpass::_direct_linear: F.linear(x, w, bias) on direct_linear, every
+// shape, dtype and stride checked (a malformed call raises).
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+}  // namespace wfpass_direct
