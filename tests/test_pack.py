@@ -84,21 +84,36 @@ def _dtypes():
 
 
 BRGEMM = _k.panel_packs(torch.float32)
+DIRECT = _k.direct_runs(torch.float32)
 
 
-@pytest.fixture(params=["brgemm", "onednn"])
+@pytest.fixture(params=["direct", "brgemm", "onednn"])
 def packed_kernel(request, monkeypatch):
-    """The float32 packed kernel ``pack.mode="always"`` takes: brgemm (the
-    ukernel over panels) where this CPU has it, and oneDNN's packed linear
-    with brgemm switched off, so both kernels pass the same checks."""
+    """The float32 kernel the op runs where ``pack.mode="always"``: brgemm
+    (the ukernel over panels) where this CPU has it, oneDNN's packed linear
+    with brgemm switched off, and the copy-free direct kernel (which "always"
+    does not take by itself: it packs nothing), so all three pass the same
+    checks."""
     if request.param == "brgemm" and not BRGEMM:
         pytest.skip("no brgemm kernel here (wfpass's C++ kernels or oneDNN's fp32 ukernel missing)")
+    if request.param == "direct":
+        if not DIRECT:
+            pytest.skip("no direct kernel here (wfpass's C++ kernels or AVX-512F missing)")
+        from wfpass.pack import guards
+
+        real = guards._always
+        monkeypatch.setattr(guards, "_always", lambda dtype: "direct" if dtype == torch.float32 else real(dtype))
     if request.param == "onednn":
         monkeypatch.setattr(_k, "panel_packs", lambda dtype: False)
     return request.param
 
 
-_KERNEL_TEXT = {"brgemm": "(brgemm)", "onednn": "oneDNN's packed kernel"}
+_KERNEL_TEXT = {"direct": "(direct)", "brgemm": "(brgemm)", "onednn": "oneDNN's packed kernel"}
+
+
+def _kernel_calls(stats) -> int:
+    """Calls the op answered with a kernel of its own (packed or direct)."""
+    return stats["packed_calls"] + stats["direct_calls"]
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
@@ -116,11 +131,16 @@ def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens,
     assert rec.count(OP) == 3
     assert rec.count(torch._C._nn.linear) == 0
     rows = wfpass.last_report().find("pack", "rewritten")
-    assert len(rows) == 3 and all(r.stats["packed_calls"] == 1 for r in rows)
-    assert sum(r.stats["packed_bytes"] for r in rows) >= sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("weight"))
+    expect = packed_kernel if dtype == torch.float32 else "onednn"  # brgemm and direct are float32's
+    assert len(rows) == 3 and all(_kernel_calls(r.stats) == 1 for r in rows)
+    assert all(r.stats["direct_calls" if expect == "direct" else "packed_calls"] == 1 for r in rows)
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("weight"))
+    if expect == "direct":
+        assert sum(r.stats["packed_bytes"] for r in rows) == 0  # it reads the parameters themselves
+    else:
+        assert sum(r.stats["packed_bytes"] for r in rows) >= weights
     block = next(r for r in rows if len(r.params) == 3)
     assert "block" in block.reason
-    expect = packed_kernel if dtype == torch.float32 else "onednn"  # brgemm is float32's
     assert all(_KERNEL_TEXT[expect] in r.reason for r in rows), [r.reason for r in rows]
 
 
@@ -191,9 +211,9 @@ def test_a_weight_change_is_seen_on_the_next_call(change, packed_kernel):
         before = ref(x)
         _close(compiled(x), before, torch.float32)
         _close(compiled(x), before, torch.float32)  # and stays right
-    if change.__name__ in ("sgd_step", "load", "data_inplace", "no_grad_copy"):
+    stats = [r.stats for r in wfpass.report(model).find("pack", "rewritten")]
+    if change.__name__ in ("sgd_step", "load", "data_inplace", "no_grad_copy") and packed_kernel != "direct":
         # The same Parameters, written in place: their copies were made again.
-        stats = [r.stats for r in wfpass.report(model).find("pack", "rewritten")]
         assert any(s["repacked"] for s in stats), stats
 
 
@@ -642,9 +662,10 @@ def test_the_cpp_kernel_is_in_use_where_a_compiler_is():
 def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(monkeypatch, packed_kernel):
     if not native.loaded():
         pytest.skip(native.status())
-    fresh_calls = []
-    real = pk._fresh
+    fresh_calls, direct_calls = [], []
+    real, real_direct = pk._fresh, _k.direct_linear
     monkeypatch.setattr(pk, "_fresh", lambda *a: fresh_calls.append(1) or real(*a))
+    monkeypatch.setattr(_k, "direct_linear", lambda *a: direct_calls.append(1) or real_direct(*a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False)).eval()
     ref = copy.deepcopy(model)
@@ -653,8 +674,23 @@ def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(mon
     with torch.no_grad():
         for _ in range(5):
             _close(compiled(x), ref(x), torch.float32)
-    assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
     rows = wfpass.report(model).find("pack", "rewritten")
+    assert [_kernel_calls(r.stats) for r in rows] == [5, 5]
+    if packed_kernel == "direct":  # no copy to check: the C++ kernel answers every call after the first
+        # A write the version counter misses, then one it sees: the next calls read them.
+        for m in (model, ref):
+            m[0].weight.data.mul_(-1)
+            with torch.no_grad():
+                m[1].weight.add_(1)
+        with torch.no_grad():
+            _close(compiled(x), ref(x), torch.float32)
+            _close(compiled(x), ref(x), torch.float32)
+        # Python ran each linear's first call; the C++ kernel the other 12.
+        assert fresh_calls == [] and len(direct_calls) == 2
+        assert [r.stats["direct_calls"] for r in rows] == [7, 7]
+        assert [r.stats["packed_bytes"] for r in rows] == [0, 0]
+        return
+    assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
     assert [r.stats["packed_calls"] for r in rows] == [5, 5]
     for m in (model, ref):  # a write the version counter misses, then one it sees
         m[0].weight.data.mul_(-1)
@@ -881,6 +917,61 @@ def test_the_brgemm_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
         _k.panel_pack(torch.randn(4, 5, 6))
     with pytest.raises(RuntimeError, match="_panel_pack"):
         _k.panel_pack(torch.randn(4, 5).double())
+
+
+@pytest.mark.skipif(not DIRECT, reason="no direct kernel here (wfpass's C++ kernels or AVX-512F missing)")
+def test_the_direct_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
+    """``wfpass::_direct_linear`` on the weight as it is: the plain GEMM's
+    values for any shape (output features not a multiple of the 16-row
+    block, input features not a multiple of 16, every row-block size 1, 2,
+    4 and their mixes, batched and strided inputs, a weight whose rows are
+    apart or transposed, with and without a bias, at 1 and 2 threads), and a
+    clear error, never a read past a buffer, for a call whose tensors do not
+    fit together."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (2752, 64), (48, 1)):
+                w, b = torch.randn(n, k), torch.randn(n)
+                wide = torch.randn(n, k + 3)[:, 1:k + 1]  # rows apart: a leading dim past k
+                for x in (torch.randn(1, k), torch.randn(2, k), torch.randn(7, k), torch.randn(70, k),
+                          torch.randn(2, 3, k), torch.randn(k, 9).t()):
+                    for bias in (b, None, b.view(n, 1)[:, 0]):
+                        for weight in (w, wide, w.t().contiguous().t()):
+                            torch.testing.assert_close(_k.direct_linear(x, weight, bias), F.linear(x, weight, bias),
+                                                       rtol=1e-5, atol=1e-5 * k)
+            assert _k.direct_linear(torch.randn(0, 8), torch.randn(4, 8), None).shape == (0, 4)
+            assert torch.equal(_k.direct_linear(torch.randn(3, 0), torch.randn(4, 0), torch.ones(4)), torch.ones(3, 4))
+    finally:
+        torch.set_num_threads(threads)
+    w, x = torch.randn(100, 37), torch.randn(4, 37)
+    bad = [(torch.randn(4, 36), w, None), (x, w, torch.randn(99)), (x, w, torch.randn(100, 1)),
+           (x.double(), w, None), (x, w.double(), None), (x, w.reshape(-1), None), (x, w[None], None),
+           (torch.randn(4, 37, dtype=torch.bfloat16), w, None), (x, w, torch.randn(100).double())]
+    for args in bad:
+        with pytest.raises(RuntimeError, match="_direct_linear"):
+            _k.direct_linear(*args)
+
+
+def test_direct_is_taken_first_and_a_copy_only_where_clearly_faster_than_it():
+    """direct (no copy at all) is taken where it gains the margin over the
+    plain GEMM; brgemm and oneDNN (a copy of the weight each) only where
+    they gain the margin over direct too, so a near-tie keeps the weight
+    uncopied and cannot flip between processes."""
+    from wfpass.pack import choose
+
+    n = choose.ROUNDS
+
+    def decision(direct, brgemm):
+        return choose.Decision("plain", {"plain": 1e-5}, {"direct": direct, "brgemm": brgemm}, {}, "measured", "")
+
+    assert choose._best(decision([0.6] * n, [0.55] * n)) == "direct"  # a near-tie: no copy
+    assert choose._best(decision([0.6] * n, [0.5] * n)) == "brgemm"  # 0.83 of direct's time
+    assert choose._best(decision([0.9] * n, [0.8] * n)) == "brgemm"  # direct no clear gain, brgemm one
+    assert choose._best(decision([0.9] * n, [0.9] * n)) == "plain"
+    assert choose._best(decision([0.6] * n, [0.4] * 7 + [0.7] * 4)) == "direct"
 
 
 @pytest.mark.skipif(not BRGEMM or pstate._HEAP is None, reason="no brgemm kernel here, or no glibc heap to read")

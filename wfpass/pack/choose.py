@@ -4,20 +4,22 @@ model on the same machine gets the same kernels from one process to the next.
 
 Candidates: ``"plain"`` (``F.linear`` on the parameter, what eager and
 Inductor run: oneDNN or MKL reorders the weight inside every call),
-``"brgemm"`` (float32: oneDNN's small-GEMM ukernel over a copy of the weight
+``"direct"`` (float32 on a CPU with AVX-512F: wfpass's C++ kernel of dot
+products over the parameter as it is, no copy), ``"brgemm"`` (float32: oneDNN's small-GEMM ukernel over a copy of the weight
 in 64-column panels, wfpass's C++ kernel), ``"onednn"`` (oneDNN's packed
 layout, one copy for every row count) and, for float32 with at most
 ``EXACT_ROWS`` rows, ``"mkl"`` (MKL's packed SGEMM, whose copy is made for
 one row count and is several MB larger than the weight).
 
-**Lightest first.** The packed kernels are taken in that order: brgemm where
-it gains the margin over the plain GEMM, then oneDNN only where it gains the
-margin over the kernel taken so far too, in three rounds of four at least
-level, then MKL the same way by ``MKL_MARGIN``. The copies of brgemm and
-oneDNN are the weight's bytes, but each row count a kernel runs makes the
+**Lightest first.** The kernels are taken in that order: direct where it
+gains the margin over the plain GEMM, then brgemm where it gains the margin
+over the plain GEMM and over the kernel taken so far, then oneDNN only where
+it gains the margin over the kernel taken so far too, in three rounds of
+four at least level, then MKL the same way by ``MKL_MARGIN``. direct needs
+no memory at all; the copies of brgemm and oneDNN are the weight's bytes, but each row count a kernel runs makes the
 library compile one for it, and keep it: about 16 KiB for brgemm's
 ukernel, 0.56 MiB for oneDNN's linear (torch 2.13, docs/pack.md). A
-near-tie between two packed kernels keeps the lighter, so it cannot flip
+near-tie between two kernels keeps the lighter, so it cannot flip
 between processes.
 
 **A gain clear of the noise.** Each candidate is timed in ``ROUNDS``
@@ -129,7 +131,7 @@ ATTEMPTS = 3
 
 #: The decision rule's version, part of the decision file's key: decisions
 #: made by an earlier rule are measured again, not read.
-RULE = 8
+RULE = 9
 
 #: Row counts measured exactly; above it, at the next power of two.
 EXACT_ROWS = 8
@@ -163,8 +165,11 @@ def bucket(m: int) -> int:
 
 
 def kernels_for_dtype(dtype: torch.dtype, m: int) -> List[str]:
-    """The packed kernels this CPU and build have for ``dtype`` at ``m`` rows."""
+    """The kernels beside the plain GEMM this CPU and build have for ``dtype``
+    at ``m`` rows, lightest first."""
     out = []
+    if _k.direct_runs(dtype):
+        out.append("direct")
     if _k.panel_packs(dtype):
         out.append("brgemm")
     if _k.onednn_packs(dtype):
@@ -347,7 +352,10 @@ def _time_candidates(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0)
             "plain": _timer(_cycle([lambda w=w: F.linear(x, w) for w in ws]))}
         nbytes: Dict[str, int] = {}
         for kern in kernels_for_dtype(dtype, mb):
-            if kern == "brgemm":
+            if kern == "direct":
+                nbytes[kern] = 0  # it reads the weight itself
+                runs[kern] = _timer(_cycle([lambda w=w: _k.direct_linear(x, w, None) for w in ws]))
+            elif kern == "brgemm":
                 ps_panels = [_k.panel_pack(w) for w in ws]
                 nbytes[kern] = ps_panels[0].numel() * ps_panels[0].element_size()
                 runs[kern] = _timer(_cycle([lambda p=p: _k.panel_linear(x, p, None, n) for p in ps_panels]))
@@ -448,9 +456,9 @@ def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Deci
                     "measured", time.strftime("%Y-%m-%d"))
 
 
-#: The packed kernels in the order they are taken (lightest first: see the
+#: The kernels in the order they are taken (lightest first: see the
 #: module's docstring), each with the margin it must gain.
-_CHALLENGERS = (("brgemm", MARGIN), ("onednn", MARGIN), ("mkl", MKL_MARGIN))
+_CHALLENGERS = (("direct", MARGIN), ("brgemm", MARGIN), ("onednn", MARGIN), ("mkl", MKL_MARGIN))
 
 
 def _best(d: Decision, pick: Callable[[List[float]], float] = statistics.median,

@@ -76,12 +76,13 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
     name = _KERNEL_WORDS[d.kernel]
     return (f"M={m}: {name}, {1 / d.median_ratio(d.kernel):.2f}x faster than the plain GEMM "
             f"in the median round ({us[d.kernel]:.0f} us + {op:.0f} us for the op's call vs {us['plain']:.0f} us), "
-            f"{1 / d.clear_ratio(d.kernel):.2f}x in round {choose.CLEAR_ROUND} from the worst; its copy "
-            f"{_kib(d.nbytes.get(d.kernel, 0))} ({rounds})")
+            f"{1 / d.clear_ratio(d.kernel):.2f}x in round {choose.CLEAR_ROUND} from the worst; "
+            + (f"its copy {_kib(d.nbytes.get(d.kernel, 0))}" if d.kernel != "direct" else "no copy") + f" ({rounds})")
 
 
 #: How the report names each packed kernel.
-_KERNEL_WORDS = {"brgemm": "oneDNN's small-GEMM ukernel over a copy in 64-column panels (brgemm)",
+_KERNEL_WORDS = {"direct": "wfpass's dot-product kernel over the weight as it is (direct)",
+                 "brgemm": "oneDNN's small-GEMM ukernel over a copy in 64-column panels (brgemm)",
                  "onednn": "oneDNN's packed kernel", "mkl": "MKL's packed kernel"}
 
 

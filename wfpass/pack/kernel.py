@@ -27,8 +27,9 @@ compares it with what it was made from:
 
 Any difference makes the copy again (counted ``repacked``). Per call the op
 also picks the kernel for this call's row count M (``choose.py``): the
-packed kernel where it was measured faster for this shape, else the plain
-GEMM on the parameter (``plain_calls``).
+``"direct"`` kernel, which reads the parameter itself and needs no copy
+(``direct_calls``), or a packed kernel, where one was measured faster for
+this shape, else the plain GEMM on the parameter (``plain_calls``).
 
 The gradient formula is ATen ops on the parameters (``x @ W``,
 ``gy.T @ x``), so AOTAutograd traces the backward and the packed copy never
@@ -73,8 +74,8 @@ class PackSite:
     """One packed call of one compiled graph: its report record, its
     options, and the kernel chosen for each row count seen.
 
-    ``choose(m)`` returns ``"brgemm"``, ``"onednn"``, ``"mkl"`` or ``"plain"``; a site
-    asks it once per row count and remembers the answer."""
+    ``choose(m)`` returns ``"direct"``, ``"brgemm"``, ``"onednn"``, ``"mkl"`` or
+    ``"plain"``; a site asks it once per row count and remembers the answer."""
 
     def __init__(self, record: Record, choose, max_bytes: Optional[int]):
         self.record, self._choose, self.max_bytes = record, choose, max_bytes
@@ -94,7 +95,7 @@ class PackSite:
         #: one site serves every layer, and a layer refused for the budget
         #: must not take away the copies the earlier layers have.
         self.refused = _tensors.weak_id_key_dict()
-        for c in ("packed_calls", "plain_calls", "repacked", "packed_bytes"):
+        for c in ("packed_calls", "direct_calls", "plain_calls", "repacked", "packed_bytes"):
             record.stats.setdefault(c, 0)
 
     def kernel_for(self, m: int) -> Optional[str]:
@@ -149,7 +150,7 @@ def register_site(site: PackSite) -> int:
     return site.id
 
 
-_KERNEL_CODE = {"plain": 0, "onednn": 1, "mkl": 2, "brgemm": 3}
+_KERNEL_CODE = {"plain": 0, "onednn": 1, "mkl": 2, "brgemm": 3, "direct": 4}
 
 
 class _NativeCounts:
@@ -163,8 +164,8 @@ class _NativeCounts:
     def __call__(self):
         if self.dead:
             return None
-        packed, plain = torch.ops.wfpass._pack_take_counts(self.sid)
-        return {"packed_calls": packed, "plain_calls": plain}
+        packed, plain, direct = torch.ops.wfpass._pack_take_counts(self.sid)
+        return {"packed_calls": packed, "plain_calls": plain, "direct_calls": direct}
 
 
 def _retire(sid: int, pull: "_NativeCounts", stats: Stats) -> None:
@@ -476,7 +477,17 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
             return _plain(x, weights, biases, rows, s)
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
-        if kernel != "plain":
+        if kernel == "direct":
+            block = _laid_out(weights, rows)
+            if block is not None:
+                # No copy: it reads the parameters as they are now, so there
+                # is nothing to check, to make again or to charge to the budget.
+                s.record.bump("direct_calls")
+                y = _k.direct_linear(x, block.detach(), _whole(biases, rows, s))
+                if _native.is_loaded():
+                    _hand_to_native(s, m, kernel, None, weights, rows)
+                return y if y.is_contiguous() else y.contiguous()
+        elif kernel != "plain":
             skey = _state.key_of(kernel, x, rows, bool(biases))
             c = _fresh(s, weights, rows, kernel, m, skey)
             if c is not None:
