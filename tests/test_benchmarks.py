@@ -235,22 +235,30 @@ def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
     assert ratio == pytest.approx(times[1] / times[0], abs=0.01), out
 
 
-def test_brgemm_kernel_times_the_three_kernels_and_their_kernel_bytes(capsys):
+@pytest.mark.parametrize("pool", [[], ["--pool-mib", "1"]], ids=["alone", "pool"])
+def test_brgemm_kernel_times_the_kernels_and_their_kernel_bytes(capsys, pool):
     """``brgemm_kernel.py`` (docs/pack.md): each kernel timed per shape and
-    row count (brgemm checked against the plain GEMM first), the ratios
-    printed from the times, and the heap a new row count leaves."""
+    row count, alone or cycling through copies (brgemm and direct checked
+    against the plain GEMM first), the ratios printed from the times, and
+    the heap a new row count leaves."""
     from wfpass._torch import kernels
 
     if not kernels.panel_packs(torch.float32):
         pytest.skip("no brgemm kernel here")
-    assert _load("brgemm_kernel").main(["--rounds", "1", "--shapes", "100x40", "--rows", "1,2"]) == 0
+    assert _load("brgemm_kernel").main(["--rounds", "1", "--shapes", "100x40", "--rows", "1,2", *pool]) == 0
     out = capsys.readouterr().out
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| 100x40")]
     assert len(rows) == 3, out  # two row counts timed, one line of heap figures
+    direct = kernels.direct_runs(torch.float32)
     for r in rows[:2]:
-        plain, onednn, brgemm, xo, xb = (float(v) for v in r[2:])
-        assert _ratio_of_printed(xo, plain, onednn) and _ratio_of_printed(xb, plain, brgemm), r
+        plain, onednn, brgemm, d, xo, xb, xd = r[2:]
+        assert _ratio_of_printed(float(xo), float(plain), float(onednn)), r
+        assert _ratio_of_printed(float(xb), float(plain), float(brgemm)), r
+        if direct:
+            assert _ratio_of_printed(float(xd), float(plain), float(d)), r
+        else:
+            assert d == xd == "-", r
 
 
 def _ratio_of_printed(x: float, a: float, b: float) -> bool:

@@ -50,6 +50,9 @@ bool probe() {
 }
 
 #ifdef WFPASS_DIRECT_X86
+// The library is built with -O2 (native/__init__.py), where GCC leaves the
+// loops over the register block rolled and the 16 accumulators in memory
+// (4x slower at 8 rows); each such loop is unrolled by a pragma.
 #define WFPASS_AVX512 __attribute__((target("avx512f")))
 #define WFPASS_AVX512_INLINE __attribute__((target("avx512f"), always_inline)) inline
 
@@ -59,9 +62,11 @@ bool probe() {
 // reductions take ~130).
 WFPASS_AVX512_INLINE __m512 reduce16(const __m512* v) {
   __m512 s[8], r[4];
+  #pragma GCC unroll 16
   for (int i = 0; i < 8; ++i)
     s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  #pragma GCC unroll 16
   for (int i = 0; i < 4; ++i)
     r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
@@ -73,14 +78,21 @@ WFPASS_AVX512_INLINE __m512 reduce16(const __m512* v) {
 // One step of 16 columns k .. k + 15 (masked by m) for R input rows and
 // C = 16 / R weight rows. Output p = i C + j (input row i, weight row j)
 // accumulates at 4 (p % 4) + p / 4, so that reduce16 leaves it at element p.
-template <int R>
+// With PF, the same columns of the rows at pf are fetched into cache too.
+template <int R, bool PF>
 WFPASS_AVX512_INLINE void step(__m512* acc, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k,
-                               __mmask16 m) {
+                               __mmask16 m, const float* pf) {
   constexpr int C = 16 / R;
   __m512 wv[C];
+  #pragma GCC unroll 16
   for (int j = 0; j < C; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * ldw + k);
+  if (PF)
+    #pragma GCC unroll 16
+    for (int j = 0; j < C; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) {
     const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
+    #pragma GCC unroll 16
     for (int j = 0; j < C; ++j) {
       const int p = i * C + j, a = 4 * (p % 4) + p / 4;
       acc[a] = _mm512_fmadd_ps(xv, wv[j], acc[a]);
@@ -88,16 +100,18 @@ WFPASS_AVX512_INLINE void step(__m512* acc, const float* x, int64_t ldx, const f
   }
 }
 
-// y[i * ldy + j] = x_i . w_j (+ bias[j]) for R input rows, 16 / R weight rows.
-template <int R>
+// y[i * ldy + j] = x_i . w_j (+ bias[j]) for R input rows, 16 / R weight
+// rows; with PF, the rows at pf (as many, as long) are fetched into cache meanwhile.
+template <int R, bool PF>
 WFPASS_AVX512_INLINE void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
-                                int64_t ldy, const float* bias) {
+                                int64_t ldy, const float* bias, const float* pf) {
   constexpr int C = 16 / R;
   __m512 acc[16];
+  #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) step<R>(acc, x, ldx, w, ldw, k, static_cast<__mmask16>(0xFFFF));
-  if (k < K) step<R>(acc, x, ldx, w, ldw, k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  for (; k + 16 <= K; k += 16) step<R, PF>(acc, x, ldx, w, ldw, k, static_cast<__mmask16>(0xFFFF), pf);
+  if (k < K) step<R, PF>(acc, x, ldx, w, ldw, k, static_cast<__mmask16>((1u << (K - k)) - 1), pf);
   const __m512 e = reduce16(acc);
   alignas(64) float t[16];
   _mm512_store_ps(t, bias != nullptr ? _mm512_add_ps(e, R == 1   ? _mm512_loadu_ps(bias)
@@ -105,6 +119,7 @@ WFPASS_AVX512_INLINE void block(const float* x, int64_t ldx, const float* w, int
                                                                        _mm256_castps_pd(_mm256_loadu_ps(bias))))
                                                                  : _mm512_broadcast_f32x4(_mm_loadu_ps(bias)))
                                      : e);
+  #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) std::copy(t + i * C, t + (i + 1) * C, y + i * ldy);
 }
 
@@ -120,8 +135,25 @@ WFPASS_AVX512_INLINE float dot(const float* x, const float* w, int64_t K) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// The input rows i .. i + R - 1 against the 16 weight rows at wn, in
+// blocks of 16 / R of them; with PF, the next block's rows (at pf) fetched meanwhile.
+template <int R, bool PF>
+WFPASS_AVX512_INLINE void rows16(const float* x, int64_t ldx, const float* wn, int64_t ldw, int64_t K, float* y,
+                                 int64_t ldy, const float* bn, const float* pf) {
+  constexpr int C = 16 / R;
+  #pragma GCC unroll 16
+  for (int64_t c = 0; c < 16; c += C)
+    block<R, PF>(x, ldx, wn + c * ldw, ldw, K, y + c, ldy, bn ? bn + c : nullptr, pf + c * ldw);
+}
+
 // Weight rows 16 b0 .. 16 b1 for every input row. The 16 weight rows of a
-// block stay in cache while every block of input rows goes through them.
+// block stay in cache while every block of input rows goes through them,
+// and the first block of input rows fetches the next 16 weight rows: a
+// weight row is a short stream (1 KB at 256 input features) that the
+// hardware's prefetchers barely start on, so without it the rows came from
+// memory one miss at a time (a 2752x256 weight at 8 rows, cycling through
+// 16 MiB of weights as in a model: 611 us, against 474 us plain; with it, see
+// the file's head).
 WFPASS_AVX512 void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w,
                            int64_t ldw, const float* bias, float* y, int64_t ldy, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
@@ -129,14 +161,19 @@ WFPASS_AVX512 void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int6
     const float* wn = w + n * ldw;
     const float* bn = bias != nullptr ? bias + n : nullptr;
     if (n + 16 <= N) {
+      // The next block's rows where there are 16 more, else these again (in cache: no cost but the slot).
+      const float* pf = n + 32 <= N ? wn + 16 * ldw : wn;
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4)
-        for (int64_t c = 0; c < 16; c += 4)
-          block<4>(x + i * ldx, ldx, wn + c * ldw, ldw, K, y + i * ldy + n + c, ldy, bn ? bn + c : nullptr);
-      for (; i + 2 <= M; i += 2)
-        for (int64_t c = 0; c < 16; c += 8)
-          block<2>(x + i * ldx, ldx, wn + c * ldw, ldw, K, y + i * ldy + n + c, ldy, bn ? bn + c : nullptr);
-      for (; i < M; ++i) block<1>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn);
+      bool first = true;
+      for (; i + 4 <= M; i += 4, first = false)
+        first ? rows16<4, true>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf)
+              : rows16<4, false>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf);
+      for (; i + 2 <= M; i += 2, first = false)
+        first ? rows16<2, true>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf)
+              : rows16<2, false>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf);
+      for (; i < M; ++i, first = false)
+        first ? rows16<1, true>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf)
+              : rows16<1, false>(x + i * ldx, ldx, wn, ldw, K, y + i * ldy + n, ldy, bn, pf);
     } else {
       for (int64_t j = n; j < N; ++j)
         for (int64_t i = 0; i < M; ++i)
