@@ -955,6 +955,27 @@ def test_the_direct_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
             _k.direct_linear(*args)
 
 
+@pytest.mark.skipif(_k.direct_isa() != "avx512f", reason="on a CPU without AVX-512 the whole suite runs the AVX2 build")
+def test_the_direct_kernels_avx2_build_passes_the_same_checks_on_an_avx512_cpu():
+    """direct is compiled twice (direct_kernel.h); an AVX-512 machine runs
+    the AVX2 build only when asked (WFPASS_DIRECT=avx2): the kernel's own
+    checks and the op's, in a process that asks."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WFPASS_DIRECT="avx2")
+    code = ("import sys, pytest; from wfpass._torch import native, kernels; native.load(); "
+            "assert kernels.direct_isa() == 'avx2', kernels.direct_isa(); "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_pack.py', "
+            "'-k', 'direct_kernel_equals or (direct and (inference_equals or weight_change or repeat_calls))']))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
 def test_direct_is_taken_first_and_a_copy_only_where_clearly_faster_than_it():
     """direct (no copy at all) is taken where it gains the margin over the
     plain GEMM; brgemm and oneDNN (a copy of the weight each) only where

@@ -262,17 +262,26 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, row
 
 def direct_runs(dtype: torch.dtype) -> bool:
     """Can the ``"direct"`` kernel run a linear of ``dtype`` here? float32,
-    where wfpass's C++ kernels are loaded on an x86-64 CPU with AVX-512F
-    (and ``WFPASS_DIRECT`` is not off)."""
+    where wfpass's C++ kernels are loaded on an x86-64 CPU with AVX-512F or
+    AVX2 and FMA (and ``WFPASS_DIRECT`` is not off)."""
+    return dtype == torch.float32 and direct_isa() != ""
+
+
+def direct_isa() -> str:
+    """The instruction set the ``"direct"`` kernel runs on here: ``"avx512f"``,
+    ``"avx2"`` (also on an AVX-512 CPU with ``WFPASS_DIRECT=avx2``), or ``""``
+    where it does not run."""
     from . import native  # lazily: native imports this module's neighbours
 
-    return (dtype == torch.float32 and native.loaded() and hasattr(torch.ops.wfpass, "native_direct")
-            and bool(torch.ops.wfpass.native_direct()))
+    if not native.loaded() or not hasattr(torch.ops.wfpass, "native_direct_isa"):
+        return ""
+    return str(torch.ops.wfpass.native_direct_isa())
 
 
 def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, w, b)`` from the weight as it is, no copy: dot products
-    of 16 outputs at a time in AVX-512 registers (wfpass/_torch/native/direct.cpp)."""
+    of 16 outputs at a time in AVX-512 registers, 8 in AVX2's
+    (wfpass/_torch/native/direct.cpp)."""
     return torch.ops.wfpass._direct_linear(x, w, b)
 
 

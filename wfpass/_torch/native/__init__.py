@@ -44,7 +44,7 @@ __all__ = ["load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fa
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("pack.cpp", "direct.cpp", "rnn.cpp", "packed_rnn.cpp", "fast_rnn.cpp", "sequence.cpp", "linear.cpp", "cudnn.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
-_HEADERS = ("direct.h", "fast_rnn.h", "fast_gates.h", "weight_sample.h")
+_HEADERS = ("direct.h", "direct_kernel.h", "fast_rnn.h", "fast_gates.h", "weight_sample.h")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]

@@ -9,9 +9,12 @@
 
 namespace wfpass_direct {
 
-// Can direct_linear run here? An x86-64 CPU with AVX-512F, and
-// WFPASS_DIRECT is not 0 / false / no / off. Asked once per process.
+// Can direct_linear run here? An x86-64 CPU with AVX-512F, or AVX2 and FMA,
+// and WFPASS_DIRECT is not 0 / false / no / off. Asked once per process.
+// isa(): "avx512f", "avx2" (also on an AVX-512 CPU with WFPASS_DIRECT=avx2)
+// or "".
 bool available();
+const char* isa();
 
 // Y [M, N] (leading dim ldy) = X [M, K] (leading dim ldx) . W^T, W [N, K]
 // (leading dim ldw), + bias[N] on every row where given. Only where
