@@ -415,7 +415,8 @@ def test_regional_compilation_asks_the_budget_again_as_layers_join(fresh_kernel_
 
 def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch, fresh_kernel_count):
     """A budget that fits one layer's copy: the first layer keeps using it on
-    every call, the others run the plain GEMM; after the first round the C++
+    every call, the others run the kernel that needs no copy (direct where
+    this CPU has it, else the plain GEMM); after the first round the C++
     kernel answers every layer's calls (one entry per weight set), so the
     Python kernel is not called again."""
     gc.collect()
@@ -433,11 +434,13 @@ def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch, fre
             _close(layers(x), ref(x), torch.float32)
     assert len(pk.copies_of(layers[0].head.weight)) == 1
     assert not pk.copies_of(layers[1].head.weight) and not pk.copies_of(layers[2].head.weight)
-    # One site, one row for every layer: 5 calls of the first layer packed, 10 plain.
+    # One site, one row for every layer: 5 calls of the first layer packed, 10 without a copy.
     row = next(r for r in wfpass.report(layers[2]).find("pack", "rewritten") if "head.weight" in r.params)
-    assert row.stats["packed_calls"] == 5 and row.stats["plain_calls"] == 10, row.stats
+    instead = "direct_calls" if DIRECT else "plain_calls"
+    assert row.stats["packed_calls"] == 5 and row.stats[instead] == 10, row.stats
     assert row.stats["over_bound_calls"] == 2
-    assert "M=1: the plain GEMM for a weight set whose" in row.reason and "pack.max_bytes" in row.reason
+    words = "the direct kernel (no copy)" if DIRECT else "the plain GEMM"
+    assert f"M=1: {words} for a weight set whose" in row.reason and "pack.max_bytes" in row.reason
     if wfpass._torch.native.is_loaded():
         assert calls == [], "the C++ kernel should answer every layer's later calls"
 
@@ -493,7 +496,7 @@ def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_k
     assert "kernel_bytes=" in str(wfpass.report(model))
 
 
-def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():
+def test_max_bytes_bounds_the_copies_and_zero_allows_no_copy():
     # Copies of earlier tests' models that die while this test runs would
     # free room under the bound: collect them first, so the bound is this test's.
     gc.collect()
@@ -508,12 +511,23 @@ def test_max_bytes_bounds_the_copies_and_zero_turns_packing_off():
     assert pk.packed_bytes_alive() <= alive + 64 * 64 * 4 * 3 + 1
     over = [r for r in wfpass.report(model).find("pack", "rewritten") if r.stats.get("over_bound_calls")]
     assert over, "some copy should have been refused by the bound"
+    # max_bytes=0: no copy at all; the direct kernel where this CPU has it
+    # (it reads the parameters), else the format leaves the linears alone.
     model2 = Block().eval()
+    ref2 = copy.deepcopy(model2)
+    before = pk.packed_bytes_alive()
     compiled2, rec2 = _compiled(model2, pack={"mode": "always", "max_bytes": 0})
     with torch.no_grad():
-        compiled2(x)
-    assert rec2.count(OP) == 0
-    assert all("max_bytes=0" in r.reason for r in wfpass.last_report().find("pack"))
+        _close(compiled2(x), ref2(x), torch.float32)
+    assert pk.packed_bytes_alive() == before
+    assert all("max_bytes=0" in r.reason for r in wfpass.report(model2).find("pack"))
+    if DIRECT:
+        rows = wfpass.report(model2).find("pack", "rewritten")
+        assert rec2.count(OP) == 3 and len(rows) == 3
+        assert all(r.stats["direct_calls"] == 1 and r.stats["packed_calls"] == 0 and r.stats["packed_bytes"] == 0
+                   for r in rows), [r.stats for r in rows]
+    else:
+        assert rec2.count(OP) == 0
 
 
 def test_copies_die_with_their_model():
@@ -974,6 +988,34 @@ def test_the_direct_kernels_avx2_build_passes_the_same_checks_on_an_avx512_cpu()
                        cwd=str(pathlib.Path(__file__).resolve().parent.parent))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(monkeypatch):
+    """``pack.max_bytes=0`` (measured choice): where a copy kernel won, the
+    kernel that needs no copy runs instead: direct where it gained the
+    margin over the plain GEMM, else the plain GEMM; the row says what was
+    given up. Where the budget refuses a copy the same fallback runs."""
+    from wfpass.config import PackOptions
+    from wfpass.pack import choose, guards
+
+    n = choose.ROUNDS
+
+    def fake(direct):
+        d = choose.Decision("brgemm", {"plain": 1e-4, "direct": direct * 1e-4, "brgemm": 3e-5},
+                            {"direct": [direct] * n, "brgemm": [0.3] * n}, {"brgemm": 4096}, "measured", "")
+        return lambda *a, **k: d
+
+    zero, default = PackOptions(max_bytes=0), PackOptions()
+    monkeypatch.setattr(choose, "decide", fake(0.6))
+    assert guards.choose_kernel(default, torch.float32, 64, 64, 1) == "brgemm"
+    assert guards.choose_kernel(zero, torch.float32, 64, 64, 1) == "direct"
+    words = guards.describe_choice(zero, torch.float32, 64, 64, 1)
+    assert "(direct)" in words and "pack.max_bytes=0 allows no copy (brgemm over a copy measured 30 us)" in words
+    assert guards.copy_free_kernel(default, torch.float32, 64, 64, 1) == "direct"
+    monkeypatch.setattr(choose, "decide", fake(0.95))  # direct no clear gain
+    assert guards.choose_kernel(zero, torch.float32, 64, 64, 1) == "plain"
+    assert guards.describe_choice(zero, torch.float32, 64, 64, 1).startswith("M=1: the plain GEMM (100 us); "
+                                                                             "pack.max_bytes=0 allows no copy")
 
 
 def test_direct_is_taken_first_and_a_copy_only_where_clearly_faster_than_it():

@@ -154,7 +154,10 @@ class PackOptions:
 
     mode:      ``"auto"``: per linear and row count, the kernel measured
                fastest for that shape on this machine (the plain GEMM where
-               no packed kernel beats it); ``"always"``: a packed kernel
+               no other kernel beats it; first wfpass's ``direct`` kernel,
+               float32 on AVX2 or AVX-512, which reads the parameter
+               itself and needs no copy, then the packed kernels where
+               clearly faster still); ``"always"``: a packed kernel
                wherever one takes the dtype, unmeasured (float32: oneDNN's
                small-GEMM ukernel over a copy in 64-column panels where the
                CPU has AVX2 or AVX-512, else oneDNN's packed linear);
@@ -174,14 +177,16 @@ class PackOptions:
                every graph this format rewrote, and of every parameter set
                such a graph ran with (regional compilation: every layer);
                for one model: its weights' bytes, so the copies at most
-               double them; an int, that many bytes (0: no packed copies);
-               ``None``: no bound. The kernels the library compiles for
+               double them; an int, that many bytes (0: no packed copies,
+               the ``direct`` kernel where it runs and was measured
+               faster, else the plain GEMM); ``None``: no bound. The kernels the library compiles for
                packed calls (oneDNN: one per weight shape and row count,
                0.55-0.6 MiB each on torch 2.13, kept for the process) are bounded by the
                same number on their own (``kernel_bytes`` in the row). A
                copy or kernel that would go over is not made: that linear's
-               weights and row count run the plain GEMM (counted
-               ``over_bound_calls``, said in its row).
+               weights and row count run the kernel that needs no copy
+               (``direct`` where measured faster, else the plain GEMM;
+               counted ``over_bound_calls``, said in its row).
     """
 
     mode: str = "auto"

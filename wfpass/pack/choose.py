@@ -88,7 +88,7 @@ import torch.nn.functional as F
 from .._torch import aot as _aot, kernels as _k, native as _native
 from . import state as _state
 
-__all__ = ["MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "ATTEMPTS", "RULE",
+__all__ = ["COPY_FREE", "copy_free", "MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S", "CLEAR_ROUND", "ATTEMPTS", "RULE",
            "OP_COST_NATIVE_S", "OP_COST_PYTHON_S", "op_cost_s", "EXACT_ROWS", "bucket", "measure", "measured",
            "kernels_for_dtype", "Decision", "decide", "choices_file", "pool_mib", "POOL_MIN_MIB", "POOL_MAX_COPIES",
            "POOL_MAX_MIB"]
@@ -461,16 +461,30 @@ def _measure(dtype: torch.dtype, k: int, n: int, mb: int, pool: int = 0) -> Deci
 _CHALLENGERS = (("direct", MARGIN), ("brgemm", MARGIN), ("onednn", MARGIN), ("mkl", MKL_MARGIN))
 
 
+#: The kernels that read the parameter itself and need no copy.
+COPY_FREE = ("plain", "direct")
+
+
+def copy_free(d: Decision) -> str:
+    """The best of the kernels that need no copy, by the same rule:
+    ``"direct"`` where it gains the margin over the plain GEMM, else
+    ``"plain"``. What runs where a copy is not allowed (``pack.max_bytes=0``)
+    or would go over the budget."""
+    return "plain" if d.noisy else _best(d, only=COPY_FREE)
+
+
 def _best(d: Decision, pick: Callable[[List[float]], float] = statistics.median,
-          vs_plain: Optional[float] = None) -> str:
+          vs_plain: Optional[float] = None, only: Optional[Tuple[str, ...]] = None) -> str:
     """The plain GEMM, unless a packed kernel's gain is clear (see the module's
     docstring). Against the plain GEMM, ``pick`` reads the rounds (the
     median; a quartile for ``_settled``) and ``vs_plain`` replaces the
     margins; a later packed kernel must beat the one taken so far, round by
     round, in the median by its margin and in the upper quartile at least
-    level, else the one taken so far stays."""
+    level, else the one taken so far stays. ``only``: the kernels allowed."""
     best = "plain"
     for name, margin in _CHALLENGERS:
+        if only is not None and name not in only:
+            continue
         rs = d.ratios.get(name)
         if not rs:
             continue

@@ -17,7 +17,7 @@ from ..storage import unmovable
 from . import choose
 from .match import PackMatch
 
-__all__ = ["pack_problem", "describe_choice", "choose_kernel", "graph_weight_bytes"]
+__all__ = ["pack_problem", "describe_choice", "choose_kernel", "copy_free_kernel", "graph_weight_bytes"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,10 +30,22 @@ def graph_weight_bytes(ctx: PassContext) -> int:
 
 def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``, in a
-    graph reading ``pool_bytes`` of weights per call."""
+    graph reading ``pool_bytes`` of weights per call (with
+    ``pack.max_bytes=0``, the best that needs no copy)."""
+    if opts.max_bytes == 0:
+        return copy_free_kernel(opts, dtype, k, n, m, pool_bytes)
     if opts.mode == "always":
         return _always(dtype)
     return choose.measured(dtype, k, n, m, pool_bytes)[0]
+
+
+def copy_free_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
+    """The kernel that runs where a copy is not allowed: ``"direct"``
+    (``pack.mode="always"``: wherever it runs; else where it was measured
+    faster than the plain GEMM), or ``"plain"``."""
+    if opts.mode == "always":
+        return "direct" if _k.direct_runs(dtype) else "plain"
+    return choose.copy_free(choose.decide(dtype, k, n, m, pool_bytes))
 
 
 def _always(dtype: torch.dtype) -> str:
@@ -47,9 +59,19 @@ def _always(dtype: torch.dtype) -> str:
 def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The row's words for the choice at ``m`` rows."""
     if opts.mode == "always":
-        kernel = _always(dtype)
-        return f"M={m}: {_KERNEL_WORDS.get(kernel, 'the plain GEMM')} (pack.mode='always', not measured)"
+        kernel = choose_kernel(opts, dtype, k, n, m, pool_bytes)
+        zero = ", pack.max_bytes=0: no copies" if opts.max_bytes == 0 else ""
+        return f"M={m}: {_KERNEL_WORDS.get(kernel, 'the plain GEMM')} (pack.mode='always'{zero}, not measured)"
     d = choose.decide(dtype, k, n, m, pool_bytes)
+    if opts.max_bytes == 0 and d.kernel not in choose.COPY_FREE:
+        # A copy would be faster still, and is not allowed: say what runs instead and what it gave up.
+        alt = choose.copy_free(d)
+        us = {name: t * 1e6 for name, t in d.times.items()}
+        what = (f"{_KERNEL_WORDS['direct']}, {1 / d.median_ratio('direct'):.2f}x faster than the plain GEMM "
+                f"({us['direct']:.0f} us vs {us['plain']:.0f} us)" if alt == "direct" else
+                f"the plain GEMM ({us['plain']:.0f} us)")
+        return (f"M={m}: {what}; pack.max_bytes=0 allows no copy ({d.kernel} over a copy measured "
+                f"{us[d.kernel]:.0f} us)")
     pool = choose.pool_mib(pool_bytes)
     us = {name: t * 1e6 for name, t in d.times.items()}
     op = choose.op_cost_s() * 1e6
@@ -105,8 +127,8 @@ def _options_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     opts: PackOptions = ctx.config.pack
     if opts.mode == "off":
         return "pack.mode='off'"
-    if opts.max_bytes == 0:
-        return "pack.max_bytes=0: no packed copies"
+    if opts.max_bytes == 0 and not _k.direct_runs(m.weights[0].tensor.dtype):
+        return "pack.max_bytes=0: no packed copies (and no copy-free kernel here: direct is float32 on AVX2 or AVX-512)"
     return None
 
 

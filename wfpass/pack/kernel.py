@@ -77,8 +77,12 @@ class PackSite:
     ``choose(m)`` returns ``"direct"``, ``"brgemm"``, ``"onednn"``, ``"mkl"`` or
     ``"plain"``; a site asks it once per row count and remembers the answer."""
 
-    def __init__(self, record: Record, choose, max_bytes: Optional[int]):
+    def __init__(self, record: Record, choose, max_bytes: Optional[int], fallback=None):
         self.record, self._choose, self.max_bytes = record, choose, max_bytes
+        #: m -> the kernel that needs no copy ("direct" or "plain"): what runs
+        #: where the budget refuses a copy.
+        self._fallback = fallback
+        self._fallbacks: Dict[int, str] = {}
         self.by_rows: Dict[int, str] = {}
         # Row counts met once and not decided yet (``kernel_for``).
         self.seen_once: set = set()
@@ -123,6 +127,15 @@ class PackSite:
             grown = _state.total() - before
             if grown:
                 self.record.bump("kernel_bytes", grown)
+        return k
+
+    def fallback_for(self, m: int) -> str:
+        """What runs at ``m`` rows where the budget refuses a copy: the
+        direct kernel where it was measured faster than the plain GEMM
+        (it needs no copy), else the plain GEMM."""
+        k = self._fallbacks.get(m)
+        if k is None:
+            k = self._fallbacks[m] = self._fallback(m) if self._fallback is not None else "plain"
         return k
 
     def is_refused(self, w0: torch.Tensor, m: int) -> bool:
@@ -452,12 +465,13 @@ def _over_budget(site: PackSite, w0: torch.Tensor, m: int, kernel: str, need: in
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
         whose = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
+        instead = "the direct kernel (no copy)" if site.fallback_for(m) == "direct" else "the plain GEMM"
         if what == "copy":
-            words[m] = (f"M={m}: the plain GEMM for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "
+            words[m] = (f"M={m}: {instead} for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "
                         f"take the packed copies over their budget ({budget / 2**20:.1f} MiB, {whose}; "
                         f"{_ALIVE[0] / 2**20:.1f} MiB in use)")
         else:
-            words[m] = (f"M={m}: the plain GEMM: the {kernel} kernel the library would compile for this row count "
+            words[m] = (f"M={m}: {instead}: the {kernel} kernel the library would compile for this row count "
                         f"({need / 2**20:.1f} MiB) would take the kernels kept for packed calls over their budget "
                         f"({budget / 2**20:.1f} MiB, {whose}; {_state.total() / 2**20:.1f} MiB in use)")
         if site.on_budget is not None:
@@ -478,15 +492,9 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
         if s.eager_training is False and torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             kernel = "plain"
         if kernel == "direct":
-            block = _laid_out(weights, rows)
-            if block is not None:
-                # No copy: it reads the parameters as they are now, so there
-                # is nothing to check, to make again or to charge to the budget.
-                s.record.bump("direct_calls")
-                y = _k.direct_linear(x, block.detach(), _whole(biases, rows, s))
-                if _native.is_loaded():
-                    _hand_to_native(s, m, kernel, None, weights, rows)
-                return y if y.is_contiguous() else y.contiguous()
+            y = _direct(s, m, x, weights, biases, rows)
+            if y is not None:
+                return y
         elif kernel != "plain":
             skey = _state.key_of(kernel, x, rows, bool(biases))
             c = _fresh(s, weights, rows, kernel, m, skey)
@@ -504,13 +512,34 @@ def _packed_linear(x: torch.Tensor, weights: List[torch.Tensor], biases: List[to
                 if _native.is_loaded():
                     _hand_to_native(s, m, kernel, c.packed, weights, rows)
                 return y if y.is_contiguous() else y.contiguous()
-            if _native.is_loaded() and s.is_refused(weights[0], m):
-                # Over the budget for this weight set: the C++ kernel answers its next calls.
-                _hand_to_native(s, m, "plain", None, weights, rows)
+            if s.is_refused(weights[0], m):
+                # Over the budget for this weight set: the kernel that needs no
+                # copy, and the C++ kernel answers its next calls with it.
+                if s.fallback_for(m) == "direct":
+                    y = _direct(s, m, x, weights, biases, rows)
+                    if y is not None:
+                        return y
+                if _native.is_loaded():
+                    _hand_to_native(s, m, "plain", None, weights, rows)
         elif chosen == "plain" and _native.is_loaded():
             _hand_to_native(s, m, kernel, None, weights, rows)
         s.record.bump("plain_calls")
     return _plain(x, weights, biases, rows, s)
+
+
+def _direct(s: PackSite, m: int, x: torch.Tensor, weights, biases, rows: int) -> Optional[torch.Tensor]:
+    """The direct kernel on the parameters' block; None where they are not
+    one block this call (the plain GEMM over their concatenation then).
+    No copy: it reads the parameters as they are now, so there is nothing
+    to check, to make again or to charge to the budget."""
+    block = _laid_out(weights, rows)
+    if block is None:
+        return None
+    s.record.bump("direct_calls")
+    y = _k.direct_linear(x, block.detach(), _whole(biases, rows, s))
+    if _native.is_loaded():
+        _hand_to_native(s, m, "direct", None, weights, rows)
+    return y if y.is_contiguous() else y.contiguous()
 
 
 def _plain(x: torch.Tensor, weights, biases, rows: int, s: Optional[PackSite]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .._torch import native as _native, tensors as _tensors
 from ..graph import PassContext, node_arg
 from ..linear.kernel import EagerBlock, EagerLayoutCheck
 from ..records import Record
-from .guards import choose_kernel, describe_choice, graph_weight_bytes
+from .guards import choose_kernel, copy_free_kernel, describe_choice, graph_weight_bytes
 from .kernel import PackSite, note_weights, register_site
 from .match import PackMatch
 
@@ -86,7 +86,10 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
             rec.reason = _reason(rec)
         return kernel
 
-    site = PackSite(rec, choose, opts.max_bytes)
+    def fallback(rows: int, opts=opts, dtype=dtype, k=k, n=n, pool=pool) -> str:
+        return copy_free_kernel(opts, dtype, k, n, rows, pool)
+
+    site = PackSite(rec, choose, opts.max_bytes, fallback)
     site.on_budget = lambda rec=rec: setattr(rec, "reason", _reason(rec))
     # The "weights" budget counts every parameter of the graphs this format
     # rewrote, and every parameter set a graph runs with: under regional
