@@ -112,6 +112,11 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
     if native.is_loaded():
         line = next(ln for ln in out.splitlines() if ln.startswith("packed RNN loop on raw pointers"))
         assert line.split(": ", 1)[1].startswith("yes" if native.fast_loop() else "no"), line
+        line = next(ln for ln in out.splitlines() if ln.startswith("direct linear (float32"))
+        from wfpass._torch import kernels
+
+        isa = kernels.direct_isa()
+        assert line.split(": ", 1)[1].startswith({"avx512f": "yes (AVX-512F)", "avx2": "yes (AVX2"}.get(isa, "no")), line
         line = next(ln for ln in out.splitlines() if ln.startswith("bidirectional packed layers, both directions"))
         assert line.split(": ", 1)[1].startswith("yes" if native.parallel_directions() else "no"), line
         # torch's wheels run on OpenMP: where the loop runs, the kernels use torch's OpenMP threads

@@ -68,6 +68,10 @@ def lines() -> List[str]:
                 else "no (a CPU with neither AVX-512 nor AVX2 with FMA, oneDNN's small-GEMM kernel not answering, "
                      "or WFPASS_FAST_LOOP=0)")
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
+        isa = kernels.direct_isa()
+        out.append(f"direct linear (float32, dot products over the weight as it is, no copy): "
+                   + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'})" if isa else
+                      "no (a CPU with neither AVX-512F nor AVX2 with FMA, or WFPASS_DIRECT=0)"))
         out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
                    f"{_yes(kernels.panel_packs(torch.float32))}")
         both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
