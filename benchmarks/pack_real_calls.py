@@ -181,7 +181,7 @@ def main(argv=None) -> int:
             lines.append(f"| {n}x{k} | {m} | {kern} | {statistics.median(b):.1f} | {statistics.median(a):.1f} | "
                          f"{med:.2f} | {min(ratios):.2f}-{max(ratios):.2f} |")
     lines.append("")
-    lines.append(f"Packed kernels slower than the plain GEMM on the real calls (median round): {len(slower)} of "
+    lines.append(f"Chosen kernels (packed or direct) slower than the plain GEMM on the real calls (median round): {len(slower)} of "
                  f"{packed}" + (": " + ", ".join(slower) if slower else ""))
     return emit(lines, args.out)
 
