@@ -133,17 +133,20 @@ def main() -> None:
           f"{choose.ROUNDS} rounds of ~{choose.SAMPLE_S * 1e3:.0f} ms per candidate"
           + (f", each weight cycling through {choose.pool_mib(args.pool_mib * 2**20)} MiB of copies"
              if args.pool_mib else "") + "\n")
+    cands = [c for c in ("direct", "brgemm", "onednn") if any(c in p[k]["ratios"] for p in fresh for k in keys)]
     print("| shape | " + " | ".join(f"{name}: decisions" for name in RULES)
-          + " | oneDNN / plain, median round per process, min-max |")
-    print("|---|" + "---|" * (len(RULES) + 1))
+          + "".join(f" | {c} / plain, median round per process, min-max" for c in cands) + " |")
+    print("|---|" + "---|" * (len(RULES) + len(cands)))
     for key in keys:
         cells = []
         for rule in RULES.values():
             ds = [rule(p[key]) for p in fresh]
             cells.append(", ".join(f"{d} {ds.count(d)}" for d in sorted(set(ds))))
-        meds = [statistics.median(p[key]["ratios"]["onednn"]) for p in fresh if "onednn" in p[key]["ratios"]]
-        spread = f"{min(meds):.2f}-{max(meds):.2f}" if meds else "-"
-        print(f"| {key} | " + " | ".join(cells) + f" | {spread} |")
+        spreads = []
+        for c in cands:
+            meds = [statistics.median(p[key]["ratios"][c]) for p in fresh if c in p[key]["ratios"]]
+            spreads.append(f"{min(meds):.2f}-{max(meds):.2f}" if meds else "-")
+        print(f"| {key} | " + " | ".join(cells + spreads) + " |")
     print()
     for name, rule in RULES.items():
         same = sum(1 for p in fresh if all(rule(p[k]) == rule(fresh[0][k]) for k in keys))
