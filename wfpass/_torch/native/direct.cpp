@@ -7,10 +7,11 @@
 // the weight. Here each output is a dot product of an input row and a
 // weight row, 16 of them at a time with AVX-512 (a block of 1 x 16, 2 x 8
 // or 4 x 4 input rows x weight rows, 8 with AVX2), their sums reduced
-// together in one shuffle tree (direct_kernel.h). On a 2-core AMD EPYC with AVX-512, 1 thread
-// (benchmarks/brgemm_kernel.py): a 2752x256 weight at 1 / 5 / 16 rows took
-// 36 / 73 / 219 us, against 75 / 194 / 307 us plain and 43 / 74 / 210 us
-// from the brgemm copy.
+// together in one shuffle tree (direct_kernel.h). On a 2-core AMD EPYC
+// with AVX-512, 1 thread, the weight cycling through 16 MiB of copies as a
+// model's calls find it (benchmarks/brgemm_kernel.py --pool-mib 16): a
+// 2752x256 weight at 2 / 8 rows took 84 / 154 us, against 209 / 363 us
+// plain and 185 / 210 us from the brgemm copy (docs/pack.md, "direct").
 //
 // direct_kernel.h is compiled twice, under __attribute__((target("avx512f")))
 // and target("avx2,fma"), one picked at run time (isa()), so the library
