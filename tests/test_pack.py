@@ -936,9 +936,10 @@ def test_the_brgemm_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
 @pytest.mark.skipif(not DIRECT, reason="no direct kernel here (wfpass's C++ kernels or AVX-512F missing)")
 def test_the_direct_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
     """``wfpass::_direct_linear`` on the weight as it is: the plain GEMM's
-    values for any shape (output features not a multiple of the 16-row
-    block, input features not a multiple of 16, every row-block size 1, 2,
-    4 and their mixes, batched and strided inputs, a weight whose rows are
+    values for any shape (output features not a multiple of the weight-row
+    block, input features not a multiple of 16, short rows and long ones
+    (1 to 7 input rows at once from 1024 input features), blocks of 4, 2
+    and 1 input rows, batched and strided inputs, a weight whose rows are
     apart or transposed, with and without a bias, at 1 and 2 threads), and a
     clear error, never a read past a buffer, for a call whose tensors do not
     fit together."""
@@ -947,11 +948,11 @@ def test_the_direct_kernel_equals_the_plain_gemm_and_refuses_malformed_calls():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (2752, 64), (48, 1)):
+            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (2752, 64), (48, 1), (35, 1030)):
                 w, b = torch.randn(n, k), torch.randn(n)
                 wide = torch.randn(n, k + 3)[:, 1:k + 1]  # rows apart: a leading dim past k
-                for x in (torch.randn(1, k), torch.randn(2, k), torch.randn(7, k), torch.randn(70, k),
-                          torch.randn(2, 3, k), torch.randn(k, 9).t()):
+                for x in (*(torch.randn(m, k) for m in (1, 2, 3, 4, 5, 7, 70)), torch.randn(2, 3, k),
+                          torch.randn(k, 9).t()):
                     for bias in (b, None, b.view(n, 1)[:, 0]):
                         for weight in (w, wide, w.t().contiguous().t()):
                             torch.testing.assert_close(_k.direct_linear(x, weight, bias), F.linear(x, weight, bias),

@@ -76,29 +76,71 @@ WFPASS_TARGET_INLINE void rows_c(int64_t M, const float* x, int64_t ldx, const f
           : block<1, C, false>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
 }
 
-// Weight rows r0 .. r1 - 1 for every input row, C of them at a time: all of
-// the accumulators on weight rows for one input row, half for 2-3, a
-// quarter for 4 and more (4 input rows per block). Each group of C weight
-// rows stays in L1 while every block of input rows goes through it (C rows
-// of 1376 floats: 22 KB with AVX-512 at 4 rows and more), and the group's
-// first block fetches the rows kAhead further on: a weight row is a short
-// stream (1 KB at 256 input features) that the hardware's prefetchers
-// barely start on, so without it the rows came from memory one miss at a
-// time (a 2752x256 weight at 8 rows, cycling through 16 MiB of weights as in
-// a model: 611 us, against 474 us plain; with it, 142 us).
+// Every input row at once (R = M, up to 7) against the weight rows
+// r0 .. r1 - 1, C = ACC / R of them per block, so the weight is read once:
+// a block of 5 input rows x 3 weight rows takes 8 loads for 15
+// multiply-adds, where blocks of 4 and then 1 input row read each weight
+// row twice and the second pass takes 5 loads for 4. The last rows of the
+// range (fewer than C) one at a time.
+template <int R>
+WFPASS_TARGET_INLINE void all_rows(int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                                   const float* bias, float* y, int64_t ldy, int64_t r0, int64_t r1) {
+  constexpr int C = Isa::ACC / R;
+  constexpr int64_t kAhead = 16;
+  int64_t n = r0;
+  for (; n + C <= r1; n += C) {
+    const float* wn = w + n * ldw;
+    const float* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
+    block<R, C, true>(x, ldx, wn, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, pf);
+  }
+  for (; n < r1; ++n)
+    block<R, 1, false>(x, ldx, w + n * ldw, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, nullptr);
+}
+
+// Weight rows r0 .. r1 - 1 for every input row. One or two input rows, and
+// up to 7 (4 with AVX2's 8 accumulators) where the rows are long (K >=
+// 1024): all at once (all_rows). Else C weight rows at a time (ACC / 2 for
+// 3 input rows, ACC / 4 for more), every block of 4 input rows (then 2, 1)
+// going through them while they stay in L1 (C rows of 1376 floats: 22 KB
+// with AVX-512). Which is faster was measured, as the direct kernel's time
+// over brgemm's with the weight cycling through 16 MiB of copies, 1 thread,
+// AVX-512, three runs each: at 5-7 rows a 256x1376 weight took 0.77-0.93
+// all at once against 0.85-1.08 in blocks; the 384x256 and 2752x256 weights
+// 0.84-1.11 all at once against 0.69-0.91 in blocks (their rows are short:
+// a block's 16 steps then cost less than its sums and stores). Each group's
+// first block of input rows fetches the weight rows kAhead further on: a weight row is a short stream (1 KB at 256 input features) that the
+// hardware's prefetchers barely start on, so without it the rows came from
+// memory one miss at a time (a 2752x256 weight at 8 rows, cycling through
+// 16 MiB of weights as in a model: 611 us, against 474 us plain; with it,
+// 142 us).
 WFPASS_TARGET void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w,
                            int64_t ldw, const float* bias, float* y, int64_t ldy, int64_t r0, int64_t r1) {
   constexpr int A = Isa::ACC;
   constexpr int64_t kAhead = 16;
-  const int64_t C = M == 1 ? A : (M < 4 ? A / 2 : A / 4);
+  if (M == 1) return all_rows<1>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+  if (M == 2) return all_rows<2>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+  if (K >= 1024) {
+    switch (M) {
+      case 3: return all_rows<3>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      case 4: return all_rows<4>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      default: break;
+    }
+    if constexpr (A >= 16) {
+      switch (M) {
+        case 5: return all_rows<5>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        case 6: return all_rows<6>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        case 7: return all_rows<7>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        default: break;
+      }
+    }
+  }
+  const int64_t C = M < 4 ? A / 2 : A / 4;
   int64_t n = r0;
   for (; n + C <= r1; n += C) {
     const float* wn = w + n * ldw;
     const float* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
     const float* bn = bias != nullptr ? bias + n : nullptr;
-    if (C == A)
-      rows_c<A>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
-    else if (C == A / 2)
+    if (C == A / 2)
       rows_c<A / 2>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
     else
       rows_c<A / 4>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
