@@ -44,7 +44,8 @@ def _reason(rec: Record) -> str:
     # added to every packed candidate) and is invisible otherwise: a torch
     # whose headers the compiler rejects gives the Python kernel silently.
     op = "" if _native.is_loaded() else f"; the op runs on its {_native.status()}"
-    return f"{kind}: packed copy of the weight beside the parameter; " + "; ".join(p for p in parts if p) + op
+    return (f"{kind}: per row count the kernel measured fastest, on the parameter itself or on a packed copy "
+            f"beside it; " + "; ".join(p for p in parts if p) + op)
 
 
 def _record_for(ctx: PassContext, m: PackMatch) -> Record:
