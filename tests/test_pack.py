@@ -874,25 +874,27 @@ def test_spread_rounds_decide_where_the_quartiles_hold_the_medians_verdict():
     assert not choose._settled(decision([0.5] * 6 + [1.2] * 5))
 
 
-def test_the_lighter_packed_kernel_stays_unless_another_is_clearly_faster():
-    """brgemm (about 16 KiB of kernel per row count) is taken where it gains
-    the margin over the plain GEMM; oneDNN (0.56 MiB per row count) only
-    where it gains the margin over brgemm too, in three rounds of four at
-    least level; a near-tie between the two keeps brgemm, so it cannot flip
-    between processes."""
+@pytest.mark.parametrize("lighter,heavier", [("brgemm", "onednn"), ("direct", "brgemm")])
+def test_the_lighter_kernel_stays_unless_another_is_clearly_faster(lighter, heavier):
+    """Kernels are taken lightest first: direct (no copy), brgemm (a copy,
+    about 16 KiB of kernel per row count), oneDNN (a copy, 0.56 MiB per row
+    count). The lighter is taken where it gains the margin over the plain
+    GEMM; the heavier only where it gains the margin over the lighter too,
+    in three rounds of four at least level; a near-tie keeps the lighter,
+    so it cannot flip between processes."""
     from wfpass.pack import choose
 
     n = choose.ROUNDS
 
-    def decision(brgemm, onednn):
-        return choose.Decision("plain", {"plain": 1e-5}, {"brgemm": brgemm, "onednn": onednn}, {}, "measured", "")
+    def decision(light, heavy):
+        return choose.Decision("plain", {"plain": 1e-5}, {lighter: light, heavier: heavy}, {}, "measured", "")
 
-    assert choose._best(decision([0.6] * n, [0.55] * n)) == "brgemm"  # a near-tie: the lighter
-    assert choose._best(decision([0.6] * n, [0.5] * n)) == "onednn"  # 0.83 of brgemm's time
-    assert choose._best(decision([0.9] * n, [0.8] * n)) == "onednn"  # brgemm no clear gain, oneDNN one
+    assert choose._best(decision([0.6] * n, [0.55] * n)) == lighter  # a near-tie: the lighter
+    assert choose._best(decision([0.6] * n, [0.5] * n)) == heavier  # 0.83 of the lighter's time
+    assert choose._best(decision([0.9] * n, [0.8] * n)) == heavier  # the lighter no clear gain, the heavier one
     assert choose._best(decision([0.9] * n, [0.9] * n)) == "plain"
-    # oneDNN's median gains the margin over brgemm, but a third of its rounds are slower: brgemm stays.
-    assert choose._best(decision([0.6] * n, [0.4] * 7 + [0.7] * 4)) == "brgemm"
+    # The heavier's median gains the margin, but a third of its rounds are slower: the lighter stays.
+    assert choose._best(decision([0.6] * n, [0.4] * 7 + [0.7] * 4)) == lighter
     assert choose._settled(decision([0.6] * n, [0.55] * n))
 
 
@@ -1017,25 +1019,6 @@ def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(m
     assert guards.choose_kernel(zero, torch.float32, 64, 64, 1) == "plain"
     assert guards.describe_choice(zero, torch.float32, 64, 64, 1).startswith("M=1: the plain GEMM (100 us); "
                                                                              "pack.max_bytes=0 allows no copy")
-
-
-def test_direct_is_taken_first_and_a_copy_only_where_clearly_faster_than_it():
-    """direct (no copy at all) is taken where it gains the margin over the
-    plain GEMM; brgemm and oneDNN (a copy of the weight each) only where
-    they gain the margin over direct too, so a near-tie keeps the weight
-    uncopied and cannot flip between processes."""
-    from wfpass.pack import choose
-
-    n = choose.ROUNDS
-
-    def decision(direct, brgemm):
-        return choose.Decision("plain", {"plain": 1e-5}, {"direct": direct, "brgemm": brgemm}, {}, "measured", "")
-
-    assert choose._best(decision([0.6] * n, [0.55] * n)) == "direct"  # a near-tie: no copy
-    assert choose._best(decision([0.6] * n, [0.5] * n)) == "brgemm"  # 0.83 of direct's time
-    assert choose._best(decision([0.9] * n, [0.8] * n)) == "brgemm"  # direct no clear gain, brgemm one
-    assert choose._best(decision([0.9] * n, [0.9] * n)) == "plain"
-    assert choose._best(decision([0.6] * n, [0.4] * 7 + [0.7] * 4)) == "direct"
 
 
 @pytest.mark.skipif(not BRGEMM or pstate._HEAP is None, reason="no brgemm kernel here, or no glibc heap to read")
