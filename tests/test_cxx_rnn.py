@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -382,14 +378,11 @@ def test_the_avx2_build_equals_eager_on_an_avx512_cpu():
     """The gate math is compiled twice (fast_gates.h); an AVX-512 machine
     runs the AVX2 one only when asked (WFPASS_FAST_ISA=avx2): the packed
     layer's equality tests against eager, in a process that asks."""
-    env = dict(os.environ, WFPASS_FAST_ISA="avx2")
-    code = ("import sys, pytest; from wfpass._torch import native; assert native.fast_isa() == 'avx2'; "
-            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_packed_layer.py', "
-            "'tests/test_cxx_rnn.py', '-k', 'equals_eager or as_eager or wider_layers or saturated or given_states']))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(pathlib.Path(__file__).resolve().parent.parent))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    from wftest import pytest_in_a_process
+
+    pytest_in_a_process({"WFPASS_FAST_ISA": "avx2"}, "from wfpass._torch import native; assert native.fast_isa() == 'avx2'",
+                        ["tests/test_packed_layer.py", "tests/test_cxx_rnn.py", "-k",
+                         "equals_eager or as_eager or wider_layers or saturated or given_states"])
 
 
 @fast

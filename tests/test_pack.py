@@ -690,22 +690,9 @@ def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(mon
             _close(compiled(x), ref(x), torch.float32)
     rows = wfpass.report(model).find("pack", "rewritten")
     assert [_kernel_calls(r.stats) for r in rows] == [5, 5]
-    if packed_kernel == "direct":  # no copy to check: the C++ kernel answers every call after the first
-        # A write the version counter misses, then one it sees: the next calls read them.
-        for m in (model, ref):
-            m[0].weight.data.mul_(-1)
-            with torch.no_grad():
-                m[1].weight.add_(1)
-        with torch.no_grad():
-            _close(compiled(x), ref(x), torch.float32)
-            _close(compiled(x), ref(x), torch.float32)
-        # Python ran each linear's first call; the C++ kernel the other 12.
-        assert fresh_calls == [] and len(direct_calls) == 2
-        assert [r.stats["direct_calls"] for r in rows] == [7, 7]
-        assert [r.stats["packed_bytes"] for r in rows] == [0, 0]
-        return
-    assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
-    assert [r.stats["packed_calls"] for r in rows] == [5, 5]
+    if packed_kernel != "direct":
+        assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
+        assert [r.stats["packed_calls"] for r in rows] == [5, 5]
     for m in (model, ref):  # a write the version counter misses, then one it sees
         m[0].weight.data.mul_(-1)
         with torch.no_grad():
@@ -713,6 +700,12 @@ def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(mon
     with torch.no_grad():
         _close(compiled(x), ref(x), torch.float32)
         _close(compiled(x), ref(x), torch.float32)
+    if packed_kernel == "direct":
+        # No copy to check: Python ran each linear's first call; the C++ kernel the other 12.
+        assert fresh_calls == [] and len(direct_calls) == 2
+        assert [r.stats["direct_calls"] for r in rows] == [7, 7]
+        assert [r.stats["packed_bytes"] for r in rows] == [0, 0]
+        return
     assert len(fresh_calls) == 4  # each stale copy went back to Python once, was made again
     assert [r.stats["repacked"] for r in rows] == [1, 1]
     assert [r.stats["packed_calls"] for r in rows] == [7, 7]
@@ -977,20 +970,13 @@ def test_the_direct_kernels_avx2_build_passes_the_same_checks_on_an_avx512_cpu()
     """direct is compiled twice (direct_kernel.h); an AVX-512 machine runs
     the AVX2 build only when asked (WFPASS_DIRECT=avx2): the kernel's own
     checks and the op's, in a process that asks."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from wftest import pytest_in_a_process
 
-    env = dict(os.environ, WFPASS_DIRECT="avx2")
-    code = ("import sys, pytest; from wfpass._torch import native, kernels; native.load(); "
-            "assert kernels.direct_isa() == 'avx2', kernels.direct_isa(); "
-            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_pack.py', "
-            "'-k', 'direct_kernel_equals or (direct and (inference_equals or weight_change or repeat_calls))']))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(pathlib.Path(__file__).resolve().parent.parent))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    pytest_in_a_process({"WFPASS_DIRECT": "avx2"},
+                        "from wfpass._torch import native, kernels; native.load(); "
+                        "assert kernels.direct_isa() == 'avx2', kernels.direct_isa()",
+                        ["tests/test_pack.py", "-k",
+                         "direct_kernel_equals or (direct and (inference_equals or weight_change or repeat_calls))"])
 
 
 def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(monkeypatch):

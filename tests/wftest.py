@@ -9,7 +9,7 @@ import pytest
 import torch
 
 __all__ = ["TOL", "Capture", "free_port", "assert_applied", "assert_same_fwd_bwd", "clone_inputs", "param_ids",
-           "train_steps", "needs_gpu"]
+           "train_steps", "needs_gpu", "pytest_in_a_process"]
 
 #: (rtol, atol) per dtype: fp32 GEMMs differ from eager only by summation order.
 TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
@@ -144,3 +144,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pytest_in_a_process(env: dict, check: str, args: Sequence[str], timeout: int = 900) -> str:
+    """pytest with ``args`` (paths from the project's root) in a fresh
+    process whose environment adds ``env``, after ``check`` (statements
+    asserting the environment took effect: a switch read once per process,
+    such as the instruction set a kernel runs on); fails unless every test
+    it ran passed. Returns its output."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = f"import sys, pytest; {check}; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{list(args)!r}]))"
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                       timeout=timeout, cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    return r.stdout

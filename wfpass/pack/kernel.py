@@ -80,9 +80,8 @@ class PackSite:
     def __init__(self, record: Record, choose, max_bytes: Optional[int], fallback=None):
         self.record, self._choose, self.max_bytes = record, choose, max_bytes
         #: m -> the kernel that needs no copy ("direct" or "plain"): what runs
-        #: where the budget refuses a copy.
+        #: where the budget refuses a copy (read off the decision, kept by ``choose``).
         self._fallback = fallback
-        self._fallbacks: Dict[int, str] = {}
         self.by_rows: Dict[int, str] = {}
         # Row counts met once and not decided yet (``kernel_for``).
         self.seen_once: set = set()
@@ -133,10 +132,7 @@ class PackSite:
         """What runs at ``m`` rows where the budget refuses a copy: the
         direct kernel where it was measured faster than the plain GEMM
         (it needs no copy), else the plain GEMM."""
-        k = self._fallbacks.get(m)
-        if k is None:
-            k = self._fallbacks[m] = self._fallback(m) if self._fallback is not None else "plain"
-        return k
+        return self._fallback(m) if self._fallback is not None else "plain"
 
     def is_refused(self, w0: torch.Tensor, m: int) -> bool:
         """Did the budget refuse this weight set's copy at ``m`` rows?"""
