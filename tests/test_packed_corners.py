@@ -283,7 +283,10 @@ class LoggingLSTM(nn.LSTM):
         return super().forward(input, hx)
 
 
-def test_subclass_with_its_own_forward_runs_eagerly_counted():
+def test_subclass_with_its_own_forward_is_left_as_it_was():
+    """wfpass installs nothing on a class with a forward of its own: its
+    packed call graph-breaks inside nn.LSTM.forward, as without wfpass, and
+    runs eagerly; the row says why."""
     torch.manual_seed(0)
     model = PackedLSTM(LoggingLSTM(5, 6, num_layers=2))
     ref = copy.deepcopy(model)
@@ -292,6 +295,6 @@ def test_subclass_with_its_own_forward_runs_eagerly_counted():
         x = torch.randn(6, 4, 5)
         torch.testing.assert_close(fn(x, torch.tensor(lengths)), ref(x, torch.tensor(lengths)))
     assert model.rnn.calls == 3  # its own forward ran for every call
+    assert not {"forward", "check_forward_args"} & set(model.rnn.__dict__)
     (row,) = wfpass.report(model).find("rnn")
-    assert row.action == "skipped" and row.stats.get("eager_calls") == 3
-    assert "overrides forward" in row.detail["ran_eagerly"]
+    assert row.action == "skipped" and "overrides forward" in row.reason and "installs nothing" in row.reason

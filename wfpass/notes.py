@@ -147,6 +147,42 @@ def _note_also(record: Record, tensors: Sequence[torch.Tensor]) -> None:
             recs.append(record)
 
 
+def _carry_records(module: torch.nn.Module, name: str, new) -> None:
+    """A Parameter or buffer replaced by another object under the same name
+    (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``
+    in an init function): its records go on under the new tensor, whose
+    values the compiled graphs read from then on (they take the module's
+    tensors as inputs). Called by torch's global registration hooks, before
+    the module stores ``new``."""
+    if not isinstance(new, torch.Tensor):
+        return None
+    old = module.__dict__.get("_parameters", {}).get(name)
+    if old is None:
+        old = module.__dict__.get("_buffers", {}).get(name)
+    if old is None or old is new:
+        return None
+    recs = _NOTES.get(old)
+    for rec in list(recs or ()):
+        refs = rec.detail.get("_tensors") or {}
+        key = next((k for k, r in refs.items() if r() is old), None)
+        if key is not None:
+            refs[key] = weakref.ref(new)
+        _note_also(rec, [new])
+    return None
+
+
+def _install_registration_hooks() -> None:
+    """torch's public global hooks on parameter and buffer registration
+    (``torch.nn.modules.module.register_module_*_registration_hook``)."""
+    from torch.nn.modules import module as _module
+
+    _module.register_module_parameter_registration_hook(_carry_records)
+    _module.register_module_buffer_registration_hook(_carry_records)
+
+
+_install_registration_hooks()
+
+
 def model_report(model: torch.nn.Module) -> Report:
     """Everything wfpass did to ``model``'s parameters and buffers, across every
     graph, recompile and graph break: one row per decision, named with the
@@ -154,11 +190,12 @@ def model_report(model: torch.nn.Module) -> Report:
     names = state_names(model)
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) in names]
     out = Report(f"wfpass report for {type(model).__name__} (every graph, recompile and graph break)")
-    seen = set()
+    seen, decisions = set(), set()
     for t in tensors:
         for rec in _NOTES.get(t, ()):
-            if id(rec) not in seen:
+            if id(rec) not in seen and _signature(rec) not in decisions:  # one row per decision
                 seen.add(id(rec))
+                decisions.add(_signature(rec))
                 out.records.append(rec.named(names))
     return out
 

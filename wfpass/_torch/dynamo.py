@@ -360,3 +360,26 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
             node.meta["example_value"] = out
             filled += 1
     return filled
+
+
+def on_compile_end(fn) -> bool:
+    """Call ``fn(failed)`` after each Dynamo frame compile, ``failed`` True
+    where it ended in an exception (the frame then runs eagerly or the user
+    sees the error; nothing of it is cached). Dynamo runs its end callbacks
+    in a ``finally`` (``callback_handler.install_callbacks``,
+    torch/_dynamo/callback.py, torch 2.13.0), where the exception on its way
+    out is ``sys.exc_info()``. False where this torch has no such hook."""
+    import sys
+
+    handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+    if handler is None or not hasattr(handler, "register_end_callback"):
+        return False
+
+    def end(_args) -> None:
+        try:
+            fn(sys.exc_info()[1] is not None)
+        except Exception:  # never fail a compile over this
+            pass
+
+    handler.register_end_callback(end)
+    return True

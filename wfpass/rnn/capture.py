@@ -5,12 +5,14 @@ hook, which calls these.)"""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch.nn as nn
 
+from .._torch import dynamo as _dynamo
 from ..runtime import note_provisional
 from .packed.sequence import install_forward, uninstall_forward
-from .spec import display_name, flat_weight_names, rnn_mode
+from .spec import display_name, flat_weight_names, overrides_forward, rnn_mode
 
 __all__ = ["name_errors", "unname_errors", "note_seen"]
 
@@ -38,15 +40,41 @@ def name_errors(module: nn.Module, path: str) -> None:
     and pickling keep working; ``wfpass.restore`` removes it.
     ``wfpass.capture`` calls this when Dynamo first wraps the RNN for a wformat
     backend, i.e. before the first call's checks run."""
-    # Its PackedSequence calls go into the graph too (``packed/sequence.py``); a
-    # subclass's calls that run eagerly are counted.
+    # Its PackedSequence calls go into the graph too (``packed/sequence.py``).
+    # A class with a forward of its own gets nothing (``install_forward``).
+    fresh = "forward" not in module.__dict__ and "check_forward_args" not in module.__dict__
     install_forward(module)
     mode = rnn_mode(module)
-    if mode is None:
-        return
-    if "check_forward_args" in module.__dict__:
-        return
-    module.__dict__["check_forward_args"] = functools.partial(_named_check_forward_args, module, display_name(path, mode))
+    if mode is not None and "check_forward_args" not in module.__dict__:
+        module.__dict__["check_forward_args"] = functools.partial(_named_check_forward_args, module,
+                                                                  display_name(path, mode))
+    if fresh and ("forward" in module.__dict__ or "check_forward_args" in module.__dict__):
+        _installed_now(module)
+
+
+#: Modules given an attribute during the Dynamo compile in progress (weakly).
+_INSTALLED_NOW: "weakref.WeakSet" = weakref.WeakSet()
+_HOOKED: list = [False]
+
+
+def _installed_now(module: nn.Module) -> None:
+    """Remember ``module`` until the compile in progress ends: if it fails,
+    what ``name_errors`` installed goes again, so a compile that raised
+    leaves the model exactly as it was (a compile that succeeded keeps it:
+    the compiled graph's guards hold the attribute, and removing it would
+    recompile at every call)."""
+    if not _HOOKED[0]:
+        _HOOKED[0] = True
+        _dynamo.on_compile_end(_compile_ended)
+    _INSTALLED_NOW.add(module)
+
+
+def _compile_ended(failed: bool) -> None:
+    modules = list(_INSTALLED_NOW)
+    _INSTALLED_NOW.clear()
+    if failed:
+        for m in modules:
+            unname_errors(m)
 
 
 def unname_errors(module: nn.Module) -> bool:
@@ -70,8 +98,15 @@ def note_seen(module: nn.RNNBase, path: str, why: str = ""):
     own = flat_weight_names(module)  # public attributes: subclasses of nn.LSTM too
     names = [f"{path}.{n}" if path else n for n in own]
     label = f"'{path}' (nn.{type(module).__name__})" if path else f"nn.{type(module).__name__}"
-    reason = (f"{label}: left out of the compiled graph ({why}): it runs eagerly, unchanged" if why else
-              f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
-              "input, or a graph break inside the RNN): it runs eagerly, unchanged")
+    if why:
+        reason = f"{label}: left out of the compiled graph ({why}): it runs eagerly, unchanged"
+    elif overrides_forward(module):
+        reason = (f"{label}: its class overrides forward, so wfpass installs nothing on it and rewrites the "
+                  f"RNN calls that forward makes (a padded "
+                  "batch); this call never reached a compiled graph (a PackedSequence, on which nn.RNNBase's "
+                  "forward graph-breaks, or a graph break in the class's forward): it runs eagerly, unchanged")
+    else:
+        reason = (f"{label}: Dynamo did not put this call into a compiled graph (a PackedSequence "
+                  "input, or a graph break inside the RNN): it runs eagerly, unchanged")
     return note_provisional("rnn", reason, names, [getattr(module, n) for n in own])
 

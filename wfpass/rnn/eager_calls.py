@@ -21,8 +21,8 @@ _EAGER_WHY = {
     "limit": ("Dynamo runs the function that calls it eagerly: its recompile limit "
               f"({_dynamo.RECOMPILE_LIMIT}) was reached, as each new {{what}} compiled a graph of its own"),
     "break": "a graph break left the call out of the compiled graph",
-    "subclass": ("its class overrides forward, which wfpass does not put into the graph for a PackedSequence: "
-                 "Dynamo calls it eagerly"),
+    "subclass": ("its class overrides permute_hidden or check_forward_args, which wfpass does not put into the "
+                 "graph for a PackedSequence: Dynamo calls it eagerly"),
 }
 
 

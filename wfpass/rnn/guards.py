@@ -2,8 +2,8 @@
 
 Each guard is a skip record when it fails (the call is left as it was):
 not a PackedSequence call; every weight a Parameter/buffer of the model and
-not a distributed tensor; one floating dtype and device, the input's too;
-no autocast; no weight twice; the weights add up to the layers and
+not a distributed tensor; one floating dtype and device, the input's too
+(under autocast: the dtypes autocast gives the call, ``autocast_cast``); no weight twice; the weights add up to the layers and
 directions the call declares. (A weight written in place inside the graph
 is fine: the call reads it as a graph value.) Weights that share storage
 with other tensors are not moved but still rewritten (``rewrite.new_group``:
@@ -24,7 +24,7 @@ from ..storage import first_unmovable
 from .match import RnnCall
 from .spec import GATES, RnnSpec
 
-__all__ = ["call_problem"]
+__all__ = ["call_problem", "autocast_cast"]
 
 
 def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
@@ -43,9 +43,9 @@ def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
 
 
 def _weights_problem(s: RnnCall, config: Config) -> Optional[str]:
-    """One floating dtype and device for the weights and the input; no
-    autocast, but on cuDNN (which runs it as eager does:
-    ``cudnn.autocast_half``); no weight twice."""
+    """One floating dtype and device for the weights and the input; under
+    autocast the dtypes it gives the call (``autocast_cast``; on cuDNN as
+    eager does: ``cudnn.autocast_half``); no weight twice."""
     ws = [r.tensor for r in s.weights]
     if len({(w.dtype, w.device) for w in ws}) != 1:
         return "weights differ in dtype or device"
@@ -54,14 +54,53 @@ def _weights_problem(s: RnnCall, config: Config) -> Optional[str]:
     device = ws[0].device.type
     on_cudnn_autocast = device == "cuda" and config.rnn.cuda == "cudnn" and torch.is_autocast_enabled("cuda")
     x_val = meta_value(s.x)
-    if isinstance(x_val, torch.Tensor) and (x_val.device != ws[0].device or
-                                            (x_val.dtype != ws[0].dtype and not on_cudnn_autocast)):
-        return f"input is {x_val.dtype}/{x_val.device}, weights {ws[0].dtype}/{ws[0].device}"
-    if torch.is_autocast_enabled(device) and not on_cudnn_autocast:
+    if on_cudnn_autocast or not torch.is_autocast_enabled(device):
+        if isinstance(x_val, torch.Tensor) and (x_val.device != ws[0].device or
+                                                (x_val.dtype != ws[0].dtype and not on_cudnn_autocast)):
+            return f"input is {x_val.dtype}/{x_val.device}, weights {ws[0].dtype}/{ws[0].device}"
+    elif s.module is not None:  # symbolic_trace: RnnModuleCall runs eager's dtype rules per call
         return "autocast is enabled: left to the inner compiler"
+    else:
+        if not isinstance(x_val, torch.Tensor) or x_val.device != ws[0].device:
+            return "under autocast the input's device or dtype is unknown at compile time"
+        s.cast = autocast_cast(s.mode, x_val.dtype, ws[0].dtype, device, packed=s.batch_sizes is not None)
+        if s.cast is None:
+            return (f"under {device} autocast ({_autocast_dtype(device)}) an input of {x_val.dtype} with weights "
+                    f"of {ws[0].dtype}: autocast does not cast this call, eager's kernel mixes them")
     if len({id(w) for w in ws}) != len(ws):
         return "the same tensor appears twice among the weights"
     return None
+
+
+def _autocast_dtype(device: str) -> torch.dtype:
+    return torch.get_autocast_dtype(device)
+
+
+def autocast_cast(mode: str, x_dtype: torch.dtype, w_dtype: torch.dtype, device: str,
+                  packed: bool = False) -> Optional[Tuple[torch.dtype, torch.dtype]]:
+    """Under ``torch.autocast`` on ``device`` (enabled now, while the graph
+    compiles: Dynamo guards the autocast state), the dtype the RNN call
+    computes in and the dtype it returns, as eager gives them; None where
+    autocast leaves the call mixed (weights that are not float32 and not
+    the input's dtype).
+
+    * Weights of float32 are cast per call (an ordinary ``to``, so their
+      gradients reach the float32 Parameters; eager's autocast casts them
+      per step) to the autocast dtype, the input and states too, and the
+      call runs with autocast off inside it.
+    * The output: an LSTM's is in the autocast dtype (eager runs it as
+      ``mkldnn_rnn_layer``, on autocast's lower-precision list); a GRU's or
+      plain RNN's is in the input's dtype (eager's per-step GEMMs are cast,
+      the state keeps the input's dtype).
+    * A packed batch computes in its data's dtype, as eager's
+      ``_VF.lstm(data, batch_sizes, ...)``, which has no autocast rule."""
+    low = _autocast_dtype(device)
+    if w_dtype not in (torch.float32, x_dtype) or x_dtype not in (torch.float32, low):
+        return None
+    if packed:
+        return x_dtype, x_dtype
+    compute = low if w_dtype == torch.float32 else w_dtype
+    return compute, (compute if mode == "LSTM" else x_dtype)
 
 
 def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional[str]]:

@@ -64,6 +64,8 @@ class RnnCall(Match):
         self.consts: Tuple = ()
         self.name = ""  # for messages: display_name, or the label of a folded cell loop
         self.batch_sizes: Optional[fx.Node] = None  # a packed batch's sizes (``wfpass::packed_rnn``)
+        # Under autocast: (the dtype the call computes in, the dtype it returns) (``guards.autocast_cast``).
+        self.cast: Optional[Tuple[torch.dtype, torch.dtype]] = None
 
 
 def match_call(ctx: PassContext, node: fx.Node) -> Optional[RnnCall]:

@@ -430,13 +430,28 @@ class RnnForward:
     (out, h_n, c_n)`` on the path chosen at compile time. A callable object,
     so the graph carries its spec without any global table."""
 
-    def __init__(self, spec: RnnSpec, path: str, train: bool):
+    def __init__(self, spec: RnnSpec, path: str, train: bool, cast=None):
         self.spec, self.path, self.train = spec, path, train
+        # Under autocast: (compute dtype, output dtype) (``guards.autocast_cast``).
+        self.cast = cast
         self.__name__ = self.__qualname__ = f"rnn_{path}"
 
     __module__ = __name__
 
     def __call__(self, x, hx, *weights):
+        if self.cast is None:
+            return self._run(x, hx, *weights)
+        dt, out_dt = self.cast
+
+        def to(t):
+            return t if t is None or t.dtype == dt else t.to(dt)
+        # Casts the compiler sees (their gradient formulas take the grads
+        # back to float32); inside, autocast off: every op runs in ``dt``.
+        with torch.autocast(x.device.type, enabled=False):
+            outs = self._run(to(x), [to(h) for h in hx], *[to(w) for w in weights])
+        return tuple(o if o is None or o.dtype == out_dt else o.to(out_dt) for o in outs)
+
+    def _run(self, x, hx, *weights):
         spec = self.spec
         p = spec.dropout
         ws, has_b = weights, spec.has_biases

@@ -97,12 +97,21 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
                                         "(the kernel's workspace has no size formula; "
                                         "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
                                         "them symbolic); the kernel is then chosen as for those static sizes")
+    if s.cast is not None:
+        if s.cast[0] != v.dtype:
+            with v.fake_mode:  # the kernels are chosen for the dtype the call computes in
+                v = v.to(s.cast[0])
+        words = (f"under autocast runs in {s.cast[0]} (input, states and weights cast per call; "
+                 f"gradients reach the {s.weights[0].tensor.dtype} Parameters), returns {s.cast[1]}")
+        if record.detail.get("autocast") != words:
+            record.detail["autocast"] = words
+            record.reason += f"; {words}"
     path = _take_path(ctx, s, site, v, w_nodes)
     hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
     if hx != list(s.hx):
         record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
     with g.inserting_before(s.node):
-        return g.call_function(RnnForward(spec, path, bool(s.consts[3])), (s.x, hx, *w_nodes))
+        return g.call_function(RnnForward(spec, path, bool(s.consts[3]), s.cast), (s.x, hx, *w_nodes))
 
 
 def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:

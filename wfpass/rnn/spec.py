@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..config import RnnOptions
 
-__all__ = ["GATES", "CLASS_NAMES", "RnnSpec", "rnn_mode", "flat_weight_names", "display_name", "module_path", "zero_state"]
+__all__ = ["GATES", "CLASS_NAMES", "RnnSpec", "rnn_mode", "overrides_forward", "flat_weight_names", "display_name", "module_path", "zero_state"]
 
 #: Gates per mode: rows of ``weight_ih`` = GATES[mode] * hidden_size.
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
@@ -65,12 +65,32 @@ class RnnSpec:
 
 
 def rnn_mode(mod: nn.Module) -> Optional[str]:
-    """The mode of an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (not a subclass), else None."""
+    """The mode of an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``, or of a
+    subclass that keeps the methods their ``forward`` runs (``forward``,
+    ``permute_hidden``, ``check_forward_args``: a class that only adds
+    attributes or helpers); else None."""
     if type(mod) in _MODULES:
         return _MODULES[type(mod)]
     if type(mod) is nn.RNN:
         return mod.mode  # RNN_TANH | RNN_RELU
+    for base in (nn.LSTM, nn.GRU, nn.RNN):
+        if isinstance(mod, base) and not overrides_forward(mod) and all(
+                getattr(type(mod), m) is getattr(base, m) for m in ("permute_hidden", "check_forward_args")):
+            return mod.mode if base is nn.RNN else _MODULES[base]
     return None
+
+
+#: The ``forward`` functions of the RNN classes wfpass knows.
+_BASE_FORWARDS = frozenset({nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward, nn.RNNBase.forward})
+
+
+def overrides_forward(mod: nn.Module) -> bool:
+    """True where ``mod``'s class (an ``nn.RNNBase`` subclass) defines a
+    ``forward`` of its own (pytorch-forecasting's ``LSTM(x, hx, lengths,
+    enforce_sorted)``): wfpass then installs nothing on the module; Dynamo
+    traces that ``forward`` and the format matches the ``torch.lstm`` call
+    it reaches."""
+    return isinstance(mod, nn.RNNBase) and type(mod).forward not in _BASE_FORWARDS
 
 
 def flat_weight_names(mod: nn.RNNBase) -> List[str]:

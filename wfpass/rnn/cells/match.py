@@ -62,6 +62,8 @@ class Chain:
     problem: Optional[str] = None
     below: Optional["Chain"] = None  # the layer this one reads (stacked cells)
     above: Optional["Chain"] = None
+    # One of several pieces of one loop (``chains_in``): (pieces, steps of all of them).
+    pieces: Optional[Tuple[int, int]] = None
 
     @property
     def first(self) -> Cell:
@@ -75,7 +77,13 @@ def loop_label(chains: Sequence[Chain]) -> str:
     what = f"nn.{CELL_CLASS[c.mode]}"
     if len(chains) > 1:
         what = f"{len(chains)} stacked {what}s"
-    return f"{', '.join(repr(n) for n in names)} ({what} loop, {len(chains[0].cells)} steps)"
+    pieces = chains[0].pieces
+    if pieces is not None:
+        count = f"{pieces[1]} steps in {pieces[0]} pieces"
+    else:
+        T = len(chains[0].cells)
+        count = f"{T} step{'s' if T != 1 else ''}"
+    return f"{', '.join(repr(n) for n in names)} ({what} loop, {count})"
 
 
 def loop_params(chains: Sequence[Chain]) -> List[str]:
@@ -274,6 +282,8 @@ def chains_in(ctx: PassContext, gm: fx.GraphModule) -> List[Chain]:
         if any(ch.problem is None and any(s in dep for s in ch.first.state) for ch in group):
             why = ("the state passes through other operations between steps (masking, resets or feedback): "
                    f"{len(group)} separate pieces of one loop, not folded")
+            steps = sum(len(ch.cells) for ch in group)
             for ch in group:
                 ch.problem = ch.problem or why
+                ch.pieces = (len(group), steps)  # the row counts the whole loop, not the piece
     return chains

@@ -54,7 +54,7 @@ from torch.nn.utils.rnn import PackedSequence, invert_permutation
 from ..._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
 from ..cpu.packed_layer_py import known_different
 from .meta import batch_of, note_batch
-from ..spec import flat_weight_names, rnn_mode
+from ..spec import flat_weight_names, overrides_forward, rnn_mode
 
 __all__ = ["PACKED_RNN", "PackedRnnForward", "packed_path", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
            "packed_rnn_kernel"]
@@ -586,7 +586,10 @@ def install_forward(module: torch.nn.Module) -> None:
     ``forward`` of its own gets it too, for the report only: its calls run
     its own ``forward``, and those that run eagerly inside a compiled call are
     counted."""
-    if not isinstance(module, torch.nn.RNNBase) or "forward" in module.__dict__:
+    if not isinstance(module, torch.nn.RNNBase) or "forward" in module.__dict__ or overrides_forward(module):
+        # A class's own forward keeps its own signature (``lengths=``,
+        # ``enforce_sorted=``): an instance attribute would shadow it, in
+        # compiled and eager calls alike.
         return
     module.__dict__["forward"] = functools.partial(rnn_forward, module)
 
