@@ -174,10 +174,10 @@ def _carry_records(module: torch.nn.Module, name: str, new) -> None:
 def _install_registration_hooks() -> None:
     """torch's public global hooks on parameter and buffer registration
     (``torch.nn.modules.module.register_module_*_registration_hook``)."""
-    from torch.nn.modules import module as _module
+    from torch.nn.modules import module as nn_module
 
-    _module.register_module_parameter_registration_hook(_carry_records)
-    _module.register_module_buffer_registration_hook(_carry_records)
+    nn_module.register_module_parameter_registration_hook(_carry_records)
+    nn_module.register_module_buffer_registration_hook(_carry_records)
 
 
 _install_registration_hooks()

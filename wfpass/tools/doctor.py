@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import List
 
-__all__ = ["doctor", "lines"]
+__all__ = ["doctor", "lines", "cpu_words"]
 
 
 def _cpu_name() -> str:
@@ -24,6 +24,25 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_words() -> str:
+    """The CPU as a results page names it: model, vendor and the instruction
+    sets wfpass's kernels pick from ("AMD EPYC (AuthenticAMD; avx2, fma,
+    f16c)"). Figures differ by vendor and instruction set."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+    isa = ", ".join(f for f in wanted if f in flags) or platform.machine()
+    return f"{_cpu_name()} ({vendor or 'vendor unknown'}; {isa})"
 
 
 def _yes(flag: bool) -> str:
@@ -47,7 +66,7 @@ def lines() -> List[str]:
                   else "newer than any release wfpass was tested on")
                + f"; wfpass runs on {versions.OLDEST[0]}.{versions.OLDEST[1]}-"
                f"{versions.NEWEST_TESTED[0]}.{versions.NEWEST_TESTED[1]} (tested: {', '.join(versions.TESTED)})")
-    out.append(f"CPU: {_cpu_name()}, {torch.get_num_threads()} torch threads")
+    out.append(f"CPU: {cpu_words()}, {torch.get_num_threads()} torch threads")
     if not torch.backends.mkldnn.is_available():
         out.append("oneDNN: not in this torch build: RNNs take ATen's kernels, linears are not packed")
     else:
