@@ -9,7 +9,11 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+
+
+def _id(p):
+    return p.relative_to(ROOT).as_posix()
 
 
 def _citations(text: str):
@@ -22,7 +26,7 @@ def _citations(text: str):
     return out
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=_id)
 def test_every_cited_test_exists(doc):
     cites = _citations(doc.read_text())
     missing = []
@@ -35,15 +39,18 @@ def test_every_cited_test_exists(doc):
 
 def test_the_guarantees_page_cites_tests():
     # The parser above must find the page's citations (else the check is empty).
-    assert len(_citations((ROOT / "docs" / "guarantees.md").read_text())) > 100
+    assert len(_citations((ROOT / "docs" / "design" / "invariants.md").read_text())) > 100
 
 
 # -- the docs speak to users ---------------------------------------------------------
 
-PAGES = sorted((ROOT / "docs").glob("*.md"))
-# Pages written by hand (the others are tables a benchmark wrote).
-PROSE = ["index.md", "runtime.md", "guarantees.md", "linear.md", "rnn.md", "batchnorm.md", "write_your_own_format.md"]
-TERMS = ["Dynamo", "FX graph", "ATen", "AOTAutograd", "Inductor", "GEMM", "oneDNN", "cuDNN"]
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+# Pages written by hand: every page of guide/ and design/ (results/ holds
+# tables a benchmark wrote).
+PROSE = ["index.md"] + sorted(
+    p.relative_to(ROOT / "docs").as_posix() for d in ("guide", "design") for p in (ROOT / "docs" / d).glob("*.md")
+)
+TERMS = ["Dynamo", "FX graph", "ATen", "AOTAutograd", "Inductor", "GEMM", "prepacked weights", "variable-length batch", "oneDNN", "cuDNN"]
 
 
 def test_index_lists_every_page():
@@ -52,10 +59,12 @@ def test_index_lists_every_page():
         rel = page.relative_to(ROOT / "docs").as_posix()
         if rel != "index.md":
             assert f"]({rel})" in index, f"docs/index.md does not list {rel}"
-    assert set(PROSE) <= {p.name for p in PAGES}
+    # Results pages and their data live under results/ only; nothing is left flat.
+    assert not [p.name for p in (ROOT / "docs").glob("*") if p.name not in ("index.md", "guide", "design", "results")]
+    assert len(PROSE) > 10 and {"guide/install.md", "design/invariants.md", "design/kernel_choices.md"} <= set(PROSE)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=_id)
 def test_no_words_about_how_the_project_is_organised(doc):
     # Readers want the software, not the story of its making.
     text = doc.read_text()
@@ -69,6 +78,7 @@ def test_terms_are_defined_once_in_the_index_and_linked_from_every_prose_page():
     terms = index.split("## Terms", 1)[1]
     for term in TERMS:
         assert f"- **{term}**" in terms, term
+    assert len(PROSE[1:]) > 10
     for name in PROSE[1:]:
         text = (ROOT / "docs" / name).read_text()
         assert "index.md#terms" in text, f"{name} uses the terms without pointing to their definitions"
@@ -82,23 +92,23 @@ def test_defaults_stated_in_the_docs_are_the_code_s():
 
     cpu, rows = DEFAULT_SEQ_THRESHOLD["cpu"], Config().linear.fused_max_rows
     assert Config().rnn.seq_threshold is None
-    rnn = (ROOT / "docs" / "rnn.md").read_text()
+    rnn = (ROOT / "docs" / "guide" / "rnn.md").read_text()
     assert f"default `None`: **{cpu}** on the CPU" in rnn and f"default {cpu} on the CPU" in rnn
     assert f"default N = {DEFAULT_SEQ_THRESHOLD['cuda']}" in rnn.replace("CUDA default N", "default N")
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "guide" / "options.md").read_text()
     assert f"`seq_threshold`, RNN calls with at most this many time steps run the per-step loop, longer ones the fused kernel (default `None`: {cpu} on the CPU" in readme
     assert f"`fused_max_rows`, the largest row count for which `\"auto\"` takes the one GEMM (default {rows})" in readme
-    assert f"`fused_max_rows` (default {rows})" in (ROOT / "docs" / "linear.md").read_text()
+    assert f"`fused_max_rows` (default {rows})" in (ROOT / "docs" / "guide" / "linear.md").read_text()
 
 
-def test_every_option_of_config_is_in_the_readme_table():
+def test_every_option_of_config_is_in_the_options_table():
     import dataclasses
 
     from wfpass.config import Config
 
     from wfpass.config import _FLAT
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "guide" / "options.md").read_text()
     for f in dataclasses.fields(Config):
         if f.name in _FLAT:  # deprecated flat names: one row that names them all
             assert f"`{f.name}`" in readme.split("| `dry_run` |", 1)[1].split("\n\n", 1)[0], f.name
@@ -107,7 +117,7 @@ def test_every_option_of_config_is_in_the_readme_table():
 
 
 def test_write_your_own_format_quotes_the_example_verbatim():
-    page = (ROOT / "docs" / "write_your_own_format.md").read_text()
+    page = (ROOT / "docs" / "guide" / "write_your_own_format.md").read_text()
     example = (ROOT / "examples" / "channels_last_conv.py").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
     assert len(blocks) >= 4
@@ -120,7 +130,36 @@ def test_write_your_own_format_quotes_the_example_verbatim():
         assert f"| `{member}" in page and hasattr(wfpass.ParamFormat, member), member
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=_id)
 def test_relative_links_resolve(doc):
     for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", doc.read_text()):
-        assert (doc.parent / target).exists(), f"{doc.name} links to a missing {target}"
+        assert (doc.parent / target).exists(), f"{_id(doc)} links to a missing {target}"
+
+
+def test_the_link_check_sees_links():
+    # The check above must find links to check (else it passes on nothing).
+    assert len(re.findall(r"\]\((?!https?://|#)([^)#]+)", (ROOT / "docs" / "index.md").read_text())) > 80
+
+
+def test_no_page_is_too_long():
+    # Pages a reader can finish: no docs page over 400 lines, the README at most 150.
+    long = {_id(p): n for p in PAGES if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+NARRATION = r"\b(last session|we then|we now|was changed|were changed|used to be|no longer|previously|earlier versions?|an earlier run|before this|since then|predates?)\b"
+
+
+@pytest.mark.parametrize("doc", [ROOT / "docs" / p for p in PROSE], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_guide_and_design_pages_state_what_is_true_now(doc):
+    # The story of how wfpass got here belongs in the git log, not in the pages a user reads.
+    found = [m.group(0) for m in re.finditer(NARRATION, doc.read_text(), re.I)]
+    assert not found, f"{_id(doc)}: {found}"
+
+
+def test_results_pages_say_their_machine_and_command():
+    for page in sorted((ROOT / "docs" / "results").glob("*.md")):
+        text = page.read_text()
+        assert re.search(r"(Machine:|AMD EPYC|Intel Xeon|NVIDIA H[12]00|not recorded)", text), _id(page)
+        assert re.search(r"python (-m wfpass|benchmarks/)", text), _id(page)
