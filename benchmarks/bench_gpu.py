@@ -143,7 +143,7 @@ RNN_MODELS = ("LSTM LM", "speech encoder", "LSTMCell loop", "packed LSTM", "CRNN
 def _rnn_paths(graphs) -> List[str]:
     """The path of every RNN call in the graphs (``RnnForward`` for a
     padded batch, ``PackedRnnForward`` for a packed one)."""
-    from wfpass.rnn.packed.sequence import PackedRnnForward
+    from wfpass.rnn.varlen.sequence import PackedRnnForward
     from wfpass.rnn.paths import RnnForward
 
     return [n.target.path for g in graphs for n in g.graph.nodes

@@ -15,7 +15,7 @@ input and every weight; with ``--inference``, the forward alone without
 grad); the table gives the median over rounds of the
 time per step, the variants interleaved inside every round so machine noise
 hits them alike. Eager's padded LSTM is oneDNN's kernel; its padded GRU is
-ATen's per-step loop. The op runs on its C++ kernel (``wfpass/_torch/native``)
+ATen's per-step loop. The op runs on its C++ kernel (``wfpass/native``)
 when it builds, else on its Python kernel, and its fp32 steps on the
 raw-pointer loop on an AVX-512 or AVX2 CPU (``WFPASS_FAST_LOOP=0``: ATen calls):
 the first line says which.
@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
-from wfpass._torch import native
-from wfpass.rnn.cpu import packed_layer, packed_lstm_runs  # noqa: F401 - register the ops
+from wfpass import native
+from wfpass.rnn.cpu import varlen_layer, varlen_lstm_runs  # noqa: F401 - register the ops
 
 I, H, B, T = 128, 128, 16, 100
 
@@ -132,11 +132,11 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in times.items()}
         a, b, c = med["eager, PackedSequence"], med["eager, padded"], med["wfpass::packed_layer"]
         r = med.get("wfpass::packed_lstm_runs")
-        # The kernel wformat picks (packed_lstm_runs.usable): oneDNN run by
+        # The kernel wformat picks (varlen_lstm_runs.usable): oneDNN run by
         # run for an LSTM without grad where the loop has no raw-pointer
         # path for the dtype, else the loop.
         x = torch.empty(0)
-        w = r if packed_lstm_runs.usable(kind, 0, x, not args.inference) else c
+        w = r if varlen_lstm_runs.usable(kind, 0, x, not args.inference) else c
         runs_cell = f"{r:.2f}" if r is not None else "-"
         print(f"| {kind} | {a:.2f} | {b:.2f} | {c:.2f} | {runs_cell} | {a / w:.2f}x | {b / w:.2f}x |")
 

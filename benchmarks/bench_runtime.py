@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     torch._dynamo.reset()
     torch.compile(model, backend=spy_backend)(torch.randn(1, 64))
     args = args_holder["args"]
-    from wfpass.runtime import guarded_call
+    from wfpass.core.runtime import guarded_call
 
     checked = guarded_call(lambda *xs: None, sites, lambda *xs: None, [])
     bare = lambda *xs: None  # noqa: E731

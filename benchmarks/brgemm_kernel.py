@@ -45,15 +45,17 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-mib", type=int, default=0, help="cycle through copies of each weight filling N MiB")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from wfpass._torch import kernels as k, native
-    from wfpass.pack import state
+    from wfpass import native
+    from wfpass._torch import kernels as k
+    from wfpass.native import ops as nops
+    from wfpass.prepack import state
 
-    if not k.panel_packs(torch.float32):
+    if not nops.panel_packs(torch.float32):
         print(f"no brgemm kernel here: {native.status()}")
         return 1
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    direct = k.direct_runs(torch.float32)
+    direct = nops.direct_runs(torch.float32)
     where = f"each weight cycling through {args.pool_mib} MiB of copies" if args.pool_mib else "each weight alone"
     print(f"torch {torch.__version__}, {args.threads} thread(s), {where}; us per call, median of {args.rounds} "
           f"interleaved rounds; x = plain / kernel" + ("" if direct else "; no direct kernel here (-)"))
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
         copies = max(1, min(64, args.pool_mib * 2**20 // (n * kk * 4))) if args.pool_mib else 1
         ws = [torch.randn(n, kk) for _ in range(copies)]
         b = torch.randn(n)
-        ods, brs = [k.onednn_pack(w) for w in ws], [k.panel_pack(w) for w in ws]
+        ods, brs = [k.onednn_pack(w) for w in ws], [nops.panel_pack(w) for w in ws]
         for m in rows:
             x = torch.randn(m, kk)
             it = [0]
@@ -75,9 +77,9 @@ def main(argv=None) -> int:
                 return it[0]
 
             fns = {"plain": lambda: F.linear(x, ws[nxt()], b), "onednn": lambda: k.onednn_linear(x, ods[nxt()], b),
-                   "brgemm": lambda: k.panel_linear(x, brs[nxt()], b, n)}
+                   "brgemm": lambda: nops.panel_linear(x, brs[nxt()], b, n)}
             if direct:
-                fns["direct"] = lambda: k.direct_linear(x, ws[nxt()], b)
+                fns["direct"] = lambda: nops.direct_linear(x, ws[nxt()], b)
             ref = F.linear(x, ws[0], b)
             for name in ("brgemm", "direct"):
                 if name in fns:
@@ -102,11 +104,11 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     for n, kk in shapes:
         w = torch.randn(n, kk)
-        od, br = k.onednn_pack(w), k.panel_pack(w)
+        od, br = k.onednn_pack(w), nops.panel_pack(w)
         left = {"onednn": [], "brgemm": []}
         for m in (3, 6, 7):  # row counts the timing above did not run
             for name, f in (("onednn", lambda: k.onednn_linear(torch.randn(m, kk), od, None)),
-                             ("brgemm", lambda: k.panel_linear(torch.randn(m, kk), br, None, n))):
+                             ("brgemm", lambda: nops.panel_linear(torch.randn(m, kk), br, None, n))):
                 x0 = state._HEAP()
                 y = f()
                 left[name].append((state._HEAP() - x0 - y.numel() * y.element_size()) / 1024)

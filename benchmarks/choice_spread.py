@@ -3,7 +3,7 @@
 For the linear shapes of the bench's LLaMA-like decoder (d 256, 8 heads /
 2 KV heads, FF 1376: the Q/K/V block 384x256, o 256x256, gate/up 2752x256,
 down 256x1376) at M = 1, 5 and 8, it runs ``--procs`` fresh processes, each
-timing every candidate as ``wfpass/pack/choose.py`` does, and prints:
+timing every candidate as ``wfpass/prepack/choose.py`` does, and prints:
 
 * per shape, the decisions of each process under wfpass's rule (the median
   round at most ``choose.MARGIN``) and, from the same rounds, under two
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from wfpass.pack import choose
+from wfpass.prepack import choose
 
 SHAPES = [(384, 256), (256, 256), (2752, 256), (256, 1376)]
 ROWS = (1, 5, 8)
@@ -40,7 +40,7 @@ CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 pool = int(sys.argv[2]) * 2**20
-from wfpass.pack import choose
+from wfpass.prepack import choose
 out = {}
 for n, k in %r:
     for m in %r:
@@ -57,7 +57,7 @@ CHECK = r"""
 import json, statistics, sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 pool = int(sys.argv[2]) * 2**20
-from wfpass.pack import choose
+from wfpass.prepack import choose
 out = {}
 for n, k in %r:
     for m in %r:

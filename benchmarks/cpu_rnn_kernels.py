@@ -98,7 +98,7 @@ def _calls(mode: str, T: int, B: int, I: int, H: int):
 def _rule(mode: str, T: int, B: int, I: int, H: int, train: bool = False) -> bool:
     """Does ``cpu_kernel="auto"`` take the loop at this size (in a training graph: ``train``)?"""
     from wfpass.config import RnnOptions
-    from wfpass.rnn.paths import cxx_serves
+    from wfpass.rnn.plan import cxx_serves
     from wfpass.rnn.spec import RnnSpec
 
     spec = RnnSpec(name="rnn", mode=mode, input_size=I, hidden_size=H, proj_size=0, num_layers=1,
@@ -109,8 +109,8 @@ def _rule(mode: str, T: int, B: int, I: int, H: int, train: bool = False) -> boo
 
 def run(sizes, rounds: int, sample_s: float) -> List[str]:
     import wfpass  # noqa: F401
-    from wfpass._torch import native
-    from wfpass.rnn.cpu import lstm_layer, native_layer, packed_layer  # noqa: F401  (the ops)
+    from wfpass import native
+    from wfpass.rnn.cpu import lstm_layer, native_layer, varlen_layer  # noqa: F401  (the ops)
     from wfpass.tools.bench_timing import interleaved
 
     if not native.fast_loop():

@@ -2,7 +2,7 @@
 CPU: ATen's cuDNN call is stubbed (it cannot run without a GPU) and everything
 else runs as on CUDA (the flat-buffer check, the zero states, the dropout
 arguments, the call through the dispatcher). On CUDA the C++ body
-(``wfpass/_torch/native/cudnn.cpp``) does the same steps in C++ inside the
+(``wfpass/native/rnn/cudnn.cpp``) does the same steps in C++ inside the
 op call; the figure is what it saves per call, the cuDNN call aside.
 
     python benchmarks/cudnn_body_cost.py [--rounds 9] [--calls 2000]
@@ -14,7 +14,8 @@ import time
 import torch
 
 import wfpass  # noqa: F401 - defines the ops
-from wfpass._torch import kernels, native
+from wfpass import native
+from wfpass._torch import kernels
 from wfpass.rnn.cuda import cudnn  # noqa: F401 - the cuDNN op and its Python body
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import wfpass
-    from wfpass.pack import kernel as pk
+    from wfpass.prepack import kernel as pk
     from wfpass.tools.bench_models import Decoder, hand_fused_decoder
 
     torch.manual_seed(0)

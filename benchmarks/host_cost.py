@@ -33,7 +33,7 @@ compare parts, they are not timings):
 * Dynamo's guard check: ``TorchDynamo Cache Lookup``;
 * Dynamo's frame: ``Torch-Compiled Region`` and ``Pregraph bytecode``
   (the frame's own Python, which includes wfpass's per-call layout check,
-  ``wfpass/runtime.py`` ``guarded_call``);
+  ``wfpass/core/runtime.py`` ``guarded_call``);
 * AOTAutograd's forward wrapper: ``CompiledFunction`` and the runtime
   wrapper's prologue/epilogue events;
 * AOTAutograd's backward wrapper: ``CompiledFunctionBackward`` and the
@@ -221,7 +221,7 @@ def _check_cost(calls: list, min_s: float, rounds: int) -> Optional[float]:
     nothing, with the parameters each graph was made for. (Each probe call
     counts on the report's counters like a real call: this process's
     report is not read.)"""
-    from wfpass.runtime import guarded_call
+    from wfpass.core.runtime import guarded_call
     from wfpass.tools.bench_timing import interleaved
 
     per_graph = []
@@ -297,7 +297,7 @@ def worker(case: str, threads: int, rounds: int, min_s: float, profile_steps: in
     result["check_us"] = {n: _check_cost(c, min_s, rounds) for n, c in recorded.items() if c}
     result["rewritten"] = {n: sorted({r.pattern for r in wfpass.report(models[n][0]).rewritten})
                            for n in names if n.startswith("wformat")}
-    from wfpass._torch import native
+    from wfpass import native
 
     result["loop_isa"] = native.fast_isa_words() or "none"
     return result

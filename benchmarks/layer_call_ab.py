@@ -1,6 +1,6 @@
 """One RNN layer on wfpass's C++ loop, one checkout of wfpass against another.
 
-What a change to the loop's C++ kernels (``_torch/native/packed_rnn.cpp``,
+What a change to the loop's C++ kernels (``native/rnn/varlen_rnn.cpp``,
 ``fast_rnn.cpp``) did to one layer call, per call: each checkout builds its
 own C++ library (the build is keyed by its sources), and each round runs
 one process per checkout, alternating, so that a busy or a slow moment of a
@@ -50,7 +50,7 @@ def worker(repo: str, sizes, sample_s: float) -> Dict[str, float]:
     import torch
 
     import wfpass
-    from wfpass._torch import native
+    from wfpass import native
 
     if not wfpass.__file__.startswith(os.path.abspath(repo)):
         raise SystemExit(f"imported wfpass from {wfpass.__file__}, not from {repo}")

@@ -1,5 +1,5 @@
 """oneDNN's LSTM layer from plain weights against from a copy in its own
-layout: what ``rnn/cpu/lstm_pack.py`` keeps for inference graphs.
+layout: what ``rnn/cpu/lstm_prepack.py`` keeps for inference graphs.
 
     python benchmarks/lstm_pack_kernel.py [--threads 1] [--rounds 9] [--out FILE]
     python benchmarks/lstm_pack_kernel.py --against-loop [--threads 1]
@@ -75,9 +75,9 @@ def against_loop(rounds: int, sample_s: float) -> list:
     (``packed_layer_fw``), oneDNN's layer from the plain weights and from
     the copy (``lstm_layer_fw`` with the pair allowed a copy)."""
     import wfpass  # noqa: F401  (registers the ops)
-    from wfpass._torch import native
-    from wfpass.records import Record
-    from wfpass.rnn.cpu import lstm_layer, lstm_pack, packed_layer  # noqa: F401
+    from wfpass import native
+    from wfpass.core.records import Record
+    from wfpass.rnn.cpu import lstm_layer, lstm_prepack, varlen_layer  # noqa: F401
 
     if not native.loaded():
         raise SystemExit("--against-loop needs wfpass's C++ kernels (python -m wfpass doctor)")
@@ -91,7 +91,7 @@ def against_loop(rounds: int, sample_s: float) -> list:
              torch.randn(4 * H, generator=g) * 0.1, torch.randn(4 * H, generator=g) * 0.1]
         wc = [t.clone() for t in w]
         rec = Record("rnn", "rewritten", "lstm_pack_kernel.py", ["w_ih", "w_hh"])
-        lstm_pack.allow(rec, [(wc[0], wc[1])], None)
+        lstm_prepack.allow(rec, [(wc[0], wc[1])], None)
         none = torch.empty(0, dtype=torch.int64)
         calls = {"loop": lambda: ops.packed_layer_fw(x, none, *w, None, None, None, "LSTM", False, False),
                  "plain": lambda: ops.lstm_layer_fw(x, *w, None, None, False, H, True, False),
@@ -113,8 +113,8 @@ def packed_runs(rounds: int, sample_s: float, dt: torch.dtype) -> list:
     runs in bf16 or where the C++ loop has no fast path), reading the plain
     weights (a reorder per run) against the layer direction's copy."""
     import wfpass  # noqa: F401  (registers the ops)
-    from wfpass.records import Record
-    from wfpass.rnn.cpu import lstm_pack, packed_lstm_runs  # noqa: F401
+    from wfpass.core.records import Record
+    from wfpass.rnn.cpu import lstm_prepack, varlen_lstm_runs  # noqa: F401
 
     op = torch.ops.wfpass.packed_lstm_runs_fw
     lines = ["| input | hidden | batch | lengths | runs | plain weights | copy | x | max abs diff |",
@@ -128,7 +128,7 @@ def packed_runs(rounds: int, sample_s: float, dt: torch.dtype) -> list:
              (torch.randn(4 * H, generator=g) * 0.1).to(dt), (torch.randn(4 * H, generator=g) * 0.1).to(dt)]
         wc = [t.clone() for t in w]
         rec = Record("rnn", "rewritten", "lstm_pack_kernel.py", ["w_ih", "w_hh"])
-        lstm_pack.allow(rec, [(wc[0], wc[1])], None)
+        lstm_prepack.allow(rec, [(wc[0], wc[1])], None)
         calls = {"plain": lambda: op(packed.data, packed.batch_sizes, *w, None, None, False, False),
                  "copy": lambda: op(packed.data, packed.batch_sizes, *wc, None, None, False, False)}
         with torch.no_grad():

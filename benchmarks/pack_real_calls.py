@@ -2,7 +2,7 @@
 model's own calls: is any chosen kernel slower than the plain GEMM there?
 
 A decision is timed at compile time on a weight of the linear's shape
-cycling through copies (``wfpass/pack/choose.py``). This checks it where
+cycling through copies (``wfpass/prepack/choose.py``). This checks it where
 it counts: the bench's LLaMA-like decoder (4 layers, d 256, 8 heads / 2 KV
 heads, FF 1376) compiled twice, each its own classes and code objects,
 ``wformat`` (its defaults: the packed kernels it chose) and ``wformat``
@@ -42,7 +42,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import wfpass
-from wfpass.pack import kernel as _pk
+from wfpass.prepack import kernel as _pk
 
 from _out import emit  # benchmarks/_out.py, beside this script
 from bench_dynamic_decoder import FULL, QUICK, WARM, fresh_decoder_class
@@ -100,7 +100,7 @@ def linear_us(prof, calls: int) -> Dict[Key, float]:
 def ran_kernels(model) -> Dict[Key, set]:
     """(n, k, M) -> the kernels the packed sites of ``model`` ran at M (a
     shape no site packs is absent: the plain GEMM). Reads the sites the
-    packed op keeps (``wfpass/pack/kernel.py``) and their weights' shapes."""
+    packed op keeps (``wfpass/prepack/kernel.py``) and their weights' shapes."""
     params = dict(model.named_parameters())
     out: Dict[Key, set] = defaultdict(set)
     for site in list(_pk._SITES.values()):

@@ -6,7 +6,7 @@ tensors). On a GPU:
 
 Each entry: the module's arguments, the dtype, each weight's shape, the
 element offset cuDNN gives it (``torch._cudnn_rnn_flatten_weight``, as
-wfpass asks on a GPU) and the buffer's size. ``tests/test_cudnn.py``
+wfpass asks on a GPU) and the buffer's size. ``tests/rnn/test_cudnn.py``
 checks wfpass's no-GPU layout against every entry.
 """
 from __future__ import annotations

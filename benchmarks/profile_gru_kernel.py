@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     import wfpass  # noqa: F401  (registers the op)
-    from wfpass._torch import native
+    from wfpass import native
     from wfpass.rnn.cpu import native_layer
     from wfpass.tools.bench_timing import interleaved
 

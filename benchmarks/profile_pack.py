@@ -9,7 +9,7 @@ interleaved in one process, medians over rounds, 1 thread:
 * ``Python kernel``: the Python function behind ``wfpass::packed_linear``
   (the stale check, the counters, the kernel), called directly;
 * ``op``: ``torch.ops.wfpass.packed_linear`` as a compiled graph calls it:
-  the C++ kernel (``wfpass/_torch/native``) when it is built, else the Python one
+  the C++ kernel (``wfpass/native``) when it is built, else the Python one
   behind the dispatcher (``WFPASS_NATIVE=0`` to see that);
 * ``plain``: ``F.linear`` on the unpacked weight.
 """
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import wfpass
 from wfpass._torch import kernels as _k
-from wfpass.pack import kernel as pk
+from wfpass.prepack import kernel as pk
 
 
 def _per_call(fn, n: int) -> float:
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
             for k, f in fns.items():
                 res[k].append(_per_call(f, 500))
     med = {k: statistics.median(v) for k, v in res.items()}
-    from wfpass._torch import native as _native
+    from wfpass import native as _native
 
     print(f"linear {a.rows}x{a.k} {a.dtype}, 1 row, 1 thread, median of {a.rounds} interleaved rounds (us per call); "
           f"the op runs {_native.status()}:")

@@ -15,7 +15,7 @@ At each mark (after ``gc.collect()``) it reads the process's RSS
 system: what is left is what the process holds (caches, kernels, live
 tensors). Prints one line per mark (with the seconds since the first
 call, wall and CPU, compiling included) and a last line ``MARKS {json}``
-(``tests/test_packed_memory.py`` reads it).
+(``tests/rnn/test_varlen_memory.py`` reads it).
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ import time
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from wfpass._torch import native
-from wfpass.rnn.cpu import packed_layer  # noqa: F401 - registers the op
+from wfpass import native
+from wfpass.rnn.cpu import varlen_layer  # noqa: F401 - registers the op
 
 
 def main() -> None:

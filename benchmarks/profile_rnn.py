@@ -129,7 +129,7 @@ def opcost() -> None:
     (inference, T=16, batch 1, 128 -> 128): the ATen kernel called
     directly, ``wfpass::lstm_layer_fw`` (its C++ kernel where built), and
     the op's Python kernel called as a function."""
-    from wfpass._torch import native
+    from wfpass import native
     from wfpass.rnn.cpu import lstm_layer as ll
 
     native.load()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 # Kernel decisions are kept between processes in WFPASS_CACHE_DIR
-# (wfpass/pack/choose.py): the suite keeps its own, fresh each run, and its
+# (wfpass/prepack/choose.py): the suite keeps its own, fresh each run, and its
 # subprocesses inherit it, so no test reads a decision a developer's runs made.
 os.environ["WFPASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="wfpass-test-cache-")
 
@@ -30,7 +30,7 @@ if _WORKERS > 1:
 #: ``dynamic=True``) stay unmarked, so they run on every release. An entry is
 #: a test function (all its cases) or one case.
 SLOW = frozenset({
-    "tests/test_batchnorm_report.py::test_graphs_compiled_are_inductor_s_plus_the_ones_the_rows_name",
+    "tests/batchnorm/test_batchnorm_report.py::test_graphs_compiled_are_inductor_s_plus_the_ones_the_rows_name",
     "tests/test_benchmarks.py::test_host_cost_benchmark_runs_quick_and_its_tables_add_up",
     "tests/test_benchmarks.py::test_pack_real_calls_benchmark_times_every_linear_in_both_variants",
     "tests/test_benchmarks.py::test_pass_time_benchmark_runs_and_checks_the_tree_it_imported",
@@ -38,34 +38,34 @@ SLOW = frozenset({
     "tests/test_cli.py::test_demo_leads_with_measured_wins_checks_them_and_shows_zero_bytes",
     "tests/test_cli.py::test_every_bench_row_builds_and_wformat_rewrites_it_and_matches_eager",
     "tests/test_cli.py::test_wfpass_report_env_prints_at_exit_with_live_counters",
-    "tests/test_compile_cache.py::test_a_second_process_reads_the_compiled_graphs_from_the_cache_and_another_wfpass_does_not",
-    "tests/test_cxx_rnn.py::test_a_gru_compiled_with_dynamic_sizes_keeps_the_loop_at_each_size",
-    "tests/test_fold_batchnorm.py::test_fold_every_inner_compiler_and_channel_count[inductor-alone]",
-    "tests/test_fold_batchnorm.py::test_fold_every_inner_compiler_and_channel_count[inductor-with-linears-and-lstm]",
-    "tests/test_fold_batchnorm.py::test_new_examples_take_the_inputs_symbols_not_fresh_ones[inductor]",
-    "tests/test_fold_cells.py::test_inductor_bf16_and_training_steps_match_eager",
+    "tests/core/test_compile_cache.py::test_a_second_process_reads_the_compiled_graphs_from_the_cache_and_another_wfpass_does_not",
+    "tests/rnn/test_cxx_rnn.py::test_a_gru_compiled_with_dynamic_sizes_keeps_the_loop_at_each_size",
+    "tests/batchnorm/test_fold_batchnorm.py::test_fold_every_inner_compiler_and_channel_count[inductor-alone]",
+    "tests/batchnorm/test_fold_batchnorm.py::test_fold_every_inner_compiler_and_channel_count[inductor-with-linears-and-lstm]",
+    "tests/batchnorm/test_fold_batchnorm.py::test_new_examples_take_the_inputs_symbols_not_fresh_ones[inductor]",
+    "tests/rnn/test_fold_cells.py::test_inductor_bf16_and_training_steps_match_eager",
     "tests/test_formats.py::test_examples_run[channels_last_conv.py]",
-    "tests/test_fuse_rnn.py::test_dynamic_lengths[inductor]",
-    "tests/test_fuse_rnn.py::test_five_training_steps_equal_eager[inductor]",
-    "tests/test_fuse_rnn.py::test_one_rnn_node_for_any_length",
-    "tests/test_fuse_rnn.py::test_training_after_dynamic_recompile_stays_one_op_per_layer",
-    "tests/test_fuse_rnn.py::test_zero_or_given_initial_state[lstm-proj]",
-    "tests/test_lifecycle.py::test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_strict_load",
-    "tests/test_pack.py::test_copies_die_with_their_model",
-    "tests/test_pack.py::test_decisions_are_kept_between_processes",
-    "tests/test_pack.py::test_the_python_kernel_alone_passes_the_change_tests",
-    "tests/test_packed_corners.py::test_allow_rnn_set_by_the_user_keeps_the_packed_rnn_in_the_graph",
-    "tests/test_packed_layer.py::test_the_aten_loop_gives_the_python_kernels_bits",
-    "tests/test_packed_memory.py::test_varied_training_rss_stays_near_eager",
-    "tests/test_packed_rnn.py::test_inductor_training_steps",
-    "tests/test_properties.py::test_random_models_and_lives_match_eager",
+    "tests/rnn/test_fuse_rnn.py::test_dynamic_lengths[inductor]",
+    "tests/rnn/test_fuse_rnn.py::test_five_training_steps_equal_eager[inductor]",
+    "tests/rnn/test_fuse_rnn.py::test_one_rnn_node_for_any_length",
+    "tests/rnn/test_fuse_rnn.py::test_training_after_dynamic_recompile_stays_one_op_per_layer",
+    "tests/rnn/test_fuse_rnn.py::test_zero_or_given_initial_state[lstm-proj]",
+    "tests/core/test_lifecycle.py::test_rnn_and_batchnorm_formats_through_optimizer_clip_safetensors_and_non_strict_load",
+    "tests/prepack/test_prepack.py::test_copies_die_with_their_model",
+    "tests/prepack/test_prepack.py::test_decisions_are_kept_between_processes",
+    "tests/prepack/test_prepack.py::test_the_python_kernel_alone_passes_the_change_tests",
+    "tests/rnn/test_varlen_corners.py::test_allow_rnn_set_by_the_user_keeps_the_packed_rnn_in_the_graph",
+    "tests/rnn/test_varlen_layer.py::test_the_aten_loop_gives_the_python_kernels_bits",
+    "tests/rnn/test_varlen_memory.py::test_varied_training_rss_stays_near_eager",
+    "tests/rnn/test_varlen_rnn.py::test_inductor_training_steps",
+    "tests/core/test_properties.py::test_random_models_and_lives_match_eager",
     "tests/test_readme.py::test_readme_python_block_runs_as_written",
-    "tests/test_report.py::test_report_of_real_models_fits_120_and_80_columns_without_cutting_a_name[encodec]",
-    "tests/test_report_truth.py::test_rows_add_up_to_the_calls_made_and_names_resolve",
-    "tests/test_rnn_records.py::test_attention_decoder_cells_are_reported_not_folded",
-    "tests/test_runtime.py::test_regional_compilation_fuses_each_layer_once[inductor]",
-    "tests/test_runtime.py::test_rnn_residual_variants[proj]",
-    "tests/test_runtime.py::test_twenty_models_compiled_and_deleted_leave_nothing_alive",
+    "tests/core/test_report.py::test_report_of_real_models_fits_120_and_80_columns_without_cutting_a_name[encodec]",
+    "tests/core/test_report_truth.py::test_rows_add_up_to_the_calls_made_and_names_resolve",
+    "tests/rnn/test_rnn_records.py::test_attention_decoder_cells_are_reported_not_folded",
+    "tests/core/test_runtime.py::test_regional_compilation_fuses_each_layer_once[inductor]",
+    "tests/core/test_runtime.py::test_rnn_residual_variants[proj]",
+    "tests/core/test_runtime.py::test_twenty_models_compiled_and_deleted_leave_nothing_alive",
 })
 
 

@@ -1,4 +1,4 @@
-"""The package's layering, checked on its source (docs/architecture.md).
+"""The package's layering, checked on its source (docs/design/architecture.md).
 
 The import graph counts every ``import`` / ``from ... import`` anywhere in a
 module (inside functions too) and ``importlib.import_module("...")`` string
@@ -135,10 +135,10 @@ def _cycles(graph):
 
 
 def test_graph_finds_imports_inside_functions():
-    # The checker itself: ``api.report`` imports wfpass.runtime inside a
+    # The checker itself: ``api.report`` imports wfpass.core.runtime inside a
     # function (and api imports it nowhere else); ``from ._torch import aot
     # as _aot`` is an edge to the submodule.
-    assert "wfpass.runtime" in GRAPH["wfpass.api"]
+    assert "wfpass.core.runtime" in GRAPH["wfpass.api"]
     assert "wfpass._torch.aot" in GRAPH["wfpass.compiler"] and "wfpass" not in GRAPH["wfpass.compiler"]
     assert PRIVATE_LAYER in MODULES
 
@@ -200,16 +200,17 @@ def test_private_pattern_matches(line):
     assert _PRIVATE.search(line)
 
 
-# The layers of docs/architecture.md, bottom first. A module may import
+# The layers of docs/design/architecture.md, bottom first. A module may import
 # modules of its own layer or below; pipeline.py, the bottom of "base",
 # imports nothing else from wfpass.
 LAYERS = [
     ("private torch", ("wfpass._torch",)),
-    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.stats", "wfpass.records", "wfpass.history", "wfpass.storage")),
-    ("graph", ("wfpass.graph", "wfpass.bodies")),
-    ("runtime", ("wfpass.notes", "wfpass.runtime", "wfpass.groups")),
+    ("kernels", ("wfpass.native",)),
+    ("base", ("wfpass.pipeline", "wfpass.config", "wfpass.core", "wfpass.core.stats", "wfpass.core.records", "wfpass.core.history", "wfpass.core.storage")),
+    ("graph", ("wfpass.core.graph", "wfpass.core.bodies")),
+    ("runtime", ("wfpass.core.notes", "wfpass.core.runtime", "wfpass.core.groups")),
     ("capture policy", ("wfpass.capture",)),
-    ("formats", ("wfpass.formats", "wfpass.passes", "wfpass.rnn", "wfpass.linear", "wfpass.pack", "wfpass.batchnorm")),
+    ("formats", ("wfpass.formats", "wfpass.builtin", "wfpass.rnn", "wfpass.linear", "wfpass.prepack", "wfpass.batchnorm")),
     ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
     ("tools", ("wfpass.tools", "wfpass.__main__")),
 ]
@@ -220,7 +221,7 @@ def _layer(mod: str) -> int:
     # so a new module must be placed in a layer here before it passes.
     best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
                 if mod == p or (p != "wfpass" and mod.startswith(p + "."))), default=None)
-    assert best is not None, f"{mod} is in no layer of docs/architecture.md"
+    assert best is not None, f"{mod} is in no layer of docs/design/architecture.md"
     return best[1]
 
 
@@ -244,9 +245,9 @@ def test_no_public_name_is_a_submodule_name():
 
 
 def test_layer_list_matches_the_picture_in_architecture_md():
-    # The picture in docs/architecture.md is the newcomer's map: each layer's
+    # The picture in docs/design/architecture.md is the newcomer's map: each layer's
     # line there names the same modules as LAYERS here, in the same order.
-    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    text = (ROOT.parent / "docs" / "design" / "architecture.md").read_text()
     picture = text.split("## Layers", 1)[1].split("```", 2)[1]
     lines = {}
     for line in picture.strip().splitlines():
@@ -267,7 +268,7 @@ def test_layer_list_matches_the_picture_in_architecture_md():
         assert want == got, (name, sorted(want ^ got))
 
 
-# -- the rooms of wfpass/rnn/ (docs/architecture.md, "The RNN format's rooms") --
+# -- the rooms of wfpass/rnn/ (docs/design/architecture.md, "The RNN format's rooms") --
 
 #: The most modules a folder under wfpass/ may hold. A module is a ``.py``
 #: file directly in the folder, ``__init__.py`` not counted (nor files in
@@ -284,7 +285,7 @@ RNN_KERNELS = ("wfpass.rnn.cpu", "wfpass.rnn.cuda")
 #: kernel sees ``rnn.ops`` (how an RNN op is defined) and ``rnn.packed.meta``.
 RNN_FORMAT_SIDE = ("wfpass.rnn.match", "wfpass.rnn.guards", "wfpass.rnn.rewrite", "wfpass.rnn.capture",
                    "wfpass.rnn.eager_calls", "wfpass.rnn.paths", "wfpass.rnn.auto", "wfpass.rnn.eager",
-                   "wfpass.rnn.cells", "wfpass.rnn.packed.sequence")
+                   "wfpass.rnn.cells", "wfpass.rnn.varlen.sequence")
 
 
 def _crowded_folders(root: pathlib.Path, most: int = MAX_MODULES):
@@ -339,7 +340,7 @@ def test_rnn_kernels_never_import_the_format_s_matcher_or_rewrite():
 
 
 def test_kernel_import_check_finds_a_kernel_importing_the_matcher():
-    graph = {"wfpass.rnn.cpu.lstm_layer": {"wfpass.rnn.ops", "wfpass.rnn.packed.meta"},
+    graph = {"wfpass.rnn.cpu.lstm_layer": {"wfpass.rnn.ops", "wfpass.rnn.varlen.meta"},
              "wfpass.rnn.cuda.cudnn": {"wfpass.rnn.cells.match"},
              "wfpass.rnn.paths": {"wfpass.rnn.match"}}
     assert _kernel_imports_of_format_side(graph) == ["wfpass.rnn.cuda.cudnn imports wfpass.rnn.cells.match"]
@@ -354,14 +355,106 @@ def test_every_cxx_source_and_header_ships_in_the_package():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     data = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
-    globs = data["tool"]["setuptools"]["package-data"]["wfpass._torch.native"]
-    tree = ast.parse((ROOT / "_torch" / "native" / "__init__.py").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["wfpass.native"]
+    tree = ast.parse((ROOT / "native" / "__init__.py").read_text())
     named = []
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("_SOURCES", "_HEADERS") for t in node.targets):
             named += [e.value for e in node.value.elts]
     assert any(n.endswith(".h") for n in named) and any(n.endswith(".cpp") for n in named), named
     missed = [n for n in named if not any(fnmatch.fnmatch(n, g) for g in globs)]
-    assert not missed, f"pyproject.toml's package-data for wfpass._torch.native misses {missed}"
-    on_disk = {p.name for p in (ROOT / "_torch" / "native").iterdir() if p.suffix in (".cpp", ".h")}
+    assert not missed, f"pyproject.toml's package-data for wfpass.native misses {missed}"
+    on_disk = {p.relative_to(ROOT / "native").as_posix() for p in (ROOT / "native").rglob("*")
+               if p.suffix in (".cpp", ".h")}
     assert on_disk == set(named), (on_disk, named)
+
+
+# -- the layout's limits ------------------------------------------------------------------
+
+MAX_ROOT_MODULES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CXX_FUNCTION_LINES = 12, 400, 60, 120
+
+
+def test_package_root_holds_at_most_twelve_modules():
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def _long_functions(src: str, most: int):
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(src))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > most]
+
+
+def test_no_function_over_60_lines():
+    long = {f"{p.relative_to(ROOT.parent)}:{name}": n for p in ROOT.rglob("*.py")
+            for name, n in _long_functions(p.read_text(), MAX_FUNCTION_LINES)}
+    assert not long, long
+
+
+def _cxx_functions(text: str):
+    """``(name, lines)`` of every function body in C++ source ``text``: a
+    ``{`` opened outside any function whose statement has a ``)`` and is no
+    namespace, class, struct, enum or union (comments, strings and
+    preprocessor lines dropped first)."""
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    text = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', text)
+    text = re.sub(r"^\s*#[^\n]*", "", text, flags=re.M)
+    out, stack, stmt, line = [], [], "", 1
+    for ch in text:
+        line += ch == "\n"
+        if ch == "{":
+            s = stmt.strip()
+            head = s.split("(")[0]
+            fn = (not any(k == "fn" for k, _, _ in stack) and ")" in s and not s.endswith("=")
+                  and not re.search(r"\b(namespace|struct|class|enum|union)\b", head))
+            names = re.findall(r"([\w:~]+)\s*\(", s)
+            stack.append(("fn" if fn else "block", line, names[0] if names else s[:40]))
+            stmt = ""
+        elif ch == "}":
+            if stack:
+                kind, start, name = stack.pop()
+                if kind == "fn":
+                    out.append((name, line - start + 1))
+            stmt = ""
+        elif ch == ";":
+            stmt = ""
+        else:
+            stmt += ch
+    return out
+
+
+def test_cxx_function_check_measures_functions_not_namespaces():
+    src = "namespace a {\nstruct S { int x; };\nint f(int y) {\n  if (y) {\n    return 1;\n  }\n  return 2;\n}\n}\n"
+    assert _cxx_functions(src) == [("f", 6)]
+
+
+def test_no_cxx_function_over_120_lines():
+    long = {f"{p.relative_to(ROOT.parent)}:{name}": n for p in (ROOT / "native").rglob("*")
+            if p.suffix in (".cpp", ".h") for name, n in _cxx_functions(p.read_text()) if n > MAX_CXX_FUNCTION_LINES}
+    assert not long, long
+
+
+def test_each_built_in_format_has_one_home():
+    """A format's whole code is one folder under wfpass/ (its pipeline step
+    included); the built-in order is one list, in wfpass/builtin.py."""
+    from wfpass.builtin import BUILTIN_FORMATS
+
+    homes = {"fuse_linears": "linear", "fold_cells": "rnn", "fuse_rnn": "rnn", "fp32_batchnorm": "batchnorm",
+             "fold_batchnorm": "batchnorm", "pack_linears": "prepack"}
+    for f in BUILTIN_FORMATS:
+        assert type(f).__module__.startswith(f"wfpass.{homes[f.name]}."), (f.name, type(f).__module__)
+    assert not (ROOT / "passes").exists()
+
+
+def test_kernels_import_only_the_private_torch_layer():
+    """The C++ kernels' package (``wfpass.native``) never imports a format's
+    match, guards or rewrite, nor anything above the private torch layer."""
+    bad = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() if _within(m, ("wfpass.native",))
+                 for d in deps if not _within(d, ("wfpass.native", PRIVATE_LAYER)))
+    assert bad == []

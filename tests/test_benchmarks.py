@@ -130,7 +130,7 @@ def test_size_asserts_benchmark_runs(capsys):
 def test_cpu_rnn_kernels_benchmark_times_both_kernels_per_step(capsys):
     """``cpu_rnn_kernels.py`` (docs/rnn.md): both kernels of each size timed
     in both steps, the ratios their quotients, and what auto takes."""
-    from wfpass._torch import native
+    from wfpass import native
 
     if not native.fast_loop():
         pytest.skip("the C++ loop's fast steps need the C++ kernels and AVX-512 or AVX2 with FMA")
@@ -206,7 +206,7 @@ def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
     """``layer_call_ab.py --quick`` (docs/host_cost.md): this checkout twice,
     each in its own process importing it from its path, every size timed
     in both and the ratio of the two columns printed."""
-    from wfpass._torch import native
+    from wfpass import native
 
     if not (native.loaded() and native.fast_loop()):
         pytest.skip("needs the C++ loop")
@@ -223,7 +223,7 @@ def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
     """``encoder_two_kernels.py`` (docs/rnn_speed.md): the encoder's
     training step on the loop and on oneDNN's layer, both timed, the ratio
     printed from them."""
-    from wfpass._torch import native
+    from wfpass import native
 
     if not (native.loaded() and native.fast_loop()):
         pytest.skip("needs the C++ loop")
@@ -242,15 +242,16 @@ def test_brgemm_kernel_times_the_kernels_and_their_kernel_bytes(capsys, pool):
     against the plain GEMM first), the ratios printed from the times, and
     the heap a new row count leaves."""
     from wfpass._torch import kernels
+    from wfpass.native import ops as _nops
 
-    if not kernels.panel_packs(torch.float32):
+    if not _nops.panel_packs(torch.float32):
         pytest.skip("no brgemm kernel here")
     assert _load("brgemm_kernel").main(["--rounds", "1", "--shapes", "100x40", "--rows", "1,2", *pool]) == 0
     out = capsys.readouterr().out
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| 100x40")]
     assert len(rows) == 3, out  # two row counts timed, one line of heap figures
-    direct = kernels.direct_runs(torch.float32)
+    direct = _nops.direct_runs(torch.float32)
     for r in rows[:2]:
         plain, onednn, brgemm, d, xo, xb, xd = r[2:]
         assert _ratio_of_printed(float(xo), float(plain), float(onednn)), r

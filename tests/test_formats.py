@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import wfpass
-from wfpass.passes import PASS_NAMES
+from wfpass.builtin import PASS_NAMES
 from models import QKV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_builtins_are_registered_in_pipeline_order():
 
 def test_builtins_stay_and_ordering_constraints_are_checked():
     from wfpass import pipeline
-    from wfpass.passes import BUILTIN_FORMATS
+    from wfpass.builtin import BUILTIN_FORMATS
 
     # Removing a built-in would change every later compile in the process.
     with pytest.raises(ValueError, match=r"Config\(passes=\.\.\.\)"):
@@ -189,7 +189,7 @@ def test_driver_narrows_guards_and_applies_and_a_dry_run_only_decides():
     ``apply`` runs only for taken matches, and a dry run writes the plan
     without applying."""
     from wfpass import pipeline
-    from wfpass.records import Report
+    from wfpass.core.records import Report
 
     class Pair(pipeline.Match):
         def __init__(self, members):

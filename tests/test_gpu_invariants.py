@@ -48,7 +48,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import wfpass
 from models import QKV
-from wfpass.storage import fused_storage_of
+from wfpass.core.storage import fused_storage_of
 from wftest import Capture, TOL, assert_same_fwd_bwd, param_ids, train_steps
 
 DRY_RUN = os.environ.get("WFPASS_GPU_TESTS_ON_CPU") == "1"
@@ -952,7 +952,7 @@ class PackedNet(nn.Module):
 
 
 def _packed_paths(cap):
-    from wfpass.rnn.packed.sequence import PackedRnnForward
+    from wfpass.rnn.varlen.sequence import PackedRnnForward
 
     return [n.target.path for g in cap.graphs for n in g.graph.nodes
             if n.op == "call_function" and isinstance(n.target, PackedRnnForward)]
@@ -1000,7 +1000,7 @@ def test_variable_length_batches_in_one_graph(device, kind):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
     assert len(cap.graphs) == 2, f"{len(cap.graphs)} graphs for 3 batches"
     (row,) = wfpass.report(model).find("rnn", "rewritten")
-    assert "variable lengths" in row.reason and row.stats["fused_calls"] == 3, (row.reason, row.stats)
+    assert "variable-length batch" in row.reason and row.stats["fused_calls"] == 3, (row.reason, row.stats)
     if device == "cuda":
         assert set(_packed_paths(cap)) == {"cudnn"}, _packed_paths(cap)
     assert_one_block(model.rnn, device)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from wfpass.tools import cli
-from wfpass._torch import kernels, native, versions
+from wfpass import native
+from wfpass._torch import kernels, versions
+from wfpass.native import ops as _nops
 
 
 def test_this_torch_is_in_the_supported_range():
@@ -66,7 +68,7 @@ def test_a_failed_build_reports_the_compilers_first_error(tmp_path):
                     "echo 'pack.cpp:40:1: error: a later error that follows from the first' >&2\n"
                     "echo 'compilation terminated.' >&2\nexit 1\n")
     fake.chmod(0o755)
-    code = "from wfpass._torch import native; print(native.status())"
+    code = "from wfpass import native; print(native.status())"
     env = {**os.environ, "CXX": str(fake), "WFPASS_CACHE": str(tmp_path / "cache"), "WFPASS_NATIVE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -115,7 +117,7 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
         line = next(ln for ln in out.splitlines() if ln.startswith("direct linear (float32"))
         from wfpass._torch import kernels
 
-        isa = kernels.direct_isa()
+        isa = _nops.direct_isa()
         assert line.split(": ", 1)[1].startswith({"avx512f": "yes (AVX-512F)", "avx2": "yes (AVX2"}.get(isa, "no")), line
         line = next(ln for ln in out.splitlines() if ln.startswith("bidirectional packed layers, both directions"))
         assert line.split(": ", 1)[1].startswith("yes" if native.parallel_directions() else "no"), line
@@ -130,7 +132,7 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
 def test_a_cpu_user_of_a_cuda_build_sees_no_cuda_warning():
     # torch.utils.cpp_extension logs "No CUDA runtime is found" when a CUDA
     # build imports it on a machine without CUDA; wfpass's build must not.
-    code = ("import sys, wfpass; from wfpass._torch import native; native.load(); "
+    code = ("import sys, wfpass; from wfpass import native; native.load(); "
             "print('cpp_extension' in ' '.join(sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

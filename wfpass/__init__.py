@@ -23,7 +23,7 @@ def _load_api() -> None:
     from .compiler import backend, last_report
     from .config import Config, LinearOptions, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
-    from .records import Record, Report
+    from .core.records import Record, Report
 
     # No public name is also a submodule's (tests/test_architecture.py checks),
     # so importing a submodule never rebinds one of these.
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .compiler import backend, last_report
     from .config import Config, LinearOptions, PackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
-    from .records import Record, Report
+    from .core.records import Record, Report
 
 if _started_by_cli():
     def __getattr__(name: str):

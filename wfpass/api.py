@@ -9,12 +9,13 @@ import torch.fx as fx
 
 from .compiler import backend, compile_with_report
 from .config import Config
-from .graph import PassContext
-from .history import set_last
+from .core.graph import PassContext
+from .core.history import set_last
 from .pipeline import registered
-from .passes import run_passes
-from .records import Report
-from .storage import overlaps, restore_tensor
+from .builtin import run_passes
+from .core.records import Report
+from .core.storage import overlaps, restore_tensor
+from . import native
 
 __all__ = ["apply", "explain", "report", "restore"]
 
@@ -31,10 +32,13 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
         raise ValueError("wfpass.apply: pass either config= or keyword options, not both")
     config = config or Config.from_options(**options)
     report = Report(f"wfpass report ({type(gm).__name__}, {len(list(gm.graph.nodes))} nodes)")
+    # wfpass's C++ kernels: built on the first compile on this machine (it
+    # says so on stderr), loaded before any rewritten graph can call them.
+    native.build()
     ctx = PassContext(gm, config, report)
     run_passes(gm, ctx)
     if not ctx.config.dry_run:
-        from .runtime import file_report
+        from .core.runtime import file_report
 
         file_report(report, {r.name: r.tensor for r in ctx.state_tensors()})
     if ctx.kept:
@@ -74,7 +78,7 @@ def report(model: torch.nn.Module) -> Report:
     Works on the model you compiled and on the ``torch.compile`` wrapper."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"wfpass.report expects an nn.Module, got {type(model).__name__}")
-    from .runtime import model_report
+    from .core.runtime import model_report
 
     return model_report(model)
 

@@ -194,7 +194,7 @@ def install_rnn_capture(name_errors: Callable, note_seen: Callable) -> None:
     _NAME_ERRORS[0] = name_errors
     _hooks.install_rnn_capture(policy)
     # pack_padded_sequence / pad_packed_sequence go into the graph for the
-    # same backends (wfpass.rnn.packed.sequence).
+    # same backends (wfpass.rnn.varlen.sequence).
     _hooks.install_packed_capture(rnn_capture_wanted)
     # Their example values on CUDA keep a symbolic length symbolic.
     _rnn_fake.install_cuda_rnn_example_values(cudnn_capture_wanted)

@@ -21,14 +21,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch.fx as fx
 
 from ._torch import aot as _aot, dynamo as _dynamo, dynamo_hooks as _hooks
-from .bodies import run_in_bodies
+from .core.bodies import run_in_bodies
 from .capture import note_left_out, note_unasked_rnns
 from .config import Config
-from .graph import PassContext
-from .history import last_report, set_last
-from .passes import run_passes
-from .records import Report
-from .runtime import file_report, guarded_call, new_params_check, rename, state_names
+from .core.graph import PassContext
+from .core.history import last_report, set_last
+from .builtin import run_passes
+from .core.records import Report
+from .core.runtime import file_report, guarded_call, new_params_check, rename, state_names
+from . import native
 
 __all__ = ["backend", "wformat", "last_report", "compile_with_report"]
 
@@ -104,6 +105,9 @@ def compile_with_report(config: Config, gm: fx.GraphModule, example_inputs: Sequ
     original = _dynamo.clone_dynamo_graph(gm)
     gm = _dynamo.clone_dynamo_graph(gm)
     report = Report(f"wfpass report ({len(list(gm.graph.nodes))} nodes in the graph)", dry_run=config.dry_run)
+    # wfpass's C++ kernels: built on the first compile on this machine (it
+    # says so on stderr), loaded before any rewritten graph can call them.
+    native.build()
     ctx = PassContext(gm, config, report, example_inputs=example_inputs)
     run_passes(gm, ctx)
     run_in_bodies(gm, ctx)

@@ -246,7 +246,7 @@ class Config:
     inner:            compiler the rewritten graph goes to: one of
                       ``INNER_BACKENDS`` or a backend callable.
     passes:           names of the formats to run (``None``: every registered
-                      one, in pipeline order: ``wfpass/passes/__init__.py``
+                      one, in pipeline order: ``wfpass/builtin.py``
                       lists the built-ins, users' formats follow), or the
                       report's pattern names, each standing for every format
                       that reports under it (``"rnn"``: ``fold_cells`` and

@@ -35,9 +35,9 @@ import torch
 import torch.fx as fx
 
 from . import pipeline
-from .graph import TensorRef
+from .core.graph import TensorRef
 from .pipeline import Format, Match
-from .storage import move_problem, register_undo, undo_registered
+from .core.storage import move_problem, register_undo, undo_registered
 
 __all__ = ["Format", "ParamFormat", "register_format", "unregister_format", "registered_formats"]
 

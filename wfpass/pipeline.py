@@ -3,7 +3,7 @@ driver that runs each of them the same way.
 
 A *format* is one entry of the pipeline: a pass over the FX graph that moves
 some parameters into a layout and rewrites the calls that read them. The
-built-in ones are listed once, in ``wfpass/passes/__init__.py``; users'
+built-in ones are listed once, in ``wfpass/builtin.py``; users'
 formats (``wfpass.register_format``) are appended after them. Nothing in
 this module imports the rest of wfpass: ``Config`` checks pass names
 against it, and every layer above may use it.
@@ -185,7 +185,7 @@ def check_order(formats: Sequence[Format]) -> None:
 
 def install_builtins(formats: Sequence[Format]) -> None:
     """Put wfpass's own formats at the head of the pipeline, in this order
-    (once, when ``wfpass.passes`` is imported)."""
+    (once, when ``wfpass.builtin`` is imported)."""
     for f in formats:
         f.validate()
     names = [f.name for f in formats]

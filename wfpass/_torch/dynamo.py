@@ -305,11 +305,7 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
     that graph, as before. ``ShapeEnv.ignore_fresh_unbacked_symbols``
     (private; torch 2.11.0-2.15.0) keeps a size made here out of Dynamo's
     pending list. Returns how many were filled."""
-    mode = None
-    for node in gm.graph.find_nodes(op="placeholder"):
-        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
-        if mode is not None:
-            break
+    mode = _fake_mode_of(gm)
     if mode is None:
         return 0
     missing = object()
@@ -322,23 +318,12 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
             return v
         return a
 
-    # Only what the cache's check reads (the node a method is called on, and
-    # the nodes its value needs), and only functions and ops: a callable
-    # object (an RNN's call carrying its settings) is not cacheable anyway,
-    # and running it here would run its path once more for nothing, or make
-    # sizes only its kernel knows (unbacked symbols) that no output returns.
+    # Only functions and ops: a callable object (an RNN's call carrying its
+    # settings) is not cacheable anyway, and running it here would run its
+    # path once more for nothing, or make sizes only its kernel knows
+    # (unbacked symbols) that no output returns.
     plain = (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-    needed: set = set()
-
-    def need(n) -> None:
-        if isinstance(n, torch.fx.Node) and n not in needed and "example_value" not in n.meta:
-            needed.add(n)
-            for a in n.all_input_nodes:
-                need(a)
-
-    for node in gm.graph.nodes:
-        if node.op == "call_method" and node.args:
-            need(node.args[0])
+    needed = _nodes_the_cache_checks(gm)
     filled = 0
     env = getattr(mode, "shape_env", None)
     quiet = getattr(env, "ignore_fresh_unbacked_symbols", None)
@@ -360,6 +345,32 @@ def fill_example_values(gm: torch.fx.GraphModule) -> int:
             node.meta["example_value"] = out
             filled += 1
     return filled
+
+
+def _fake_mode_of(gm: torch.fx.GraphModule):
+    """The fake mode of the first placeholder's example value that has one, or None."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def _nodes_the_cache_checks(gm: torch.fx.GraphModule) -> set:
+    """Only what the cache's check reads: the nodes without an example
+    value that a method is called on, and the nodes their values need."""
+    needed: set = set()
+
+    def need(n) -> None:
+        if isinstance(n, torch.fx.Node) and n not in needed and "example_value" not in n.meta:
+            needed.add(n)
+            for a in n.all_input_nodes:
+                need(a)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.args:
+            need(node.args[0])
+    return needed
 
 
 def on_compile_end(fn) -> bool:

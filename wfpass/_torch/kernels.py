@@ -112,7 +112,7 @@ def cudnn_flat_layout(weights, weights_per_layer: int, input_size: int, mode: st
         # No GPU to ask (a model traced on fake CUDA tensors): the caller
         # lays the weights out one after another, in the order of the list,
         # the layout cuDNN gives these RNNs (checked on the GPU by
-        # tests/test_cudnn.py::test_the_layout_without_a_gpu_is_cudnns).
+        # tests/rnn/test_cudnn.py::test_the_layout_without_a_gpu_is_cudnns).
         return None
     if not torch.backends.cudnn.is_acceptable(weights[0]):
         return None
@@ -260,53 +260,6 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, bias, row
     return torch.ops.mkl._mkl_linear(x, packed, w, bias, rows)
 
 
-def direct_runs(dtype: torch.dtype) -> bool:
-    """Can the ``"direct"`` kernel run a linear of ``dtype`` here? float32,
-    where wfpass's C++ kernels are loaded on an x86-64 CPU with AVX-512F or
-    AVX2 and FMA (and ``WFPASS_DIRECT`` is not off)."""
-    return dtype == torch.float32 and direct_isa() != ""
-
-
-def direct_isa() -> str:
-    """The instruction set the ``"direct"`` kernel runs on here: ``"avx512f"``,
-    ``"avx2"`` (also on an AVX-512 CPU with ``WFPASS_DIRECT=avx2``), or ``""``
-    where it does not run."""
-    from . import native  # lazily: native imports this module's neighbours
-
-    if not native.loaded() or not hasattr(torch.ops.wfpass, "native_direct_isa"):
-        return ""
-    return str(torch.ops.wfpass.native_direct_isa())
-
-
-def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, w, b)`` from the weight as it is, no copy: dot products
-    of 16 outputs at a time in AVX-512 registers, 8 in AVX2's
-    (wfpass/_torch/native/direct.cpp)."""
-    return torch.ops.wfpass._direct_linear(x, w, b)
-
-
-def panel_packs(dtype: torch.dtype) -> bool:
-    """Can the ``"brgemm"`` kernel run a linear of ``dtype`` here? float32,
-    where wfpass's C++ kernels are loaded and oneDNN's fp32 small-GEMM
-    ukernel answers on this CPU (``native.fast_loop``)."""
-    from . import native  # lazily: native imports this module's neighbours
-
-    return dtype == torch.float32 and native.fast_loop() and hasattr(torch.ops.wfpass, "_panel_linear")
-
-
-def panel_pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ([out, in]) as ``[ceil(out / 64), in, 64]`` panels of ``w.T``'s
-    columns (zero past ``out``): the copy the ``"brgemm"`` kernel reads,
-    the weight's bytes (up to 63 padded columns more)."""
-    return torch.ops.wfpass._panel_pack(w)
-
-
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, b: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """``x @ w.T (+ b)`` from ``panel_pack(w)`` (``n`` = ``w``'s rows) on
-    oneDNN's small-GEMM ukernel (wfpass/_torch/native/fast_rnn.cpp)."""
-    return torch.ops.wfpass._panel_linear(x, panels, b, n)
-
-
 # -- packed sequences (torch._VF, private; torch 2.11.0-2.15.0) ---------------------------------
 
 def pack_padded(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool):
@@ -342,3 +295,16 @@ def below_autograd():
     2.11.0-2.15.0): for an op whose gradient is its own formula, so ATen
     records no graph nobody differentiates."""
     return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+def cxx11_abi() -> bool:
+    """The C++ ABI torch was built with, for wfpass's C++ kernels' build
+    (``torch._C._GLIBCXX_USE_CXX11_ABI``, private; torch 2.11.0-2.15.0)."""
+    return bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def has_kernel_for_key(op: str, key: str) -> bool:
+    """Is ``op`` ("wfpass::name") registered for dispatch key ``key``?
+    (``torch._C._dispatch_has_kernel_for_dispatch_key``, private; torch
+    2.11.0-2.15.0)."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))

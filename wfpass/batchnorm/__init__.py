@@ -2,8 +2,8 @@
 half-precision models (``fp32_batchnorm``), and eval-mode BatchNorm folded
 into the conv/linear in front of it (``fold_batchnorm``, opt-in).
 
-Where each piece is (the pipeline entries are ``wfpass/passes/fp32_batchnorm.py``
-and ``wfpass/passes/fold_batchnorm.py``, which run these steps):
+Where each piece is (the pipeline entries are ``wfpass/batchnorm/fp32_format.py``
+and ``wfpass/batchnorm/fold_format.py``, which run these steps):
 
 ===============  ===============================================================
 ``match.py``     matcher both formats use: every batch norm of a graph, in any

@@ -1,7 +1,7 @@
 """The fp32_batchnorm format for BatchNorms Dynamo runs eagerly, outside
 every graph (``momentum=None`` in training), and the note that tells the
 user which BatchNorm stopped a compile. See "BatchNorms Dynamo runs eagerly"
-in ``wfpass/passes/fp32_batchnorm.py``: its format yields ``eager_batchnorms``'
+in ``wfpass/batchnorm/fp32_format.py``: its format yields ``eager_batchnorms``'
 matches (``EagerBatchNorm``) after the graph's own and hands them to
 ``eager_guard`` and ``eager_apply``."""
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from .._torch import distributed as _distributed, dynamo as _dynamo
-from ..graph import PassContext
+from ..core.graph import PassContext
 from ..pipeline import Match
-from ..records import Record as _Record
-from ..history import note_uncompiled
-from ..runtime import Group, note, unnote
-from ..storage import first_sharing_problem
+from ..core.records import Record as _Record
+from ..core.history import note_uncompiled
+from ..core.runtime import Group, note, unnote
+from ..core.storage import first_sharing_problem
 from .fp32 import ddp_problem, dtype_name
 from .kernels import HALF, ROLES, bn_eager_pre_hook, to_fp32
 from .match import is_module_bn
@@ -106,7 +106,7 @@ def forward_graph_apply(m: EagerForwardGraph, ctx: PassContext) -> None:
 def eager_batchnorms(ctx: PassContext) -> Iterator[Match]:
     """The BatchNorms Dynamo runs eagerly among the modules the frame being
     compiled can reach, each once (see "BatchNorms Dynamo runs eagerly" in
-    ``wfpass/passes/fp32_batchnorm.py``). Leaves out, without a row, the ones
+    ``wfpass/batchnorm/fp32_format.py``). Leaves out, without a row, the ones
     with nothing to do: fp32 already, already hooked, or read by this graph
     after all (those are the graph's own BatchNorm matches). First, where
     the graph is a hooked BatchNorm's own forward, its ``EagerForwardGraph``."""

@@ -1,6 +1,6 @@
 """The fold's guard and rewrite: an eval-mode batch norm folded into the
 conv/linear in front of it (``FoldSite``). The format's steps and the graph
-before and after are described in ``wfpass/passes/fold_batchnorm.py``.
+before and after are described in ``wfpass/batchnorm/fold_format.py``.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, meta_value, node_arg, set_node_arg
+from ..core.graph import LINEAR_TARGETS, PassContext, meta_value, node_arg, set_node_arg
 from ..pipeline import Match
-from ..runtime import Bound, Group, note
-from ..storage import first_sharing_problem, first_unmovable, sharing_problem
+from ..core.runtime import Bound, Group, note
+from ..core.storage import first_sharing_problem, first_unmovable, sharing_problem
 from .kernels import FoldSpec, bn_module_fp32, fold_bias, fold_module_call, fold_weight, folded_params
 from .match import BNSite, batchnorm_sites, unwrap
 

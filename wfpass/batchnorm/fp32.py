@@ -2,7 +2,7 @@
 (``BatchNormCall``): which half-precision BatchNorms get fp32 weight, bias
 and running statistics, and how each flavour's graph is made ready for them.
 The format's steps and the graph before and after are described in
-``wfpass/passes/fp32_batchnorm.py``; the BatchNorms Dynamo runs eagerly are
+``wfpass/batchnorm/fp32_format.py``; the BatchNorms Dynamo runs eagerly are
 ``eager.py``'s, which shares ``ddp_problem`` from here.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 import torch.fx as fx
 
 from .._torch import distributed as _distributed
-from ..graph import PassContext, meta_value
+from ..core.graph import PassContext, meta_value
 from ..pipeline import Match
-from ..runtime import Bound, Group, note
-from ..storage import first_sharing_problem
+from ..core.runtime import Bound, Group, note
+from ..core.storage import first_sharing_problem
 from .kernels import HALF, ROLES, bn_fp32, bn_module_fp32, held_in_fp32, to_fp32
 from .match import BNSite, batchnorm_sites, set_arg, unwrap
 
@@ -162,7 +162,7 @@ def call_problem(m: BatchNormCall, ctx: PassContext) -> Optional[str]:
 
 def rewrite_call(m: BatchNormCall, ctx: PassContext) -> None:
     """Hold the site's half tensors in fp32 (a deferred move) and make its
-    graph ready for them (see ``wfpass/passes/fp32_batchnorm.py``, per
+    graph ready for them (see ``wfpass/batchnorm/fp32_format.py``, per
     flavour); a match already held in fp32 gets its row only."""
     if m.held:
         ctx.report.add("batchnorm", "rewritten", m.plan, m.params, **m.detail)
@@ -184,7 +184,7 @@ def rewrite_call(m: BatchNormCall, ctx: PassContext) -> None:
             site.node.replace_input_with(site.x, x2)
     elif ctx.is_dynamo:
         # Dynamo: compile for fp32 inputs from the start (see
-        # ``wfpass/passes/fp32_batchnorm.py``); nothing runs per call.
+        # ``wfpass/batchnorm/fp32_format.py``); nothing runs per call.
         for r in half:
             ctx.compile_example(site.args[r], _fp32_example(tensors[r]))
         record.detail["compiled_for"] = "float32 inputs (no per-call work)"

@@ -10,7 +10,7 @@ and cuDNN); the output keeps the input dtype. (On the CPU it needs all four
 fp32: a partial mix raises.)
 
 Under ``torch.compile`` the graph is compiled for fp32 statistics from the
-start and nothing here runs per call (see ``passes/fp32_batchnorm.py``). In
+start and nothing here runs per call (see ``batchnorm/fp32_format.py``). In
 ``symbolic_trace`` graphs (``wfpass.apply``) the graph runs in place, and
 ``bn_fp32`` / ``bn_module_fp32`` check the format before each batch norm: a
 tensor that lost it (``model.to(bf16)``, ``load_state_dict(assign=True)``,
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import kernels as _kernels, tensors as _tensors
-from ..storage import register_undo, sharing_problem
+from ..core.storage import register_undo, sharing_problem
 
 __all__ = [
     "HALF", "ROLES", "to_fp32", "held_in_fp32", "bn_fp32", "bn_module_fp32", "bn_eager_pre_hook",

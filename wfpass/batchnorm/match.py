@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .._torch.kernels import BatchNorm as _BatchNorm
-from ..graph import PassContext, TensorRef, node_arg, set_node_arg
+from ..core.graph import PassContext, TensorRef, node_arg, set_node_arg
 from .kernels import ROLES, bn_fp32, bn_module_fp32
 
 __all__ = ["BN_FUNCTIONS", "BNSite", "batchnorm_sites", "unwrap", "set_arg", "is_module_bn"]

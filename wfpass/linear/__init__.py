@@ -2,7 +2,7 @@
 (Q/K/V, gate/up) computed from one weight block, with one GEMM where that
 pays.
 
-Where each piece is (the pipeline entry is ``wfpass/passes/fuse_linears.py``,
+Where each piece is (the pipeline entry is ``wfpass/linear/format.py``,
 which runs these steps):
 
 =====================  ========================================================

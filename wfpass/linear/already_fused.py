@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef
+from ..core.graph import LINEAR_TARGETS, PassContext, TensorRef
 from ..pipeline import Match
 
 __all__ = ["AlreadyFused", "already_fused"]

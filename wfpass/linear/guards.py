@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import networkx as nx
 import torch.fx as fx
 
-from ..graph import PassContext
-from ..storage import first_sharing_problem, fused_storage_of
+from ..core.graph import PassContext
+from ..core.storage import first_sharing_problem, fused_storage_of
 from .match import LinearGroup, LinearSite, rows_of, site_params
 from .site import rows_reader, weight_not_2d, weight_ref_problem, written_in_place
 

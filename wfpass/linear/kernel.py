@@ -34,7 +34,7 @@ forward AOTAutograd traces calls one op that picks::
     M > 4:  one addmm per member over its rows of w and b, each writing its
             columns of one (M, 32) output (no copy for the concatenation)
 
-Its CPU kernel is C++ (``_torch/native/linear.cpp``), its Python kernel
+Its CPU kernel is C++ (``native/linear/linear.cpp``), its Python kernel
 serves CUDA and a machine without the C++ build. An op, not a ``cond``:
 Inductor's and AOTAutograd's caches refuse a graph with a ``cond`` (torch
 2.11-2.15), so every process would trace and compile the graph again.
@@ -164,7 +164,7 @@ _LIB = torch.library.Library("wfpass", "FRAGMENT")
 _LIB.define("linear_by_rows(Tensor x, Tensor w_block, Tensor? b_block, int[] sizes, int max_rows) -> Tensor")
 torch.library.register_fake("wfpass::linear_by_rows", _by_rows_fake, lib=_LIB)
 # The Python kernel serves every backend key; the C++ one, once loaded
-# (``_torch/native``: at the first compile), takes the CPU key before it.
+# (``native``: at the first compile), takes the CPU key before it.
 _LIB.impl("linear_by_rows", _by_rows, "CompositeExplicitAutograd")
 
 

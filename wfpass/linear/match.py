@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import networkx as nx
 import torch.fx as fx
 
-from ..graph import PassContext, mutated_state
+from ..core.graph import PassContext, mutated_state
 from ..pipeline import Match
 from .site import LinearSite, linear_sites, rows_of
 

@@ -2,7 +2,7 @@
 moved into one block, its per-call layout check, and the graph's new call.
 
 Dynamo flavour, fused path (one GEMM; the graph before and after is in
-``wfpass/passes/fuse_linears.py``): the block is an ``as_strided`` view of
+``wfpass/linear/format.py``): the block is an ``as_strided`` view of
 the first member's storage, read by ``fused_linear``; split path: the graph
 keeps its linears, which read views of the block; ``by_rows`` (a symbolic
 row count): the fused path's graph, whose ``fused_linear`` picks one GEMM or
@@ -18,11 +18,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
-from ..graph import PassContext, meta_value
-from ..records import Record, decision
-from ..runtime import GroupSite
-from ..storage import FusedStorage
-from ..groups import find_layout, group_record, open_site
+from ..core.graph import PassContext, meta_value
+from ..core.records import Record, decision
+from ..core.runtime import GroupSite
+from ..core.storage import FusedStorage
+from ..core.groups import find_layout, group_record, open_site
 from .kernel import EagerBlock, EagerLayoutCheck, LinearLayout, bias_vector, fused_linear
 from .match import LinearGroup
 from .site import rows_reader

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 
 from .._torch import tensors as _tensors
-from ..graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg, static_int
-from ..storage import FusedStorage, layout_of
+from ..core.graph import LINEAR_TARGETS, PassContext, TensorRef, meta_value, node_arg, static_int
+from ..core.storage import FusedStorage, layout_of
 from .kernel import LinearLayout
 
 __all__ = ["LinearSite", "linear_sites", "rows_of", "rows_reader", "weight_block_of", "weight_ref_problem",

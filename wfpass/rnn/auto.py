@@ -10,7 +10,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .paths import fused_path, paths_differ, unfused_path
+from .paths import fused_path, unfused_path
+from .plan import paths_differ
 from .spec import RnnSpec
 
 __all__ = ["auto_threshold_cache", "measure_threshold"]

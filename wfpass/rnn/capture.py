@@ -10,8 +10,8 @@ import weakref
 import torch.nn as nn
 
 from .._torch import dynamo as _dynamo
-from ..runtime import note_provisional
-from .packed.sequence import install_forward, uninstall_forward
+from ..core.runtime import note_provisional
+from .varlen.sequence import install_forward, uninstall_forward
 from .spec import display_name, flat_weight_names, overrides_forward, rnn_mode
 
 __all__ = ["name_errors", "unname_errors", "note_seen"]

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from .._torch import dynamo as _dynamo
-from ..notes import records_of
-from ..runtime import note_provisional
+from ..core.notes import records_of
+from ..core.runtime import note_provisional
 from .spec import flat_weight_names
 
 __all__ = ["note_eager_call"]

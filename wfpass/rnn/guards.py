@@ -19,8 +19,8 @@ import torch
 
 from .._torch import kernels as _kernels
 from ..config import Config, default_seq_threshold
-from ..graph import PassContext, meta_value
-from ..storage import first_unmovable
+from ..core.graph import PassContext, meta_value
+from ..core.storage import first_unmovable
 from .match import RnnCall
 from .spec import GATES, RnnSpec
 

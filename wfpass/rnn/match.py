@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..graph import PassContext, TensorRef
+from ..core.graph import PassContext, TensorRef
 from ..pipeline import Match
-from ..runtime import GroupSite
-from .packed.sequence import PACKED_RNN as _PACKED_RNN
+from ..core.runtime import GroupSite
+from .varlen.sequence import PACKED_RNN as _PACKED_RNN
 from .spec import RnnSpec, display_name, flat_weight_names, module_path, rnn_mode
 
 __all__ = ["RNN_FUNCTIONS", "RnnCall", "RunState", "match_call"]
@@ -66,6 +66,7 @@ class RnnCall(Match):
         self.batch_sizes: Optional[fx.Node] = None  # a packed batch's sizes (``wfpass::packed_rnn``)
         # Under autocast: (the dtype the call computes in, the dtype it returns) (``guards.autocast_cast``).
         self.cast: Optional[Tuple[torch.dtype, torch.dtype]] = None
+        self.kernel_plan = None  # its ``plan.RnnPlan``, once the rewrite (or a dry run) decided it
 
 
 def match_call(ctx: PassContext, node: fx.Node) -> Optional[RnnCall]:

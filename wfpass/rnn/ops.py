@@ -26,7 +26,7 @@ def define_rnn_op(name: str, args: str, returns: str, backward_schema: str, *, f
     (``setup``, ``grad``) and the twin. ``python_bodies``: also define
     ``wfpass::_NAME_python`` and ``wfpass::_NAME_backward_python`` (the same
     schemas, the Python kernels only), which a C++ kernel calls for the cases
-    it leaves to Python (``_torch/native/cudnn.cpp``). Returns the library,
+    it leaves to Python (``native/rnn/cudnn.cpp``). Returns the library,
     which the caller keeps alive (its registrations go with it)."""
     lib = torch.library.Library("wfpass", "FRAGMENT")
     lib.define(f"{name}({args}) -> {returns}", tags=tuple(tags))

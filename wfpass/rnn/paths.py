@@ -37,8 +37,8 @@ No state is kept between the forward and the backward that AOTAutograd
 does not see: what the backward needs, ``mkldnn_rnn_layer``'s workspace
 included, are outputs of traced ops, saved and freed by AOTAutograd.
 
-The path is chosen when the graph is compiled, from the static length T
-(``T <= seq_threshold``: ``loop``). RNNs off the CPU are not captured at all
+The path is chosen once, when the graph is compiled (``plan.py``: the
+call's ``RnnPlan``), from the static length T (``T <= seq_threshold``: ``loop``). RNNs off the CPU are not captured at all
 (``wfpass.capture``): they graph-break and run eagerly, as without wfpass. ``seq_threshold="auto"`` measures the two paths
 once per shape at compile time (with the model's weights; ``auto.py``).
 """
@@ -50,15 +50,13 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import kernels as _kernels
-from ..graph import static_int
 from .cpu import lstm_layer  # noqa: F401  (registers wfpass::lstm_layer, which mkldnn_path calls)
-from .cpu import native_layer  # registers wfpass::rnn_layer, which native_path calls
-from .cpu import packed_layer  # noqa: F401  (registers wfpass::packed_layer, which cxx_path calls)
+from .cpu import native_layer  # noqa: F401  (registers wfpass::rnn_layer, which native_path calls)
+from .cpu import varlen_layer  # noqa: F401  (registers wfpass::packed_layer, which cxx_path calls)
 from .cuda.cudnn import cudnn_call
 from .spec import RnnSpec, zero_state
 
-__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "cxx_path", "cxx_serves", "training_batch_bound", "thread_bound_words", "choose_path", "kernel_words", "no_onednn_reason",
-           "paths_differ", "RnnForward"]
+__all__ = ["fused_path", "unfused_path", "mkldnn_path", "native_path", "cxx_path", "RnnForward"]
 
 
 def _hx_arg(spec: RnnSpec, hx: Sequence[torch.Tensor]):
@@ -210,7 +208,7 @@ def native_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, ne
 
 
 def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_grad: bool):
-    """A CPU RNN as wfpass's C++ loop, one op per layer: the packed-batch
+    """A CPU RNN as wfpass's C++ loop, one op per layer: the variable-length
     kernel over the full batch (``data`` ``[T, B, I]``, no batch sizes),
     ``wfpass::packed_layer`` for one direction, ``packed_bilayer`` for both
     (at once where torch has two threads); dropout between layers like
@@ -259,170 +257,6 @@ def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_
         layer_in = out
     out = layer_in.transpose(0, 1) if spec.batch_first else layer_in
     return out, torch.cat(hs, 0), (torch.cat(cs, 0) if lstm else None)
-
-
-def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool = False,
-               threads: Optional[int] = None) -> bool:
-    """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``?
-    ``train``: the call is differentiated (a training graph).
-    A float32 CPU RNN without projections, the C++ loop's fast steps
-    available (the C++ kernels, a CPU with AVX-512F or AVX2 with FMA), and:
-
-    * a GRU or plain RNN, static or symbolic sizes: with AVX-512 at any
-      size: the loop ran 1.4-4.1x faster than ATen's kernels (``native``)
-      in training and 1.6-4.7x in inference (one tie, 0.99x, at the largest
-      GRU with 2 threads), from T 4, batch 4, hidden 64 to T 50, batch 64,
-      hidden 512. With AVX2 only (an AMD EPYC without AVX-512) its per-step
-      GEMMs are slower: up to hidden 128 it won both steps (1.39-3.71x); at
-      hidden 256 a plain RNN's both (1.08-1.44x), a GRU's training at 1
-      thread (1.20x, 0.89x at 2) but not its inference (0.77-0.88x); at
-      hidden 512 it lost (0.53-1.00x). So there a GRU takes it up to hidden
-      128 in inference and 256 in training, a plain RNN up to 256;
-    * an LSTM with static sizes, only a small one: hidden size <= 64 with
-      batch <= 32, where the loop was faster than oneDNN's layer call in
-      inference and training, at 1 and 2 threads; in training also hidden
-      <= 128 with batch <= 8, where the loop's training call won (1.05-1.54x
-      per layer; at batch 8 close, but the LSTM LM's whole training step
-      ran 1.07-1.45x faster on the loop than on oneDNN at T 16 and 64, 1
-      and 2 threads), though oneDNN's forward ties at 1 thread and wins at
-      2 from batch 8 (0.77-0.83x: two threads splitting its GEMMs), so
-      inference keeps oneDNN there. Larger ones are oneDNN's. The same
-      bounds held with AVX2 (where taken: 1.10-2.35x in training,
-      1.12-1.40x in inference; ties at 0.93-0.98x with 2 threads).
-      With more than one thread (``torch.get_num_threads()`` when the graph
-      compiles) the training bound at hidden 65-128 is batch <= 4: at batch
-      8 with 2 threads the loop's training call lost to oneDNN's
-      (0.84-0.96x per layer at T 16 and 64, and the LM's step 0.89-0.96x
-      in 6 of 7 runs, 1.08x in one,
-      with glibc's malloc thresholds raised, the state of a process that
-      has freed a large block; the 1.07-1.45x above was measured in a fresh
-      process at glibc's defaults, where oneDNN's fresh workspace pages
-      fault on every call); at batch 1-4 it tied or won (0.96-1.70x).
-
-    ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
-    ``threads``: the rule at that thread count (default: torch's now).
-    Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md."""
-    from .._torch import native as _native
-
-    choice = spec.options.cpu_kernel
-    if choice == "eager" or x.device.type != "cpu" or spec.proj_size != 0 or x.dtype != torch.float32:
-        return False
-    if not _native.fast_loop():
-        return False
-    if choice == "cxx":
-        return True
-    if spec.mode != "LSTM":
-        if _native.fast_isa() == "avx512f":
-            return True
-        H = spec.hidden_size
-        return H <= 128 or (H <= 256 and (train or spec.mode != "GRU"))
-    # A size Dynamo specialized (a training graph recompiled with symbolic
-    # sizes: rewrite._must_specialize) is still a SymInt, but a concrete one.
-    batch = static_int(x.shape[0 if spec.batch_first else 1])
-    if steps is None or batch is None:
-        return False
-    H = spec.hidden_size
-    return (H <= 64 and batch <= 32) or (train and H <= 128 and batch <= training_batch_bound(threads))
-
-
-def training_batch_bound(threads: Optional[int] = None) -> int:
-    """The largest batch at which ``auto`` gives a training LSTM of hidden
-    65-128 the C++ loop at ``threads`` (default: torch's now): 8 at 1
-    thread, 4 at more (``cxx_serves``)."""
-    return 8 if (threads or torch.get_num_threads()) == 1 else 4
-
-
-def thread_bound_words(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], path: str, train: bool) -> Optional[str]:
-    """Why a training call took oneDNN's layer where at 1 thread the rule
-    would give it the C++ loop (``training_batch_bound``), in the row's
-    words; None where the thread count decided nothing."""
-    if not train or path != "mkldnn" or not cxx_serves(spec, x, steps, train, threads=1):
-        return None
-    batch = static_int(x.shape[0 if spec.batch_first else 1])
-    return (f"training at batch {batch} with {torch.get_num_threads()} threads: oneDNN's layer (the C++ loop "
-            "takes a training LSTM of hidden 65-128 up to batch 8 at 1 thread, up to 4 at more)")
-
-
-def choose_path(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], threshold: int, train: bool = False) -> str:
-    """The path for a call of ``steps`` time steps (None: symbolic, unknown
-    until run time): ``loop`` at or below the threshold, else one op per
-    layer: oneDNN's LSTM layer (``mkldnn``) or ATen's native GRU / plain RNN
-    (``native``), with or without grad, for static and symbolic shapes
-    alike; ``loop`` or ``aten`` for the rest (LSTMs with ``proj_size`` or
-    in a dtype oneDNN does not take)."""
-    if steps is not None and steps <= threshold:
-        return "loop"
-    if x.device.type == "cuda" and spec.options.cuda == "cudnn":
-        return "cudnn"
-    if cxx_serves(spec, x, steps, train):
-        return "cxx"
-    if x.device.type == "cpu" and spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype):
-        return "mkldnn"
-    if x.device.type == "cpu" and spec.mode in native_layer.MODES:
-        return "native"
-    if steps is not None:
-        # No fused kernel for this RNN: the per-step ops, written out here.
-        # Not ATen's decomposition of torch.gru/rnn_tanh, which drops the
-        # dropout between layers (torch/_decomp/decompositions.py
-        # ``_rnn_helper``, torch 2.13.0) and gave wrong h_n gradients for a
-        # one-layer nn.RNN whose h_n is read (seen under Inductor).
-        return "loop"
-    return "aten"
-
-
-def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
-    """The kernel a path runs, in words a user knows, and the counter its
-    calls are counted in: ``("oneDNN LSTM", "onednn_lstm_calls")``."""
-    if path == "mkldnn":
-        return "oneDNN LSTM", "onednn_lstm_calls"
-    if path == "cxx":
-        from .._torch import native as _native
-
-        name = {"LSTM": "LSTM", "GRU": "GRU"}.get(spec.mode, "RNN")
-        return (f"C++ {name} loop (per step oneDNN's small-GEMM kernel and {_native.fast_isa_words()} gate math)",
-                "cxx_loop_calls")
-    if path == "cudnn":
-        return "cuDNN", "cudnn_calls"
-    if path == "packed":
-        from .._torch import native as _native
-
-        if _native.serves(x):
-            both = ("; a layer's two directions at once where torch has 2+ threads"
-                    if spec.bidirectional and _native.parallel_directions() else "")
-            return ("C++ packed-batch loop (each sequence's valid steps; per step oneDNN's small-GEMM kernel and "
-                    f"{_native.fast_isa_words()} gate math{both})"), "packed_loop_calls"
-        return "C++ packed-batch loop (each sequence's valid steps)", "packed_loop_calls"
-    if path == "packed_onednn":
-        return "oneDNN LSTM over each run of equal batch size (each sequence's valid steps)", "packed_onednn_calls"
-    if path == "loop":
-        return "per-step path", "per_step_calls"
-    if path == "native":
-        from .._torch import native as _native
-
-        if spec.mode == "GRU" and x.dtype in (torch.float32, torch.float64) and _native.is_loaded():
-            return "C++ GRU loop", "cxx_gru_calls"
-        return f"ATen's {'GRU' if spec.mode == 'GRU' else 'RNN'} kernel", "aten_rnn_calls"
-    return "ATen's ops (the RNN decomposed)", "aten_calls"
-
-
-def no_onednn_reason(spec: RnnSpec, x: torch.Tensor) -> Optional[str]:
-    """Why a CPU LSTM that oneDNN could otherwise run takes another kernel
-    here, for the report; None where it runs on oneDNN (or is no such LSTM)."""
-    if x.device.type != "cpu" or spec.mode != "LSTM" or spec.proj_size != 0 or _kernels.mkldnn_rnn_dtype(x.dtype):
-        return None
-    if not torch.backends.mkldnn.is_available() or not _kernels.get_mkldnn_enabled():
-        return "oneDNN is off in this process: ATen's LSTM kernels, as in eager"
-    dtype = str(x.dtype).replace("torch.", "")
-    return (f"oneDNN takes no {dtype} LSTM on this CPU (a probe call failed or the CPU lacks the instructions): "
-            f"ATen's LSTM kernels, as in eager")
-
-
-def paths_differ(spec: RnnSpec, x: torch.Tensor) -> bool:
-    """Do the two paths run different kernels for this input? On the CPU only
-    an LSTM without projections in a dtype oneDNN takes has a fused kernel."""
-    if x.device.type != "cpu" or spec.options.unfused_impl == "loop":
-        return True
-    return spec.mode == "LSTM" and spec.proj_size == 0 and _kernels.mkldnn_rnn_dtype(x.dtype)
 
 
 class RnnForward:

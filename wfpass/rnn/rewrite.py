@@ -17,20 +17,21 @@ import torch.fx as fx
 
 from .._torch import dynamo as _dynamo, kernels as _kernels
 from ..config import default_seq_threshold
-from ..graph import PassContext, meta_value, same_size, static_int
-from ..groups import find_layout, group_record, open_site
-from ..records import Record
-from ..runtime import GroupSite
-from ..storage import first_sharing_problem
+from ..core.graph import PassContext, meta_value, same_size, static_int
+from ..core.groups import find_layout, group_record, open_site
+from ..core.records import Record
+from ..core.runtime import GroupSite
+from ..core.storage import first_sharing_problem
 from .auto import measure_threshold
 from .eager import RnnModuleCall
 from .match import RnnCall
-from .packed.sequence import PackedRnnForward, packed_path
-from .cpu import lstm_pack as _lstm_pack
-from .paths import RnnForward, choose_path, kernel_words, no_onednn_reason, thread_bound_words
+from .varlen.sequence import PackedRnnForward
+from .cpu import lstm_prepack as _lstm_prepack
+from .paths import RnnForward
+from .plan import RnnPlan, choose_path, plan_call
 from .spec import RnnSpec, zero_state
 
-__all__ = ["rewrite_call", "new_group", "note_kernel", "planned_kernels", "trains"]
+__all__ = ["rewrite_call", "new_group", "call_plan", "note_kernel", "planned_kernels", "trains"]
 
 
 def rewrite_call(ctx: PassContext, s: RnnCall) -> None:
@@ -78,7 +79,7 @@ def _group_of(ctx: PassContext, s: RnnCall) -> GroupSite:
 
 def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     """Dynamo flavour: ``RnnForward(spec, path)`` over the weights as graph
-    inputs, before the call; its path chosen here (``_take_path``), a zero
+    inputs, before the call; its path from the call's plan (``_take_plan``), a zero
     initial state left to the op."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
@@ -106,7 +107,7 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
         if record.detail.get("autocast") != words:
             record.detail["autocast"] = words
             record.reason += f"; {words}"
-    path = _take_path(ctx, s, site, v, w_nodes)
+    path = _take_plan(ctx, s, site, v, w_nodes).path
     hx = [None if _is_zero_state(h, spec, v, i) else h for i, h in enumerate(s.hx)]
     if hx != list(s.hx):
         record.detail["zero_state"] = "made inside the RNN op (no zeros kernel in the compiled graph)"
@@ -121,43 +122,48 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     batch on the CPU, cuDNN's packed mode on CUDA."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
-    path = packed_path(spec, s.weights[0].tensor, trains(s))
-    record.detail["variable_lengths"] = ("packed batch (pack_padded_sequence): each sequence's valid steps only; "
+    plan = s.kernel_plan = call_plan(ctx, s, None)
+    path = plan.path
+    record.detail["variable_lengths"] = ("a variable-length batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")
-    _count_at_site(ctx, site, w_nodes, "fused_calls", spec, path, s.weights[0].tensor, "T=variable")
+    _count_at_site(ctx, site, w_nodes, "fused_calls", plan)
     if path == "packed_onednn":  # no grad: oneDNN's layer per run, from the layer's copy as the padded path reads it
         _allow_packed_weights(ctx, s, record)
     with g.inserting_before(s.node):
         return g.call_function(PackedRnnForward(spec, path, bool(s.consts[3])), (s.x, s.batch_sizes, s.hx, *w_nodes))
 
 
-def _take_path(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -> str:
-    """The Dynamo call's path, from its static length against N; the record
-    notes it per length (and why oneDNN's kernel is not used), and the site,
-    checked per call by the backend, counts the call."""
-    spec, record = s.spec, site.record
+def call_plan(ctx: PassContext, s: RnnCall, v: Any, record=None) -> RnnPlan:
+    """The call's :class:`RnnPlan` (``plan.plan_call``) from its traced
+    input ``v`` (in the dtype it computes in): the one place its kernel is
+    decided; the rewrite, the row and ``wfpass.explain`` read it. With a
+    ``record`` (a real compile), a ``seq_threshold="auto"`` is measured now
+    and noted there; a dry run leaves it unmeasured."""
+    spec = s.spec
+    if s.batch_sizes is not None:
+        return plan_call(spec, s.weights[0].tensor, None, spec.threshold, trains(s), varlen=True, cast=s.cast)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
-    steps = _static_steps(s)
-    n = _compile_threshold(ctx, s, spec, record)
-    train = trains(s)
-    path = choose_path(spec, ref, steps, n, train)
-    why_not = no_onednn_reason(spec, ref)
-    if why_not:
-        record.detail["kernel"] = why_not
-    bound = thread_bound_words(spec, ref, steps, path, train)
-    if bound and record.detail.get("thread_bound") != bound:
-        record.detail["thread_bound"] = bound
-        record.reason += f"; {bound}"
+    n = _compile_threshold(ctx, s, spec, record) if record is not None else spec.threshold
+    return plan_call(spec, ref, _static_steps(s), n, trains(s), cast=s.cast)
+
+
+def _take_plan(ctx: PassContext, s: RnnCall, site: GroupSite, v: Any, w_nodes) -> RnnPlan:
+    """The Dynamo call's plan, noted in the record (per length, why oneDNN's
+    kernel is not used); the site, checked per call by the backend, counts
+    the call."""
+    record = site.record
+    plan = s.kernel_plan = call_plan(ctx, s, v, record)
+    if plan.why_not_onednn:
+        record.detail["kernel"] = plan.why_not_onednn
+    if plan.thread_bound and record.detail.get("thread_bound") != plan.thread_bound:
+        record.detail["thread_bound"] = plan.thread_bound
+        record.reason += f"; {plan.thread_bound}"
     # Counted by length, as the report's threshold reads: GRUs and plain
     # RNNs run the same kernels on both sides of N on the CPU.
-    counter = "unfused_calls" if steps is not None and steps <= n else "fused_calls"
-    bucket = f"T={steps if steps is not None else 'symbolic'}"
-    if train and path != choose_path(spec, ref, steps, n, False):
-        bucket += ", training"  # its own kernel (an LSTM the C++ loop takes in training only)
-    _count_at_site(ctx, site, w_nodes, counter, spec, path, ref, bucket, n)
-    if path == "mkldnn" and not train:
+    _count_at_site(ctx, site, w_nodes, "unfused_calls" if plan.unfused else "fused_calls", plan)
+    if plan.path == "mkldnn" and not plan.train:
         _allow_packed_weights(ctx, s, record)
-    return path
+    return plan
 
 
 def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
@@ -172,46 +178,34 @@ def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
         return
     per = s.spec.weights_per_layer
     pairs = [(ws[k], ws[k + 1]) for k in range(0, len(ws), per)]
-    _lstm_pack.allow(record, pairs, ctx.config.pack.max_bytes)
+    _lstm_prepack.allow(record, pairs, ctx.config.pack.max_bytes)
 
 
-def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, spec: RnnSpec, path: str,
-                   ref: torch.Tensor, bucket: str, n=None) -> None:
-    """The row notes the path and kernel of this length bucket; the site,
-    checked per call by the backend, counts the call in ``counter`` (which
-    side of N, or ``fused_calls``) and in the kernel's own counter."""
+def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, plan: RnnPlan) -> None:
+    """The row notes the plan's path and kernel for its length bucket; the
+    site, checked per call by the backend, counts the call in ``counter``
+    (which side of N, or ``fused_calls``) and in the kernel's own counter."""
     record = site.record
     record.stats.setdefault("fused_calls", 0)
     record.stats.setdefault("unfused_calls", 0)
-    record.detail.setdefault("paths", {})[bucket] = path
-    kernel = note_kernel(record, spec, path, ref, bucket, n)
+    record.detail.setdefault("paths", {})[plan.bucket] = plan.path
+    kernel = note_kernel(record, plan)
     if ctx.is_dynamo and all(w.op == "placeholder" for w in w_nodes):
         site.idx = tuple(ctx.placeholder_index(w) for w in w_nodes)
         site.counter = (counter, kernel)
         ctx.add_site(site)
 
 
-def planned_kernels(s: RnnCall, packs: bool = False) -> str:
-    """What a dry run (``wfpass.explain``) says about the call's kernel:
-    ``"; T=12: oneDNN LSTM; threshold N=2"``, as the row will once it runs;
+def planned_kernels(ctx: PassContext, s: RnnCall, packs: bool = False) -> str:
+    """What a dry run (``wfpass.explain``) says about the call's kernel, from
+    the plan a compile would take: ``"; T=12: oneDNN LSTM; threshold N=2"``;
     ``packs`` (``pack.mode`` is not ``"off"``): also that an inference call
     on oneDNN's kernel will read its weights from a copy in oneDNN's layout."""
-    spec = s.spec
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
-    if s.batch_sizes is not None:
-        path = packed_path(spec, ref, trains(s))
-        out = f"; T=variable: {kernel_words(spec, path, ref)[0]}"
-        return out + (_COPY_PLANNED if packs and path == "packed_onednn" and _copies_here(ref) else "")
-    steps = _static_steps(s)
-    if spec.threshold == "auto":
-        return "; threshold N measured when compiled (seq_threshold='auto')"
-    path = choose_path(spec, ref, steps, spec.threshold, trains(s))
-    words = kernel_words(spec, path, ref)[0]
-    out = f"; T={steps if steps is not None else 'symbolic'}: {words}; threshold N={spec.threshold}"
-    if packs and path == "mkldnn" and not trains(s) and _copies_here(ref):
-        out += _COPY_PLANNED
-    return out
+    plan = s.kernel_plan = call_plan(ctx, s, v)
+    copies = packs and not plan.train and plan.path in ("mkldnn", "packed_onednn") and _copies_here(ref)
+    return plan.words() + (_COPY_PLANNED if copies and (plan.varlen or plan.threshold != "auto") else "")
 
 
 _COPY_PLANNED = "; in inference oneDNN will read each layer's weights from a copy in its own layout (within pack.max_bytes)"
@@ -220,22 +214,21 @@ _COPY_PLANNED = "; in inference oneDNN will read each layer's weights from a cop
 def _copies_here(ref: torch.Tensor) -> bool:
     """Would an inference call on oneDNN's LSTM layer keep a copy of
     weights like ``ref`` (``_allow_packed_weights``'s dtype and device test)?"""
-    return ref.device.type == "cpu" and ref.dtype in _lstm_pack.DTYPES and _kernels.mkldnn_rnn_dtype(ref.dtype)
+    return ref.device.type == "cpu" and ref.dtype in _lstm_prepack.DTYPES and _kernels.mkldnn_rnn_dtype(ref.dtype)
 
 
-def note_kernel(record, spec: RnnSpec, path: str, x: torch.Tensor, bucket: str, n=None) -> str:
-    """Write into the row, once per length bucket, the kernel that runs
-    there in words (``T=12: oneDNN LSTM (onednn_lstm_calls)``) and, once,
-    the threshold N; returns the counter of that kernel's calls."""
-    words, counter = kernel_words(spec, path, x)
-    record.stats.setdefault(counter, 0)
+def note_kernel(record, plan: RnnPlan) -> str:
+    """Write into the row, once per length bucket, the plan's kernel in
+    words (``T=12: oneDNN LSTM (onednn_lstm_calls)``) and, once, the
+    threshold N; returns the counter of that kernel's calls."""
+    record.stats.setdefault(plan.counter, 0)
     kernels = record.detail.setdefault("kernels", {})
-    if kernels.get(bucket) != words:
-        kernels[bucket] = words
-        record.reason += f"; {bucket}: {words} ({counter})"
-    if n is not None and "threshold N=" not in record.reason:
-        record.reason += f"; threshold N={n} (T <= N takes the per-step path)"
-    return counter
+    if kernels.get(plan.bucket) != plan.kernel:
+        kernels[plan.bucket] = plan.kernel
+        record.reason += f"; {plan.bucket}: {plan.kernel} ({plan.counter})"
+    if not plan.varlen and "threshold N=" not in record.reason:
+        record.reason += f"; threshold N={plan.threshold} (T <= N takes the per-step path)"
+    return plan.counter
 
 
 def _module_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:

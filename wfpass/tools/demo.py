@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
-from .._torch import native
+from .. import native
 
 __all__ = ["demo"]
 

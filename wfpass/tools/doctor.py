@@ -49,12 +49,42 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _native_lines() -> List[str]:
+    """What the C++ kernels give on this machine (built here if needed)."""
+    import torch
+
+    from .. import native
+    from ..native import ops as _nops
+
+    out: List[str] = []
+    why = native.load()
+    if why is None:
+        how = f"built in {native.build_seconds():.1f} s" if native.build_seconds() else "from the cache"
+        out.append(f"C++ kernels: in use ({how}: {native.library_path()}; -std={native.cxx_standard()})")
+        fast = (f"yes (oneDNN's small-GEMM kernel, {native.fast_isa_words()} gate math)" if native.fast_loop()
+                else "no (a CPU with neither AVX-512 nor AVX2 with FMA, oneDNN's small-GEMM kernel not answering, "
+                     "or WFPASS_FAST_LOOP=0)")
+        out.append(f"packed RNN loop on raw pointers (float32): {fast}")
+        isa = _nops.direct_isa()
+        out.append(f"direct linear (float32, dot products over the weight as it is, no copy): "
+                   + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'})" if isa else
+                      "no (a CPU with neither AVX-512F nor AVX2 with FMA, or WFPASS_DIRECT=0)"))
+        out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
+                   f"{_yes(_nops.panel_packs(torch.float32))}")
+        both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
+                else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")
+        out.append(f"bidirectional packed layers, both directions at once: {both}")
+    else:
+        out.append(f"C++ kernels: not in use, the Python kernels run instead ({why})")
+    return out
+
+
 def lines() -> List[str]:
     """The report, one line per fact (builds the C++ kernels if needed)."""
     import torch
 
-    from .. import __version__
-    from .._torch import kernels, native, versions
+    from .. import __version__, native
+    from .._torch import kernels, versions
 
     out = [f"wfpass {__version__}, Python {sys.version.split()[0]}"]
     v = versions.torch_version()
@@ -79,32 +109,14 @@ def lines() -> List[str]:
             out.append(f"oneDNN {name}: LSTM kernel {_yes(kernels.mkldnn_rnn_dtype(dtype))}, "
                        f"packed linear {_yes(kernels.onednn_packs(dtype))} (each probed with a tiny call)")
     out.append(f"MKL packed SGEMM (float32): {_yes(kernels.mkl_packs(torch.float32))}")
-    why = native.load()
-    if why is None:
-        how = f"built in {native.build_seconds():.1f} s" if native.build_seconds() else "from the cache"
-        out.append(f"C++ kernels: in use ({how}: {native.library_path()}; -std={native.cxx_standard()})")
-        fast = (f"yes (oneDNN's small-GEMM kernel, {native.fast_isa_words()} gate math)" if native.fast_loop()
-                else "no (a CPU with neither AVX-512 nor AVX2 with FMA, oneDNN's small-GEMM kernel not answering, "
-                     "or WFPASS_FAST_LOOP=0)")
-        out.append(f"packed RNN loop on raw pointers (float32): {fast}")
-        isa = kernels.direct_isa()
-        out.append(f"direct linear (float32, dot products over the weight as it is, no copy): "
-                   + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'})" if isa else
-                      "no (a CPU with neither AVX-512F nor AVX2 with FMA, or WFPASS_DIRECT=0)"))
-        out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
-                   f"{_yes(kernels.panel_packs(torch.float32))}")
-        both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
-                else "no (the C++ kernels were built without OpenMP, or the raw-pointer loop does not run)")
-        out.append(f"bidirectional packed layers, both directions at once: {both}")
-    else:
-        out.append(f"C++ kernels: not in use, the Python kernels run instead ({why})")
+    out += _native_lines()
     if torch.version.cuda:
         if torch.cuda.is_available():
             names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
             out.append(f"CUDA: {names}; cuDNN {torch.backends.cudnn.version()}")
         else:
             out.append("CUDA: no GPU visible to this process")
-        body = ("C++ (wfpass/_torch/native/cudnn.cpp; dropout in training and weights out of cuDNN's layout "
+        body = ("C++ (wfpass/native/rnn/cudnn.cpp; dropout in training and weights out of cuDNN's layout "
                 "in Python)" if native.cudnn_cxx() else "Python (the C++ kernels are not in use)")
         out.append(f"cuDNN RNN ops (rnn={{'cuda': 'cudnn'}}), per-call work: {body}")
     return out

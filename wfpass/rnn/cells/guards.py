@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ...config import default_seq_threshold
-from ...graph import PassContext, meta_value
+from ...core.graph import PassContext, meta_value
 from .match import RNN_CALL, Chain, depends_on
 from ..guards import call_problem
 from ..match import match_call

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ...graph import PassContext, TensorRef
+from ...core.graph import PassContext, TensorRef
 from ..spec import module_path
 
 __all__ = ["CELL_FUNCTIONS", "RNN_CALL", "Cell", "Chain", "chains_in", "depends_on", "loop_label", "loop_params"]

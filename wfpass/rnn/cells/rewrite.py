@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ...config import default_seq_threshold
-from ...graph import PassContext, meta_value, static_int
+from ...core.graph import PassContext, meta_value, static_int
 from .match import RNN_CALL, Chain, depends_on
 from ..eager import CellLoopCall
 from ..rewrite import new_group

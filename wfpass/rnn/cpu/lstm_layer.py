@@ -24,10 +24,10 @@ from typing import Dict
 
 import torch
 
-from ...graph import static_int
+from ...core.graph import static_int
 from ..._torch import aot as _aot, kernels as _kernels
 from ..ops import define_rnn_op
-from . import lstm_pack as _lstm_pack
+from . import lstm_prepack as _lstm_prepack
 
 __all__ = ["workspace_numel", "zero_states"]
 
@@ -58,9 +58,9 @@ def zero_states(input, hidden_size, *states):
 def _lstm_layer(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, has_biases, train):
     hx, cx = zero_states(input, hidden_size, hx, cx)
     if not train:  # inference: from the pair's copy in oneDNN's layout where it has one (lstm_pack.py)
-        packed = _lstm_pack.packed_pair(input, w_ih, w_hh, reverse, hidden_size, has_biases)
+        packed = _lstm_prepack.packed_pair(input, w_ih, w_hh, reverse, hidden_size, has_biases)
         if packed is not None:
-            _lstm_pack.count_python_call(w_ih)
+            _lstm_prepack.count_python_call(w_ih)
             w_ih, w_hh = packed
     prev = torch.is_grad_enabled()
     torch.set_grad_enabled(train)  # the kernel returns its workspace only with grad mode on
@@ -166,7 +166,7 @@ def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
     return (*grads, None, None, None, None)
 
 
-# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# The C++ kernels (``native/rnn/rnn.cpp``) take the CPU key, which comes
 # before these registrations once they are loaded.
 _LIB = define_rnn_op("lstm_layer", _ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD,
                      forward=_lstm_layer, forward_fake=_lstm_layer_fake, backward=_lstm_layer_backward,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import define_rnn_op
-from ..._torch import native as _native
+from ... import native as _native
 from .lstm_layer import zero_states
 
 __all__ = ["MODES"]
@@ -102,7 +102,7 @@ def _gates_backward(x, w_ih, w_hh, b_ih, b_hh, h0, out, gout, ghy):
     k_r = a_n * gh[:, :, 2] * r * (1 - r)
     k_z = (h_prev - n) * z * (1 - z)
     k_h = torch.stack([k_r, k_z, a_n * r], 2)  # recurrent side: n's part is scaled by r
-    if _native.is_loaded():  # the same loop in C++ (_torch/native/rnn.cpp)
+    if _native.is_loaded():  # the same loop in C++ (native/rnn/rnn.cpp)
         dgh, dh_all, carry = torch.ops.wfpass._gru_grad_loop(k_h, z, w_hh, gout, ghy)
     else:
         dgh = torch.empty_like(k_h)
@@ -184,7 +184,7 @@ def _grad(ctx, g_out, g_hy):
             None, None)
 
 
-# The C++ kernels (``_torch/native/rnn.cpp``) take the CPU key, which comes
+# The C++ kernels (``native/rnn/rnn.cpp``) take the CPU key, which comes
 # before these registrations once they are loaded.
 _LIB = define_rnn_op("rnn_layer", _ARGS, "(Tensor, Tensor)", _BACKWARD, forward=_rnn_layer,
                      forward_fake=_rnn_layer_fake, backward=_rnn_layer_backward,

@@ -42,7 +42,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ..._torch import aot as _aot, kernels as _kernels
-from ...graph import static_int
+from ...core.graph import static_int
 from .cudnn_grads import buffer_numel, grad_buffer, weight_grads
 from ..ops import define_rnn_op
 

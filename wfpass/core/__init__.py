@@ -1,0 +1,1 @@
+"""What every format shares: the graph view a format reads (``graph``), groups of parameters moved into one block (``groups``, ``storage``), the records of every decision and the report (``records``, ``notes``, ``history``, ``stats``), and what runs per call (``runtime``, ``bodies``)."""

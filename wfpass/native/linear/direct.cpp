@@ -1,0 +1,207 @@
+// The "direct" linear kernel: Y = X . W^T for a float32 weight as the
+// Parameter holds it ([N, K], row-major), no copy. Why: at the row counts
+// of decoding (1-16 rows) a linear is a few dot products per output, and
+// the plain GEMM (ATen's addmm on MKL) reads a row-major weight slowly
+// there; the other fast kernels (oneDNN's packed linear, the "brgemm"
+// panels) need a copy of the weight in their own layout, as many bytes as
+// the weight. Here each output is a dot product of an input row and a
+// weight row, 16 of them at a time with AVX-512 (a block of 1 x 16, 2 x 8
+// or 4 x 4 input rows x weight rows, 8 with AVX2), their sums reduced
+// together in one shuffle tree (direct_kernel.h). On a 2-core AMD EPYC
+// with AVX-512, 1 thread, the weight cycling through 16 MiB of copies as a
+// model's calls find it (benchmarks/brgemm_kernel.py --pool-mib 16): a
+// 2752x256 weight at 2 / 8 rows took 84 / 154 us, against 209 / 363 us
+// plain and 185 / 210 us from the brgemm copy (docs/pack.md, "direct").
+//
+// direct_kernel.h is compiled twice, under __attribute__((target("avx512f")))
+// and target("avx2,fma"), one picked at run time (isa()), so the library
+// itself still builds for any x86-64 CPU.
+// Built and loaded by wfpass/native/__init__.py; checked on torch
+// 2.11.0, 2.13.0 and 2.15.0.
+#include "direct.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WFPASS_DIRECT_X86 1
+#endif
+
+namespace wfpass_direct {
+
+namespace {
+
+enum class Kind { none, avx2, avx512 };
+
+Kind probe() {
+  const char* env = std::getenv("WFPASS_DIRECT");
+  std::string v(env != nullptr ? env : "");
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "0" || v == "false" || v == "no" || v == "off") return Kind::none;
+#ifdef WFPASS_DIRECT_X86
+  // WFPASS_DIRECT=avx2 runs the AVX2 kernel on an AVX-512 CPU too: how the
+  // tests check both on one machine.
+  if (__builtin_cpu_supports("avx512f") && v != "avx2") return Kind::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Kind::avx2;
+#endif
+  return Kind::none;
+}
+
+Kind kind() {
+  static const Kind k = probe();
+  return k;
+}
+
+#ifdef WFPASS_DIRECT_X86
+// The library is built with -O2 (native/__init__.py), where GCC leaves the
+// loops over a register block rolled and the accumulators in memory (4x
+// slower at 8 rows): the kernel's loops carry `#pragma GCC unroll`.
+namespace avx512 {
+#define WFPASS_TARGET __attribute__((target("avx512f")))
+#define WFPASS_TARGET_INLINE __attribute__((target("avx512f"), always_inline)) inline
+
+struct Isa {
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int W = 16, ACC = 16;
+  WFPASS_TARGET_INLINE static V zero() { return _mm512_setzero_ps(); }
+  WFPASS_TARGET_INLINE static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  WFPASS_TARGET_INLINE static V load(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+  WFPASS_TARGET_INLINE static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  WFPASS_TARGET_INLINE static Mask tail(int64_t n) { return static_cast<Mask>((1u << n) - 1); }
+  // reduce16 below leaves the sum of v[4 j + l] at element 4 l + j.
+  static constexpr int slot(int p) { return 4 * (p % 4) + p / 4; }
+  // The sums of 16 vectors' lanes at once: two 128-bit-lane shuffle stages,
+  // then in-lane unpacks, ~30 instructions where 16 separate reductions take ~130.
+  WFPASS_TARGET_INLINE static void sums(const V* v, float* out) {
+    V s[8], r[4];
+#pragma GCC unroll 16
+    for (int i = 0; i < 8; ++i)
+      s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 16
+    for (int i = 0; i < 4; ++i)
+      r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    const V a = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+    const V b = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE)));
+  }
+};
+
+#include "direct_kernel.h"
+
+#undef WFPASS_TARGET
+#undef WFPASS_TARGET_INLINE
+}  // namespace avx512
+
+namespace avx2 {
+#define WFPASS_TARGET __attribute__((target("avx2,fma")))
+#define WFPASS_TARGET_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+
+struct Isa {
+  using V = __m256;
+  using Mask = __m256i;
+  static constexpr int W = 8, ACC = 8;
+  WFPASS_TARGET_INLINE static V zero() { return _mm256_setzero_ps(); }
+  WFPASS_TARGET_INLINE static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  WFPASS_TARGET_INLINE static V load(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+  WFPASS_TARGET_INLINE static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  WFPASS_TARGET_INLINE static Mask tail(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static constexpr int slot(int p) { return p; }
+  // The sums of 8 vectors' lanes at once (horizontal adds, then the two
+  // 128-bit halves): element p is the sum of v[p].
+  WFPASS_TARGET_INLINE static void sums(const V* v, float* out) {
+    const V g0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const V g1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31)));
+  }
+};
+
+#include "direct_kernel.h"
+
+#undef WFPASS_TARGET
+#undef WFPASS_TARGET_INLINE
+}  // namespace avx2
+#endif
+
+}  // namespace
+
+bool available() { return kind() != Kind::none; }
+
+const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::avx2 ? "avx2" : ""; }
+
+void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                   const float* bias, float* y, int64_t ldy) {
+#ifdef WFPASS_DIRECT_X86
+  TORCH_CHECK(available(), "wfpass::_direct_linear: not available on this CPU");
+  const bool wide = kind() == Kind::avx512;
+  const int64_t blocks = (N + 15) / 16;
+  // Blocks of 16 weight rows per thread: at least ~256K multiply-adds each
+  // (a 384x256 weight at one row, 98K, runs on one thread rather than pay
+  // the threads' start).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t r0 = b0 * 16, r1 = std::min(N, b1 * 16);
+    if (wide)
+      avx512::rows_of(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+    else
+      avx2::rows_of(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+  });
+#else
+  (void)M, (void)N, (void)K, (void)x, (void)ldx, (void)w, (void)ldw, (void)bias, (void)y, (void)ldy;
+  TORCH_CHECK(false, "wfpass::_direct_linear: not built for this CPU");
+#endif
+}
+
+// Every shape, dtype and stride is checked before a pointer is read.
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wfpass_direct::available(),
+              "wfpass::_direct_linear: needs an x86-64 CPU with AVX-512F or AVX2 and FMA (and WFPASS_DIRECT not off)");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
+              "wfpass::_direct_linear: expected a 2-D float32 CPU weight, got ", w.scalar_type(), " of shape ",
+              w.sizes(), " on ", w.device());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+              "wfpass::_direct_linear: input of shape ", x.sizes(), " and dtype ", x.scalar_type(),
+              " for a float32 weight with ", K, " input features");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                    bias->numel() == N,
+                "wfpass::_direct_linear: bias of shape ", bias->sizes(), " for ", N, " output features");
+    b = bias->contiguous();
+  }
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t M = N > 0 ? y.numel() / N : 0;
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return b.defined() ? y.copy_(b.expand_as(y)) : y.zero_();
+  // The weight's rows may be apart (a leading dim past K); its elements in a row must be adjacent.
+  const at::Tensor wc = (w.stride(1) == 1 && w.stride(0) >= K) ? w : w.contiguous();
+  const at::Tensor x2 = x.reshape({M, K}).contiguous();
+  wfpass_direct::direct_linear(M, N, K, x2.const_data_ptr<float>(), K, wc.const_data_ptr<float>(), wc.stride(0),
+                               b.defined() ? b.const_data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+  return y;
+}
+
+}  // namespace wfpass_direct
+
+TORCH_LIBRARY_FRAGMENT(wfpass, m) {
+  m.def("_direct_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("native_direct() -> bool", []() { return wfpass_direct::available(); });
+  m.def("native_direct_isa() -> str", []() { return std::string(wfpass_direct::isa()); });
+}
+
+TORCH_LIBRARY_IMPL(wfpass, CPU, m) { m.impl("_direct_linear", wfpass_direct::linear_op); }
