@@ -65,7 +65,7 @@ def run(kind: str, args) -> list:
     for name, (ac, backend) in variants.items():
         m = own_code(copy.deepcopy(base))
         fn = m if backend is None else torch.compile(m, backend=backend)
-        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-5)  # small enough that 20+ steps stay on one trajectory
         try:
             outs = [_step(m, fn, opt, x, R, ac).detach().float() for _ in range(3)]  # compile, warm up
             state[name] = (m, fn, opt, ac, outs)

@@ -93,9 +93,9 @@ def test_results_table_is_short_and_names_its_machines():
         # A source, where given, is a committed results page.
         for target in re.findall(r"\]\((docs/[^)#]+)", cells[3]):
             assert target.startswith("docs/results/") and (ROOT / target).exists(), row
-    assert sum("](docs/results/" in r for r in rows) >= len(rows) - 1
-    # Both vendors' figures for the decoder, each with its own machine.
-    assert any("AMD EPYC" in r and "decoder" in r for r in rows) and any("Intel Xeon" in r for r in rows)
+    assert all("](docs/results/" in r for r in rows), [r for r in rows if "](docs/results/" not in r]
+    # The decoder's figures on more than one CPU, each with its own machine: they differ by vendor and ISA.
+    assert len({c.split("|")[3].strip() for c in rows if "decoder" in c}) >= 2
 
 
 def test_readme_is_short():

@@ -24,7 +24,7 @@ from ..core.storage import first_unmovable
 from .match import RnnCall
 from .spec import GATES, RnnSpec
 
-__all__ = ["call_problem", "autocast_cast"]
+__all__ = ["call_problem", "autocast_cast", "emulates_half"]
 
 
 def call_problem(s: RnnCall, ctx: PassContext) -> Optional[str]:
@@ -101,6 +101,19 @@ def autocast_cast(mode: str, x_dtype: torch.dtype, w_dtype: torch.dtype, device:
         return x_dtype, x_dtype
     compute = low if w_dtype == torch.float32 else w_dtype
     return compute, (compute if mode == "LSTM" else x_dtype)
+
+
+def emulates_half(device: str, dtype: torch.dtype) -> bool:
+    """Does a call autocast runs in ``dtype`` compute in float32 here, from
+    its input, states and weights rounded to ``dtype``? On a CPU without the
+    instructions for ``dtype`` (no AVX-512 BF16 / AMX / AVX-512 FP16), where
+    oneDNN and ATen emulate half-precision GEMMs and a bf16 RNN ran 3-10x
+    slower than a float32 one (docs/results/rnn_autocast_1thread.md): the
+    float32 kernels then read the same rounded values and accumulate in
+    float32, as a half-precision GEMM does, and the output is rounded back.
+    The state between steps keeps float32 (closer to float32 training than
+    eager autocast, never farther)."""
+    return device == "cpu" and dtype in (torch.bfloat16, torch.float16) and not _kernels.onednn_cpu_flag(dtype)
 
 
 def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional[str]]:

@@ -266,7 +266,8 @@ class RnnForward:
 
     def __init__(self, spec: RnnSpec, path: str, train: bool, cast=None):
         self.spec, self.path, self.train = spec, path, train
-        # Under autocast: (compute dtype, output dtype) (``guards.autocast_cast``).
+        # Under autocast: (autocast dtype, output dtype[, compute dtype]) (``guards.autocast_cast``,
+        # ``guards.emulates_half``: rounded to the autocast dtype, computed in float32).
         self.cast = cast
         self.__name__ = self.__qualname__ = f"rnn_{path}"
 
@@ -275,12 +276,15 @@ class RnnForward:
     def __call__(self, x, hx, *weights):
         if self.cast is None:
             return self._run(x, hx, *weights)
-        dt, out_dt = self.cast
+        dt, out_dt, compute = self.cast[0], self.cast[1], self.cast[-1]
 
         def to(t):
-            return t if t is None or t.dtype == dt else t.to(dt)
+            if t is None:
+                return t
+            t = t if t.dtype == dt else t.to(dt)
+            return t if compute == dt else t.to(compute)  # rounded to dt, computed in float32 (guards.emulates_half)
         # Casts the compiler sees (their gradient formulas take the grads
-        # back to float32); inside, autocast off: every op runs in ``dt``.
+        # back to float32); inside, autocast off: every op runs in ``compute``.
         with torch.autocast(x.device.type, enabled=False):
             outs = self._run(to(x), [to(h) for h in hx], *[to(w) for w in weights])
         return tuple(o if o is None or o.dtype == out_dt else o.to(out_dt) for o in outs)

@@ -28,6 +28,7 @@ from .match import RnnCall
 from .varlen.sequence import PackedRnnForward
 from .cpu import lstm_prepack as _lstm_prepack
 from .paths import RnnForward
+from .guards import emulates_half
 from .plan import RnnPlan, choose_path, plan_call
 from .spec import RnnSpec, zero_state
 
@@ -99,11 +100,19 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
                                         "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
                                         "them symbolic); the kernel is then chosen as for those static sizes")
     if s.cast is not None:
-        if s.cast[0] != v.dtype:
+        if emulates_half(v.device.type, s.cast[0]):  # rounded to the half dtype, computed in float32
+            s.cast = (s.cast[0], s.cast[1], torch.float32)
+        compute = s.cast[-1]
+        if compute != v.dtype:
             with v.fake_mode:  # the kernels are chosen for the dtype the call computes in
-                v = v.to(s.cast[0])
-        words = (f"under autocast runs in {s.cast[0]} (input, states and weights cast per call; "
-                 f"gradients reach the {s.weights[0].tensor.dtype} Parameters), returns {s.cast[1]}")
+                v = v.to(compute)
+        if compute == s.cast[0]:
+            words = (f"under autocast runs in {s.cast[0]} (input, states and weights cast per call; "
+                     f"gradients reach the {s.weights[0].tensor.dtype} Parameters), returns {s.cast[1]}")
+        else:
+            words = (f"under autocast input, states and weights are rounded to {s.cast[0]} per call and computed in "
+                     f"float32 (this CPU has no {s.cast[0]} instructions, where {s.cast[0]} kernels are slower than "
+                     f"float32 ones; gradients reach the {s.weights[0].tensor.dtype} Parameters), returns {s.cast[1]}")
         if record.detail.get("autocast") != words:
             record.detail["autocast"] = words
             record.reason += f"; {words}"
