@@ -4,7 +4,7 @@ how many (T, batch) points, and wformat's speed against eager and against
 the highest ratio, with and without CUDA graphs. A point measured in two
 pages counts once per page (each is one interleaved measurement).
 
-    python benchmarks/gpu_summary.py docs/gpu_grid_h100_run1.md docs/gpu_grid_h100_run2.md
+    python benchmarks/gpu_summary.py docs/results/gpu_grid_h100_run1.md docs/results/gpu_grid_h100_run2.md
 """
 from __future__ import annotations
 

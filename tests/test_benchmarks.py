@@ -66,18 +66,18 @@ def test_packed_threads_profile_runs():
 
 
 def test_gpu_summary_reads_the_committed_pages():
-    """``gpu_summary.py`` made docs/gpu_grid_h100.md's summary from the two
+    """``gpu_summary.py`` made docs/results/gpu_grid_h100.md's summary from the two
     pages beside it: the same table comes out of them again, and a page's
     ratios are the baseline's time / wformat's."""
     mod = _load("gpu_summary")
-    pages = [str(ROOT / "docs" / f"gpu_grid_h100_run{i}.md") for i in (1, 2)]
+    pages = [str(ROOT / "docs" / "results" / f"gpu_grid_h100_run{i}.md") for i in (1, 2)]
     rows = mod.read_pages(pages)
     lm = rows[("LSTM LM", "inference")]
     assert len({(r["T"], r["batch"]) for r in lm}) == 12
     r = next(r for r in lm if (r["T"], r["batch"]) == ("1", "1"))
     assert float(r["eager"]) / float(r["wformat"]) == pytest.approx(float(r["x faster than eager"]), abs=0.006)
     table = mod.summary(rows)
-    assert table in (ROOT / "docs" / "gpu_grid_h100.md").read_text()
+    assert table in (ROOT / "docs" / "results" / "gpu_grid_h100.md").read_text()
 
 
 def test_host_cost_benchmark_runs_quick_and_its_tables_add_up(tmp_path):

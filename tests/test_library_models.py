@@ -109,7 +109,7 @@ def test_forecasting_subclass_keeps_its_forward(cls):
 
 
 def test_failed_compile_leaves_the_model_as_it_was():
-    """The inner compiler raises: the RNN keeps no wfpass attribute, its
+    """The inner compiler raises: the RNN keeps no forward wrapper, its
     weights stay where they were, and the model runs eagerly as before."""
 
     def broken(gm, example_inputs):
@@ -123,7 +123,8 @@ def test_failed_compile_leaves_the_model_as_it_was():
     fn = torch.compile(seq, backend=wfpass.backend(inner=broken))
     with pytest.raises(Exception, match="inner compiler broke"):
         fn(torch.randn(5, 2, 4))
-    assert not {"forward", "check_forward_args"} & set(model.rnn.__dict__)
+    # The forward wrapper goes; the argument check that names the RNN in eager's errors stays.
+    assert "forward" not in model.rnn.__dict__
     assert [p.untyped_storage().data_ptr() for p in model.rnn.parameters()] == ptrs
     ref = copy.deepcopy(model)
     x = torch.randn(5, 2, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import types
 from typing import Optional
 
@@ -373,24 +374,27 @@ def _nodes_the_cache_checks(gm: torch.fx.GraphModule) -> set:
     return needed
 
 
-def on_compile_end(fn) -> bool:
-    """Call ``fn(failed)`` after each Dynamo frame compile, ``failed`` True
-    where it ended in an exception (the frame then runs eagerly or the user
-    sees the error; nothing of it is cached). Dynamo runs its end callbacks
-    in a ``finally`` (``callback_handler.install_callbacks``,
-    torch/_dynamo/callback.py, torch 2.13.0), where the exception on its way
-    out is ``sys.exc_info()``. False where this torch has no such hook."""
-    import sys
+_END_CALLBACKS: dict = {}  # fn -> the end callback registered for it
 
+
+def on_compile_end(fn) -> bool:
+    """Have ``fn(failed)`` called after each Dynamo frame compile (``failed``:
+    it raised; nothing of it is cached). Dynamo runs end callbacks in a
+    ``finally`` (``callback_handler.install_callbacks``, torch 2.13.0),
+    where the exception on its way out is ``sys.exc_info()``;
+    ``torch._dynamo.reset()`` clears them, so this registers ``fn`` again
+    where missing. False where this torch has no such hook."""
     handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
     if handler is None or not hasattr(handler, "register_end_callback"):
         return False
-
-    def end(_args) -> None:
-        try:
-            fn(sys.exc_info()[1] is not None)
-        except Exception:  # never fail a compile over this
-            pass
-
-    handler.register_end_callback(end)
+    end = _END_CALLBACKS.get(fn)
+    if end is None:
+        def end(_args) -> None:
+            try:
+                fn(sys.exc_info()[1] is not None)
+            except Exception:  # never fail a compile over this
+                pass
+        _END_CALLBACKS[fn] = end
+    if end not in getattr(handler, "end_callbacks", ()):
+        handler.register_end_callback(end)
     return True

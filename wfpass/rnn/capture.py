@@ -54,18 +54,15 @@ def name_errors(module: nn.Module, path: str) -> None:
 
 #: Modules given an attribute during the Dynamo compile in progress (weakly).
 _INSTALLED_NOW: "weakref.WeakSet" = weakref.WeakSet()
-_HOOKED: list = [False]
 
 
 def _installed_now(module: nn.Module) -> None:
     """Remember ``module`` until the compile in progress ends: if it fails,
-    what ``name_errors`` installed goes again, so a compile that raised
-    leaves the model exactly as it was (a compile that succeeded keeps it:
+    the forward wrapper ``name_errors`` installed goes again, so a compile
+    that raised leaves the module's forward as it was (a compile that succeeded keeps it:
     the compiled graph's guards hold the attribute, and removing it would
     recompile at every call)."""
-    if not _HOOKED[0]:
-        _HOOKED[0] = True
-        _dynamo.on_compile_end(_compile_ended)
+    _dynamo.on_compile_end(_compile_ended)  # again where torch._dynamo.reset() cleared it
     _INSTALLED_NOW.add(module)
 
 
@@ -73,8 +70,11 @@ def _compile_ended(failed: bool) -> None:
     modules = list(_INSTALLED_NOW)
     _INSTALLED_NOW.clear()
     if failed:
+        # The forward wrapper goes; the named argument check stays: Dynamo
+        # runs a frame that failed to compile eagerly, and the check's error
+        # then names the RNN (same exception type, eager's message after it).
         for m in modules:
-            unname_errors(m)
+            uninstall_forward(m)
 
 
 def unname_errors(module: nn.Module) -> bool:
