@@ -81,8 +81,9 @@ class FuseRnn(Format):
         spec = s.spec
         s.plan = f"{spec.name}: {spec.summary()}"
         if s.batch_sizes is not None:
-            path = plan_call(spec, s.weights[0].tensor, None, spec.threshold, trains(s), varlen=True).path
-            s.plan += "; a variable-length batch (pack_padded_sequence): " + VARLEN_SUMMARY[path]
+            s.kernel_plan = plan_call(spec, s.weights[0].tensor, None, spec.threshold, trains(s), varlen=True,
+                                      cast=s.cast)  # the rewrite takes this one
+            s.plan += "; a variable-length batch (pack_padded_sequence): " + VARLEN_SUMMARY[s.kernel_plan.path]
         if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
             s.plan += planned_kernels(ctx, s, packs=ctx.config.pack.mode != "off")
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,

@@ -77,10 +77,11 @@ def _autocast_dtype(device: str) -> torch.dtype:
 
 
 def autocast_cast(mode: str, x_dtype: torch.dtype, w_dtype: torch.dtype, device: str,
-                  packed: bool = False) -> Optional[Tuple[torch.dtype, torch.dtype]]:
+                  packed: bool = False) -> Optional[Tuple[torch.dtype, ...]]:
     """Under ``torch.autocast`` on ``device`` (enabled now, while the graph
     compiles: Dynamo guards the autocast state), the dtype the RNN call
-    computes in and the dtype it returns, as eager gives them; None where
+    computes in and the dtype it returns, as eager gives them (and, where
+    ``emulates_half``, float32 as the dtype it really computes in); None where
     autocast leaves the call mixed (weights that are not float32 and not
     the input's dtype).
 
@@ -99,8 +100,11 @@ def autocast_cast(mode: str, x_dtype: torch.dtype, w_dtype: torch.dtype, device:
         return None
     if packed:
         return x_dtype, x_dtype
-    compute = low if w_dtype == torch.float32 else w_dtype
-    return compute, (compute if mode == "LSTM" else x_dtype)
+    half = low if w_dtype == torch.float32 else w_dtype
+    out = half if mode == "LSTM" else x_dtype
+    # (autocast dtype, output dtype[, compute dtype]): rounded to ``half``,
+    # computed in float32 where this CPU has no instructions for it.
+    return (half, out, torch.float32) if emulates_half(device, half) else (half, out)
 
 
 def emulates_half(device: str, dtype: torch.dtype) -> bool:

@@ -65,7 +65,7 @@ class RnnCall(Match):
         self.name = ""  # for messages: display_name, or the label of a folded cell loop
         self.batch_sizes: Optional[fx.Node] = None  # a packed batch's sizes (``wfpass::packed_rnn``)
         # Under autocast: (the dtype the call computes in, the dtype it returns) (``guards.autocast_cast``).
-        self.cast: Optional[Tuple[torch.dtype, torch.dtype]] = None
+        self.cast: Optional[Tuple[torch.dtype, ...]] = None
         self.kernel_plan = None  # its ``plan.RnnPlan``, once the rewrite (or a dry run) decided it
 
 

@@ -28,7 +28,6 @@ from .match import RnnCall
 from .varlen.sequence import PackedRnnForward
 from .cpu import lstm_prepack as _lstm_prepack
 from .paths import RnnForward
-from .guards import emulates_half
 from .plan import RnnPlan, choose_path, plan_call
 from .spec import RnnSpec, zero_state
 
@@ -100,9 +99,7 @@ def _dynamo_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
                                         "Dynamo's config capture_dynamic_output_shape_ops=True keeps "
                                         "them symbolic); the kernel is then chosen as for those static sizes")
     if s.cast is not None:
-        if emulates_half(v.device.type, s.cast[0]):  # rounded to the half dtype, computed in float32
-            s.cast = (s.cast[0], s.cast[1], torch.float32)
-        compute = s.cast[-1]
+        compute = s.cast[-1]  # float32 where the half dtype is emulated (guards.autocast_cast)
         if compute != v.dtype:
             with v.fake_mode:  # the kernels are chosen for the dtype the call computes in
                 v = v.to(compute)
@@ -131,7 +128,7 @@ def _packed_call(ctx: PassContext, s: RnnCall, site: GroupSite) -> fx.Node:
     batch on the CPU, cuDNN's packed mode on CUDA."""
     spec, record, g = s.spec, site.record, ctx.gm.graph
     w_nodes = [r.node for r in s.weights]
-    plan = s.kernel_plan = call_plan(ctx, s, None)
+    plan = s.kernel_plan = s.kernel_plan or call_plan(ctx, s, None)  # the guard's, where it made one
     path = plan.path
     record.detail["variable_lengths"] = ("a variable-length batch (pack_padded_sequence): each sequence's valid steps only; "
                                          "no threshold (the lengths are data)")

@@ -15,17 +15,6 @@ from typing import List
 __all__ = ["doctor", "lines", "cpu_words"]
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_words() -> str:
     """The CPU as a results page names it: model, vendor and the instruction
     sets wfpass's kernels pick from ("AMD EPYC (AuthenticAMD; avx2, fma,
@@ -42,6 +31,8 @@ def cpu_words() -> str:
         pass
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
     isa = ", ".join(f for f in wanted if f in flags) or platform.machine()
+    from ..prepack.choose import _cpu_name  # the model name the kernel decisions are keyed by
+
     return f"{_cpu_name()} ({vendor or 'vendor unknown'}; {isa})"
 
 
