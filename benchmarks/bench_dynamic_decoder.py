@@ -80,9 +80,9 @@ def variants(shape: dict, split: bool) -> Dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     base = bench_models.Decoder(**shape)
     out = {"eager": base}
-    backends = {"inductor": "inductor", "wformat": "wformat", "wformat pack off": wfpass.backend(pack={"mode": "off"})}
+    backends = {"inductor": "inductor", "wformat": "wformat", "wformat pack off": wfpass.backend(prepack={"mode": "off"})}
     if split:
-        backends["wformat split"] = wfpass.backend(pack={"mode": "off"}, linear={"path": "split"})
+        backends["wformat split"] = wfpass.backend(prepack={"mode": "off"}, linear={"path": "split"})
     for name, backend in backends.items():
         model = fresh_decoder_class(name.replace(" ", "_"))(**shape)
         model.load_state_dict(base.state_dict())
@@ -141,8 +141,8 @@ def group_cost(rounds: int) -> List[str]:
 
     torch.manual_seed(0)
     base = make("base")
-    backends = {"inductor": "inductor", "wformat pack off": wfpass.backend(pack={"mode": "off"}),
-                "wformat split": wfpass.backend(pack={"mode": "off"}, linear={"path": "split"})}
+    backends = {"inductor": "inductor", "wformat pack off": wfpass.backend(prepack={"mode": "off"}),
+                "wformat split": wfpass.backend(prepack={"mode": "off"}, linear={"path": "split"})}
     fns = {}
     for name, backend in backends.items():
         m = make(name.replace(" ", "_"))

@@ -19,7 +19,7 @@ with the same new weights.
 ``--train``: a training step (forward, ``(logits * R).sum()`` backward, SGD
 step) of the bf16 decoder at 8, 64 and 512 rows, Inductor default against
 wformat (packing off in training, its default) and wformat with
-``pack.training=True``.
+``prepack.training=True``.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def _train_worker(model, variant: str, out) -> None:
     elif variant == "wformat":
         fwd = torch.compile(model.model.forward, backend="wformat")
     elif variant == "wformat-pack-training":
-        fwd = torch.compile(model.model.forward, backend=wfpass.backend(pack={"training": True, "mode": "always"}))
+        fwd = torch.compile(model.model.forward, backend=wfpass.backend(prepack={"training": True, "mode": "always"}))
     else:
         fwd = model.model.forward
     steps = train_steps(model, fwd)
@@ -335,7 +335,7 @@ def _train_md(train_results) -> list:
                          f"{med['inductor'] / med['wformat']:.2f}", f"{med['wformat-pack-training']:.1f}",
                          f"{med['inductor'] / med['wformat-pack-training']:.2f}"])
     lines.append(markdown_table(["model", "threads", "rows", "Inductor", "wformat (packing off in training)", "x faster",
-                                 "wformat, pack.training=True", "x faster"], body))
+                                 "wformat, prepack.training=True", "x faster"], body))
     return lines
 
 

@@ -1,6 +1,6 @@
 """The bench decoder at one token (static decode) under Inductor and under
 wformat with the default budget for packed copies, without a budget, with
-packing off and with ``pack.mode="always"``: every variant its own deep copy
+packing off and with ``prepack.mode="always"``: every variant its own deep copy
 and its own forward code object in one process, 9 interleaved rounds of
 ~0.2 s, medians and the median of per-round ratios; then what the report
 says of the fused gate/up weight (its kernel and copy's bytes).
@@ -26,9 +26,9 @@ def main() -> None:
     base = Decoder().eval()
     x = torch.randn(1, 1, 256)
     specs = {"inductor": "inductor", "wformat": "wformat",
-             "wformat, no budget": wfpass.backend(pack={"max_bytes": None}),
-             "wformat, packing off": wfpass.backend(pack={"mode": "off"}),
-             "wformat, pack always": wfpass.backend(pack={"mode": "always"})}
+             "wformat, no budget": wfpass.backend(prepack={"max_bytes": None}),
+             "wformat, packing off": wfpass.backend(prepack={"mode": "off"}),
+             "wformat, pack always": wfpass.backend(prepack={"mode": "always"})}
     variants = {}
     for name, be in specs.items():
         m = own_code(copy.deepcopy(base))  # a forward code object of its own
@@ -52,7 +52,7 @@ def main() -> None:
         x_ind = statistics.median(a / b for a, b in zip(res["inductor"], res[name]))
         print(f"| {name} | {statistics.median(res[name]):.3f} | {x_ind:.2f} |")
     for name in ("wformat", "wformat, no budget"):
-        rows = [r for r in wfpass.report(variants[name][0]).find("pack") if r.params[0].endswith("gate.weight")]
+        rows = [r for r in wfpass.report(variants[name][0]).find("prepack") if r.params[0].endswith("gate.weight")]
         print(f"\n{name}, the fused gate/up weights:")
         for r in rows:
             print(f"  {r.params[0]}: {r.action}; {r.reason.split('; M=1: ')[-1][:160]}")

@@ -72,7 +72,7 @@ def rss_parts_mb() -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("wformat", "inductor"), required=True)
-    ap.add_argument("--max-bytes", default="weights", help="wformat's pack.max_bytes: weights, none or a number; off: packing off")
+    ap.add_argument("--max-bytes", default="weights", help="wformat's prepack.max_bytes: weights, none or a number; off: packing off")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warm", action="store_true", help="pay one-time costs on a small model first")
     ap.add_argument("--sweep", type=int, default=0, help="call at every length 1..N instead")
@@ -92,7 +92,7 @@ def main() -> None:
     if args.backend == "wformat":
         mb = None if args.max_bytes in ("none", "off") else ("weights" if args.max_bytes == "weights" else int(args.max_bytes))
         pack = {"mode": "off"} if args.max_bytes == "off" else {"max_bytes": mb}
-        backend = wfpass.backend(pack=pack)
+        backend = wfpass.backend(prepack=pack)
     else:
         backend = "inductor"
     if args.warm:
@@ -127,7 +127,7 @@ def main() -> None:
            "rss_growth_after_trim_mb": trimmed, "weights_mb": round(weights / 2**20, 1),
            **parts, "calls_s": round(calls_s, 1)}
     if args.backend == "wformat":
-        rows = wfpass.report(model).find("pack", "rewritten")
+        rows = wfpass.report(model).find("prepack", "rewritten")
         out["packed_alive_mb"] = round(pk.packed_bytes_alive() / 2**20, 1)
         out["rows_packed_bytes_mb"] = round(sum(r.stats.get("packed_bytes", 0) for r in rows) / 2**20, 1)
         out["over_bound_calls"] = sum(r.stats.get("over_bound_calls", 0) for r in rows)

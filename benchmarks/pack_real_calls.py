@@ -6,7 +6,7 @@ cycling through copies (``wfpass/prepack/choose.py``). This checks it where
 it counts: the bench's LLaMA-like decoder (4 layers, d 256, 8 heads / 2 KV
 heads, FF 1376) compiled twice, each its own classes and code objects,
 ``wformat`` (its defaults: the packed kernels it chose) and ``wformat``
-with ``pack.mode="off"`` (the same graphs, every linear the plain GEMM),
+with ``prepack.mode="off"`` (the same graphs, every linear the plain GEMM),
 both called at 1, 8, 8, 5, 8, 8, 3 tokens (a static graph for 1 token, then
 Dynamo's recompile with the length symbolic), then timed at 1, 5 and 8
 tokens under ``torch.profiler``. For each linear shape (weight rows x
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     base = fresh_decoder_class("base")(**shape).eval()
     variants = {}
-    for name, backend in {"chosen": "wformat", "plain": wfpass.backend(pack={"mode": "off"})}.items():
+    for name, backend in {"chosen": "wformat", "plain": wfpass.backend(prepack={"mode": "off"})}.items():
         model = fresh_decoder_class(name)(**shape).eval()
         model.load_state_dict(base.state_dict())
         variants[name] = (model, torch.compile(model, backend=backend))

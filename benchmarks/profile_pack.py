@@ -2,7 +2,7 @@
 
     python benchmarks/profile_pack.py [--rows 2752] [--k 512] [--dtype bfloat16] [--rounds 7]
 
-One linear (no bias) compiled with ``pack={"mode": "always"}``, one token;
+One linear (no bias) compiled with ``prepack={"mode": "always"}``, one token;
 interleaved in one process, medians over rounds, 1 thread:
 
 * ``kernel``: oneDNN's packed linear called directly on the packed copy;
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
     model = nn.Sequential(nn.Linear(a.k, a.rows, bias=False)).to(dtype).eval()
-    compiled = torch.compile(model, backend=wfpass.backend(pack={"mode": "always"}))
+    compiled = torch.compile(model, backend=wfpass.backend(prepack={"mode": "always"}))
     x = torch.randn(1, 1, a.k, dtype=dtype)
     with torch.no_grad():
         compiled(x)

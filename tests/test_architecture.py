@@ -282,7 +282,7 @@ RNN_KERNELS = ("wfpass.rnn.cpu", "wfpass.rnn.cuda")
 #: What the kernels never import: the format's matcher, guards and rewrite,
 #: the cell loops', the paths that choose between kernels, and the code that
 #: runs while Dynamo captures an RNN or a packed batch. Of the format, a
-#: kernel sees ``rnn.ops`` (how an RNN op is defined) and ``rnn.packed.meta``.
+#: kernel sees ``rnn.ops`` (how an RNN op is defined) and ``rnn.varlen.meta``.
 RNN_FORMAT_SIDE = ("wfpass.rnn.match", "wfpass.rnn.guards", "wfpass.rnn.rewrite", "wfpass.rnn.capture",
                    "wfpass.rnn.eager_calls", "wfpass.rnn.paths", "wfpass.rnn.auto", "wfpass.rnn.eager",
                    "wfpass.rnn.cells", "wfpass.rnn.varlen.sequence")
@@ -446,7 +446,7 @@ def test_each_built_in_format_has_one_home():
     from wfpass.builtin import BUILTIN_FORMATS
 
     homes = {"fuse_linears": "linear", "fold_cells": "rnn", "fuse_rnn": "rnn", "fp32_batchnorm": "batchnorm",
-             "fold_batchnorm": "batchnorm", "pack_linears": "prepack"}
+             "fold_batchnorm": "batchnorm", "prepack_linears": "prepack"}
     for f in BUILTIN_FORMATS:
         assert type(f).__module__.startswith(f"wfpass.{homes[f.name]}."), (f.name, type(f).__module__)
     assert not (ROOT / "passes").exists()
@@ -458,3 +458,38 @@ def test_kernels_import_only_the_private_torch_layer():
     bad = sorted(f"{m} imports {d}" for m, deps in GRAPH.items() if _within(m, ("wfpass.native",))
                  for d in deps if not _within(d, ("wfpass.native", PRIVATE_LAYER)))
     assert bad == []
+
+
+def test_each_op_schema_is_written_once_in_the_schema_table():
+    """No schema text outside ``wfpass/native/schemas.py``: Python defines
+    ops through ``schemas.define`` (or ``define_rnn_op``, which reads the
+    table), C++ through the ``WFPASS_SCHEMA_*`` macros the build writes
+    from it. A literal ``define("name(...")`` / ``m.def("name(...")`` would
+    be a second home for a schema."""
+    literal = re.compile(r"""(\.define|m\.def)\(\s*f?["'][A-Za-z_]\w*\(""")
+    found = [f"{p.relative_to(ROOT.parent)}:{n + 1}" for p in sorted(ROOT.rglob("*"))
+             if p.suffix in (".py", ".cpp", ".h") and p.name != "schemas.py"
+             for n, line in enumerate(p.read_text().splitlines()) if literal.search(line)]
+    assert found == []
+
+
+def test_every_registered_op_comes_from_the_table():
+    """The ops torch knows under ``wfpass::`` (the C++ library loaded, every
+    op module imported) are exactly the table's, with its schemas."""
+    import torch
+
+    import wfpass.native as native
+    from wfpass.native import schemas
+    from wfpass.rnn.cpu import lstm_layer, native_layer, varlen_layer, varlen_lstm_runs  # noqa: F401
+    from wfpass.rnn.cuda import cudnn, cudnn_varlen  # noqa: F401
+    from wfpass.rnn.varlen import pad_ops, sequence  # noqa: F401
+    from wfpass.prepack import kernel  # noqa: F401
+    from wfpass.linear import kernel as _linear_kernel  # noqa: F401
+
+    if native.load() is not None:
+        pytest.skip(f"C++ kernels not loaded here: {native.load()}")
+    registered = {str(s)[len("wfpass::"):] for s in torch._C._jit_get_all_schemas() if s.name.startswith("wfpass::")}
+    table = {name + schema for name, schema in [*schemas.SCHEMAS.items(),
+                                                *(kv for n, b in schemas._WITH_TWINS.items()
+                                                  for kv in schemas.twins(n, b).items())]}
+    assert registered == table

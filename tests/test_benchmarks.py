@@ -237,7 +237,7 @@ def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
 
 @pytest.mark.parametrize("pool", [[], ["--pool-mib", "1"]], ids=["alone", "pool"])
 def test_brgemm_kernel_times_the_kernels_and_their_kernel_bytes(capsys, pool):
-    """``brgemm_kernel.py`` (docs/pack.md): each kernel timed per shape and
+    """``brgemm_kernel.py`` (docs/guide/prepack.md): each kernel timed per shape and
     row count, alone or cycling through copies (brgemm and direct checked
     against the plain GEMM first), the ratios printed from the times, and
     the heap a new row count leaves."""

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "apply", "backend", "explain", "last_report", "report", "restore",
     "register_format", "unregister_format", "registered_formats",
-    "Config", "LinearOptions", "RnnOptions", "PackOptions", "Format", "ParamFormat", "Record", "Report",
+    "Config", "LinearOptions", "RnnOptions", "PrepackOptions", "Format", "ParamFormat", "Record", "Report",
 ]
 
 
@@ -21,7 +21,7 @@ def _load_api() -> None:
     versions.check()  # a clear error on a torch wfpass does not run on, before any private API is touched
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, LinearOptions, PackOptions, RnnOptions
+    from .config import Config, LinearOptions, PrepackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .core.records import Record, Report
 
@@ -45,15 +45,20 @@ def _started_by_cli() -> bool:
 if TYPE_CHECKING:
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
-    from .config import Config, LinearOptions, PackOptions, RnnOptions
+    from .config import Config, LinearOptions, PrepackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .core.records import Record, Report
 
-if _started_by_cli():
-    def __getattr__(name: str):
-        if name in __all__:
-            _load_api()
-            return globals()[name]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-else:
+def __getattr__(name: str):
+    if name == "PackOptions":  # the earlier name of PrepackOptions: config says so, with a DeprecationWarning
+        from . import config
+
+        return config.PackOptions
+    if name in __all__:  # only when started by the CLI, which loads the API on first use
+        _load_api()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if not _started_by_cli():
     _load_api()

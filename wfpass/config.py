@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import pipeline
 
-__all__ = ["Config", "LinearOptions", "RnnOptions", "PackOptions", "PACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "CPU_RNN_KERNELS", "DEFAULT_SEQ_THRESHOLD",
+__all__ = ["Config", "LinearOptions", "RnnOptions", "PrepackOptions", "PREPACK_MODES", "INNER_BACKENDS", "LINEAR_PATHS", "UNFUSED_IMPLS", "CPU_RNN_KERNELS", "DEFAULT_SEQ_THRESHOLD",
            "default_seq_threshold"]
 
 #: Inner compilers that can be named by string. Any callable backend
@@ -143,14 +143,14 @@ class RnnOptions:
 
 #: How the packed-weight format chooses: measured per shape, always where a
 #: kernel can pack the dtype, or never.
-PACK_MODES = ("auto", "always", "off")
+PREPACK_MODES = ("auto", "always", "off")
 
 
 @dataclasses.dataclass(frozen=True)
-class PackOptions:
-    """Options of the packed-weight format (``pack_linears``):
-    ``Config(pack=PackOptions(...))``, or a dict of these fields
-    (``wfpass.backend(pack={"max_bytes": 64 << 20})``).
+class PrepackOptions:
+    """Options of the prepacked-weight format (``prepack_linears``):
+    ``Config(prepack=PrepackOptions(...))``, or a dict of these fields
+    (``wfpass.backend(prepack={"max_bytes": 64 << 20})``).
 
     mode:      ``"auto"``: per linear and row count, the kernel measured
                fastest for that shape on this machine (the plain GEMM where
@@ -166,7 +166,7 @@ class PackOptions:
                forward reads the packed copy, the backward the parameter,
                and the copy is made again after every optimizer step.
                Off by default: measured slower than the plain GEMM for
-               training steps (docs/pack.md).
+               training steps (docs/guide/prepack.md).
     The same options govern the copies an inference LSTM on oneDNN's
     layer op keeps of its weights in oneDNN's layout (``fuse_rnn``,
     ``docs/rnn.md``): ``mode="off"`` makes none, and they count against
@@ -194,16 +194,16 @@ class PackOptions:
     max_bytes: Union[int, str, None] = "weights"
 
     def __post_init__(self) -> None:
-        if self.mode not in PACK_MODES:
-            raise ValueError(f"wfpass option 'pack.mode' must be one of {PACK_MODES}, got {self.mode!r}")
+        if self.mode not in PREPACK_MODES:
+            raise ValueError(f"wfpass option 'prepack.mode' must be one of {PREPACK_MODES}, got {self.mode!r}")
         if not isinstance(self.training, bool):
-            raise TypeError(f"wfpass option 'pack.training' must be a bool, got {self.training!r}")
+            raise TypeError(f"wfpass option 'prepack.training' must be a bool, got {self.training!r}")
         if isinstance(self.max_bytes, str):
             if self.max_bytes != "weights":
-                raise ValueError("wfpass option 'pack.max_bytes' must be 'weights', a number of bytes >= 0 or None, "
+                raise ValueError("wfpass option 'prepack.max_bytes' must be 'weights', a number of bytes >= 0 or None, "
                                  f"got {self.max_bytes!r}")
         elif self.max_bytes is not None:
-            _check_int("pack.max_bytes", self.max_bytes, 0)
+            _check_int("prepack.max_bytes", self.max_bytes, 0)
 
 
 class _Unset:
@@ -219,6 +219,9 @@ class _Unset:
 _UNSET = _Unset()
 
 #: Deprecated flat option -> (options group, field).
+#: Earlier names in ``passes`` (the format and its report pattern) -> today's.
+_RENAMED_PASSES = {"pack_linears": "prepack_linears", "pack": "prepack"}
+
 _FLAT = {"linear_path": ("linear", "path"), "fused_max_rows": ("linear", "fused_max_rows"),
          "min_group_size": ("linear", "min_group_size"), "seq_threshold": ("rnn", "seq_threshold")}
 
@@ -255,8 +258,8 @@ class Config:
                       (:class:`LinearOptions`, or a dict of its fields).
     rnn:              the RNN format's options (:class:`RnnOptions`, or a
                       dict of its fields).
-    pack:             the packed-weight format's options (:class:`PackOptions`,
-                      or a dict of its fields).
+    prepack:          the prepacked-weight format's options
+                      (:class:`PrepackOptions`, or a dict of its fields).
     fold_batchnorm:   fold eval-mode BatchNorm into the conv/linear before it
                       (inference only).
     dry_run:          decide and report, change nothing (used by ``explain``).
@@ -265,13 +268,16 @@ class Config:
                       ``linear.fused_max_rows``, ``linear.min_group_size``
                       and ``rnn.seq_threshold``: still accepted, with a
                       ``DeprecationWarning``, for one release.
+    pack:             the earlier name of ``prepack`` (and in ``passes``,
+                      ``"pack"`` / ``"pack_linears"`` of ``"prepack"`` /
+                      ``"prepack_linears"``): accepted the same way.
     """
 
     inner: Union[str, Callable] = "inductor"
     passes: Optional[tuple] = None
     linear: LinearOptions = LinearOptions()
     rnn: RnnOptions = RnnOptions()
-    pack: PackOptions = PackOptions()
+    prepack: PrepackOptions = PrepackOptions()
     fold_batchnorm: bool = False
     dry_run: bool = False
     # Deprecated flat names (one release): folded into ``linear`` / ``rnn``
@@ -280,6 +286,7 @@ class Config:
     fused_max_rows: Any = dataclasses.field(default=_UNSET, repr=False)
     min_group_size: Any = dataclasses.field(default=_UNSET, repr=False)
     seq_threshold: Any = dataclasses.field(default=_UNSET, repr=False)
+    pack: Any = dataclasses.field(default=_UNSET, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str):
@@ -291,10 +298,11 @@ class Config:
             raise TypeError(
                 f"wfpass option 'inner' must be a string {INNER_BACKENDS} or a callable, got {type(self.inner).__name__}"
             )
+        self._take_renamed()
         if self.passes is not None:
             formats = pipeline.registered()
             known = tuple(f.name for f in formats)
-            # The report's pattern names ("rnn", "linear", "batchnorm", "pack")
+            # The report's pattern names ("rnn", "linear", "batchnorm", "prepack")
             # stand for every format that files rows under them.
             by_pattern: Dict[str, list] = {}
             for f in formats:
@@ -309,7 +317,7 @@ class Config:
             object.__setattr__(self, "passes", tuple(n for n in known if n in chosen))
         object.__setattr__(self, "linear", _options("linear", LinearOptions, self.linear))
         object.__setattr__(self, "rnn", _options("rnn", RnnOptions, self.rnn))
-        object.__setattr__(self, "pack", _options("pack", PackOptions, self.pack))
+        object.__setattr__(self, "prepack", _options("prepack", PrepackOptions, self.prepack))
         for flat, (group, field) in _FLAT.items():
             value = getattr(self, flat)
             if value is _UNSET:
@@ -330,6 +338,25 @@ class Config:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"wfpass option {flag!r} must be a bool, got {getattr(self, flag)!r}")
 
+    def _take_renamed(self) -> None:
+        """The earlier names of the prepacked-weight format's option and of
+        the format itself in ``passes``, with a ``DeprecationWarning``."""
+        if self.pack is not _UNSET:
+            warnings.warn("wfpass option 'pack' is now 'prepack'; the old name goes in the next release",
+                          DeprecationWarning, stacklevel=4)
+            if self.prepack != PrepackOptions() and self.prepack != self.pack:
+                raise ValueError("wfpass options 'pack' and 'prepack' are both given; give 'prepack' only")
+            try:
+                object.__setattr__(self, "prepack", _options("pack", PrepackOptions, self.pack))
+            except (TypeError, ValueError) as e:  # the nested check names 'prepack.*'; the caller wrote 'pack'
+                raise type(e)(str(e).replace("'prepack.", "'pack.")) from None
+            object.__setattr__(self, "pack", _UNSET)
+        if isinstance(self.passes, (tuple, list)) and any(p in _RENAMED_PASSES for p in self.passes):
+            old = [p for p in self.passes if p in _RENAMED_PASSES]
+            warnings.warn(f"wfpass option 'passes': {old} are now {[_RENAMED_PASSES[p] for p in old]}; the old "
+                          "names go in the next release", DeprecationWarning, stacklevel=4)
+            object.__setattr__(self, "passes", tuple(_RENAMED_PASSES.get(p, p) for p in self.passes))
+
     def runs(self, name: str) -> bool:
         """Does this config run the format called ``name``?"""
         return self.passes is None or name in self.passes
@@ -342,3 +369,12 @@ class Config:
         if unknown:
             raise ValueError(f"unknown wfpass option(s) {unknown}; allowed: {sorted(names)}")
         return cls(**options)
+
+
+def __getattr__(name: str) -> Any:
+    # ``PackOptions`` was the earlier name of ``PrepackOptions``.
+    if name == "PackOptions":
+        warnings.warn("wfpass.PackOptions is now wfpass.PrepackOptions; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return PrepackOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -317,7 +317,7 @@ def test_dtensor_params_compile_skips_and_matches_eager(mesh):
         raise
     report = _merged(reports)
     assert not report.rewritten, str(report)
-    assert {r.pattern for r in report.skipped} == {"linear", "batchnorm", "pack"}, str(report)
+    assert {r.pattern for r in report.skipped} == {"linear", "batchnorm", "prepack"}, str(report)
     for r in report.skipped:
         assert "is a DTensor" in r.reason and any(p in r.reason for p in r.params), r.reason
     _assert_unmoved(before, model)

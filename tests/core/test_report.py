@@ -156,7 +156,7 @@ def test_a_row_over_several_graphs_names_every_path_and_the_report_sums_calls():
 
     torch._dynamo.reset()
     model = QKV()
-    fn = torch.compile(model, backend=wfpass.backend(inner="eager", pack={"mode": "off"}), dynamic=False)
+    fn = torch.compile(model, backend=wfpass.backend(inner="eager", prepack={"mode": "off"}), dynamic=False)
     for rows in (1, 8, 8):
         fn(torch.randn(rows, 32))
     (rec,) = wfpass.report(model).find("linear", "rewritten")

@@ -243,7 +243,7 @@ def test_wrapped_and_compiled_again_lists_each_tensor_once_under_the_wrapper_s_n
         (row,) = rep.find("linear", "rewritten")
         assert len(row.params) == 6 and row.stats["fused_calls"] == 3, rep
         assert_names_resolve(rep, m)
-        assert len(rep.find("pack")) <= 1, rep  # the same decision on the same tensors: one row
+        assert len(rep.find("prepack")) <= 1, rep  # the same decision on the same tensors: one row
 
 
 def test_peft_wrapped_llama_lists_each_tensor_once():

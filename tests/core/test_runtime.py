@@ -361,7 +361,7 @@ def test_twenty_models_compiled_and_deleted_leave_nothing_alive():
         # Packing off: whether it pays is measured on each compile, so the
         # count below would depend on the machine's load (4 rows when it did).
         fn = torch.compile(m, backend=wfpass.backend(inner="aot_eager", fold_batchnorm=True, linear={"path": "fused"},
-                                                     pack={"mode": "off"}))
+                                                     prepack={"mode": "off"}))
         with torch.no_grad():
             fn(torch.randn(1, 3, 8, 8), torch.randn(6, 1, 8))
         assert len(wfpass.report(m).rewritten) == 3

@@ -172,7 +172,7 @@ def test_apply_graph_names_a_parameter_that_changed_shape(path):
     rewritten graph says which parameter, not a split-size error."""
     model = QKV()
     gm = fx.symbolic_trace(model)
-    wfpass.apply(gm, pack={"mode": "off"}, linear_path=path)
+    wfpass.apply(gm, prepack={"mode": "off"}, linear_path=path)
     gm(torch.randn(2, 32))
     model.k.weight = nn.Parameter(torch.randn(8, 32))
     with pytest.raises(RuntimeError, match=r"'k\.weight' has shape \(8, 32\).*changed shape after the model was traced"):
@@ -184,14 +184,14 @@ def test_symbolic_trace_apply_and_idempotence():
     model = QKV()
     gm = fx.symbolic_trace(model)
     n_modules = sum(1 for n in gm.graph.nodes if n.op == "call_module")
-    report = wfpass.apply(gm, pack={"mode": "off"})  # the graph this test counts is fuse_linears' alone
+    report = wfpass.apply(gm, prepack={"mode": "off"})  # the graph this test counts is fuse_linears' alone
     assert len(report.rewritten) == 1
     assert _count(gm, fused_linear) == 1
     assert sum(1 for n in gm.graph.nodes if n.op == "call_module") == n_modules - 3
     x = torch.randn(3, 32, requires_grad=True)
     assert_same_fwd_bwd(model, lambda m: gm, [x])  # gm shares model's parameters
     code, ptr = gm.code, model.q.weight.untyped_storage().data_ptr()
-    again = wfpass.apply(gm, pack={"mode": "off"})
+    again = wfpass.apply(gm, prepack={"mode": "off"})
     assert not again.rewritten and gm.code == code
     assert model.q.weight.untyped_storage().data_ptr() == ptr
 

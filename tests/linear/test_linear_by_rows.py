@@ -111,7 +111,7 @@ def test_the_symbolic_graph_has_one_block_call_per_group_and_packing_takes_it(pa
     model = _decoder().eval()
     ref = copy.deepcopy(model)
     cap = Capture()
-    compiled = torch.compile(model, backend=wfpass.backend(inner=cap, pack={"mode": pack, "max_bytes": None}))
+    compiled = torch.compile(model, backend=wfpass.backend(inner=cap, prepack={"mode": pack, "max_bytes": None}))
     with torch.no_grad():
         for n in LENGTHS:
             x = torch.randn(1, n, 64)
@@ -140,7 +140,7 @@ def test_hf_llama_forward_after_a_dynamic_recompile():
     ref = copy.deepcopy(model)
     # Inner aot_eager: what this test adds is an HF model's graph through the
     # rewrite; the decoder forward test above runs the same path under Inductor.
-    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", pack={"mode": "off"}))
+    compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", prepack={"mode": "off"}))
     before = _graphs()
     with torch.no_grad():
         for n in LENGTHS:
@@ -157,7 +157,7 @@ def test_a_forced_path_stays_forced_in_the_symbolic_graph(path):
     """``linear.path`` set by the user: every call takes it, symbolic M or not."""
     model = _decoder().eval()
     compiled = torch.compile(model, backend=wfpass.backend(inner="aot_eager", linear={"path": path},
-                                                           pack={"mode": "off"}))
+                                                           prepack={"mode": "off"}))
     with torch.no_grad():
         for n in LENGTHS:
             compiled(torch.randn(1, n, 64))
@@ -212,7 +212,7 @@ def test_batch_of_two_and_biases_train_like_eager(k_bias):
     torch.manual_seed(0)
     model = QKV(k_bias=k_bias)
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=wfpass.backend(pack={"mode": "off"}))
+    compiled = torch.compile(model, backend=wfpass.backend(prepack={"mode": "off"}))
     before = _graphs()
     lengths = (1, 8, 8, 5, 2, 3)
     for n in lengths:  # M = 2 (static), then 16, 16, 10, 4, 6 (symbolic)

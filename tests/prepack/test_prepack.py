@@ -1,8 +1,8 @@
-"""The packed-weight format (``pack_linears``): linears computed from oneDNN's
+"""The packed-weight format (``prepack_linears``): linears computed from oneDNN's
 or MKL's packed copy of the weight, made once and never stale.
 
 Every case compares against eager PyTorch on a deep copy. Packing is forced
-(``pack.mode='always'``) where a test is about correctness, so the decision
+(``prepack.mode='always'``) where a test is about correctness, so the decision
 does not depend on this machine's timings; one test checks the measured
 choice (``"auto"``) and its report row.
 """
@@ -76,7 +76,7 @@ def _close(a, b, dtype):
 
 def _compiled(model, **options):
     rec = Recorder(options.pop("inner", INNER))
-    opts = {"pack": ALWAYS, **options}
+    opts = {"prepack": ALWAYS, **options}
     return torch.compile(model, backend=wfpass.backend(inner=rec, **opts)), rec
 
 
@@ -90,7 +90,7 @@ DIRECT = _nops.direct_runs(torch.float32)
 
 @pytest.fixture(params=["direct", "brgemm", "onednn"])
 def packed_kernel(request, monkeypatch):
-    """The float32 kernel the op runs where ``pack.mode="always"``: brgemm
+    """The float32 kernel the op runs where ``prepack.mode="always"``: brgemm
     (the ukernel over panels) where this CPU has it, oneDNN's packed linear
     with brgemm switched off, and the copy-free direct kernel (which "always"
     does not take by itself: it packs nothing), so all three pass the same
@@ -131,7 +131,7 @@ def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens,
     # the split-path group at 32 rows); o and head: one each.
     assert rec.count(OP) == 3
     assert rec.count(torch._C._nn.linear) == 0
-    rows = wfpass.last_report().find("pack", "rewritten")
+    rows = wfpass.last_report().find("prepack", "rewritten")
     expect = packed_kernel if dtype == torch.float32 else "onednn"  # brgemm and direct are float32's
     assert len(rows) == 3 and all(_kernel_calls(r.stats) == 1 for r in rows)
     assert all(r.stats["direct_calls" if expect == "direct" else "packed_calls"] == 1 for r in rows)
@@ -156,7 +156,7 @@ def test_prefill_and_decode_graphs_share_one_copy_of_a_block():
             _close(compiled(x), ref(x), torch.float32)
     copies = pk.copies_of(model.q.weight)
     assert len(copies) == 1, copies.keys()
-    row = next(r for r in wfpass.report(model).find("pack") if "q.weight" in r.params)
+    row = next(r for r in wfpass.report(model).find("prepack") if "q.weight" in r.params)
     assert "M=16" in row.reason and "M=1" in row.reason
     assert row.stats["repacked"] == 0 and row.stats["packed_calls"] == 3
 
@@ -212,7 +212,7 @@ def test_a_weight_change_is_seen_on_the_next_call(change, packed_kernel):
         before = ref(x)
         _close(compiled(x), before, torch.float32)
         _close(compiled(x), before, torch.float32)  # and stays right
-    stats = [r.stats for r in wfpass.report(model).find("pack", "rewritten")]
+    stats = [r.stats for r in wfpass.report(model).find("prepack", "rewritten")]
     if change.__name__ in ("sgd_step", "load", "data_inplace", "no_grad_copy") and packed_kernel != "direct":
         # The same Parameters, written in place: their copies were made again.
         assert any(s["repacked"] for s in stats), stats
@@ -224,7 +224,7 @@ def test_peft_merge_and_unmerge_are_seen():
     base = Block().eval()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["o", "head"], init_lora_weights=False))
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=wfpass.backend(inner=INNER, pack=ALWAYS))
+    compiled = torch.compile(model, backend=wfpass.backend(inner=INNER, prepack=ALWAYS))
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
         _close(compiled(x), ref(x), torch.float32)
@@ -233,7 +233,7 @@ def test_peft_merge_and_unmerge_are_seen():
             getattr(ref, step)()
             _close(compiled(x), ref(x), torch.float32)
     # The merged base weights were packed again: merging writes through .data.
-    rows = wfpass.report(model).find("pack", "rewritten")
+    rows = wfpass.report(model).find("prepack", "rewritten")
     assert any(r.stats["repacked"] for r in rows), [r.stats for r in rows]
 
 
@@ -252,7 +252,7 @@ def test_a_pre_hook_writing_the_weight_in_the_graph_is_left_to_the_plain_gemm():
     with torch.no_grad():
         for _ in range(3):
             _close(compiled(x), ref(x), torch.float32)
-    skipped = [r for r in wfpass.last_report().find("pack", "skipped") if "o.weight" in r.params]
+    skipped = [r for r in wfpass.last_report().find("prepack", "skipped") if "o.weight" in r.params]
     assert skipped and "written in place inside the graph" in skipped[0].reason
     torch.testing.assert_close(model.o.weight, ref.o.weight)
 
@@ -266,13 +266,13 @@ def test_training_graphs_are_not_packed_by_default_and_train_like_eager_with_pac
     compiled, rec = _compiled(model)
     (compiled(x) * R).sum().backward()
     assert rec.count(OP) == 0
-    rows = wfpass.last_report().find("pack", "skipped")
+    rows = wfpass.last_report().find("prepack", "skipped")
     assert rows and all("computes gradients" in r.reason for r in rows)
-    # pack.training=True: forward on the packed copy, backward on the
+    # prepack.training=True: forward on the packed copy, backward on the
     # parameters; five SGD steps equal eager's (the copy is made again after each).
     model = Block()
     ref = copy.deepcopy(model)
-    compiled, rec = _compiled(model, pack={**ALWAYS, "training": True})
+    compiled, rec = _compiled(model, prepack={**ALWAYS, "training": True})
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
     for _ in range(5):
         out, rout = compiled(x), ref(x)
@@ -285,7 +285,7 @@ def test_training_graphs_are_not_packed_by_default_and_train_like_eager_with_pac
         opt.step(), ropt.step()
         opt.zero_grad(), ropt.zero_grad()
     assert rec.count(OP_TRAIN) == 2 and rec.count(OP) == 0  # o and head; q/k/v's one-GEMM block keeps fused_linear in training
-    rows = wfpass.report(model).find("pack", "rewritten")
+    rows = wfpass.report(model).find("prepack", "rewritten")
     assert rows and all(r.stats["repacked"] >= 4 for r in rows)
 
 
@@ -296,7 +296,7 @@ def test_dynamic_row_counts_after_a_recompile_choose_per_call():
     compiled, rec = _compiled(model)
 
     def head():
-        return next(r for r in wfpass.report(model).find("pack", "rewritten") if r.params == ["head.weight"])
+        return next(r for r in wfpass.report(model).find("prepack", "rewritten") if r.params == ["head.weight"])
 
     with torch.no_grad():
         # The second size makes Dynamo recompile with a symbolic length, measured
@@ -320,14 +320,14 @@ def test_regional_compilation_packs_each_layer_once():
     layers = nn.Sequential(*[Block(vocab=64) for _ in range(3)]).eval()
     ref = copy.deepcopy(layers)
     for layer in layers:
-        layer.compile(backend=wfpass.backend(pack=ALWAYS))
+        layer.compile(backend=wfpass.backend(prepack=ALWAYS))
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
         for _ in range(3):
             _close(layers(x), ref(x), torch.float32)
     for layer in layers:
         assert len(pk.copies_of(layer.head.weight)) == 1
-        row = next(r for r in wfpass.report(layer).find("pack", "rewritten") if r.params == ["head.weight"])
+        row = next(r for r in wfpass.report(layer).find("prepack", "rewritten") if r.params == ["head.weight"])
         assert row.stats["repacked"] == 0
 
 
@@ -358,7 +358,7 @@ def fresh_kernel_count(monkeypatch):
 
 @pytest.fixture
 def onednn_kernel(monkeypatch):
-    """``pack.mode="always"`` on oneDNN's packed linear (brgemm off): the
+    """``prepack.mode="always"`` on oneDNN's packed linear (brgemm off): the
     tests of the kernels' budget need a kernel of 0.55-0.6 MiB per row
     count, which oneDNN's is; brgemm's is about 16 KiB."""
     monkeypatch.setattr(_nops, "panel_packs", lambda dtype: False)
@@ -370,7 +370,7 @@ def _regional(n, d=64, **pack):
     ref = copy.deepcopy(layers)
     # One backend object for all: Dynamo keeps a graph per backend, so a
     # backend per layer would compile each layer on its own.
-    backend = wfpass.backend(pack={"mode": "always", **pack})
+    backend = wfpass.backend(prepack={"mode": "always", **pack})
     for layer in layers:
         layer.compile(backend=backend)
     return layers, ref
@@ -410,7 +410,7 @@ def test_regional_compilation_asks_the_budget_again_as_layers_join(fresh_kernel_
         for _ in range(2):
             _close(layers(x), ref(x), torch.float32)
     assert all(len(pk.copies_of(layer.head.weight)) == 1 for layer in layers)
-    row = next(r for r in wfpass.report(layers[0]).find("pack", "rewritten") if "head.weight" in r.params)
+    row = next(r for r in wfpass.report(layers[0]).find("prepack", "rewritten") if "head.weight" in r.params)
     assert row.stats["over_bound_calls"] == 2 and "over their budget" not in row.reason, row.reason
 
 
@@ -436,12 +436,12 @@ def test_regional_compilation_refuses_over_the_budget_per_layer(monkeypatch, fre
     assert len(pk.copies_of(layers[0].head.weight)) == 1
     assert not pk.copies_of(layers[1].head.weight) and not pk.copies_of(layers[2].head.weight)
     # One site, one row for every layer: 5 calls of the first layer packed, 10 without a copy.
-    row = next(r for r in wfpass.report(layers[2]).find("pack", "rewritten") if "head.weight" in r.params)
+    row = next(r for r in wfpass.report(layers[2]).find("prepack", "rewritten") if "head.weight" in r.params)
     instead = "direct_calls" if DIRECT else "plain_calls"
     assert row.stats["packed_calls"] == 5 and row.stats[instead] == 10, row.stats
     assert row.stats["over_bound_calls"] == 2
     words = "the direct kernel (no copy)" if DIRECT else "the plain GEMM"
-    assert f"M=1: {words} for a weight set whose" in row.reason and "pack.max_bytes" in row.reason
+    assert f"M=1: {words} for a weight set whose" in row.reason and "prepack.max_bytes" in row.reason
     if wfpass.native.is_loaded():
         assert calls == [], "the C++ kernel should answer every layer's later calls"
 
@@ -481,14 +481,14 @@ def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_k
     ref = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     before = pstate.total()
-    compiled = torch.compile(model, backend=wfpass.backend(pack={"mode": "always"}), dynamic=True)
+    compiled = torch.compile(model, backend=wfpass.backend(prepack={"mode": "always"}), dynamic=True)
     with torch.no_grad():
         for n in range(1, 41):
             for _ in range(2):  # a row count is decided on its second call
                 ids = torch.randint(0, model.emb.num_embeddings, (1, n))
                 _close(compiled(ids), ref(ids), torch.float32)
     assert pstate.total() - before <= weights
-    rows = [r for r in wfpass.report(model).find("pack", "rewritten") if "head.weight" in r.params]
+    rows = [r for r in wfpass.report(model).find("prepack", "rewritten") if "head.weight" in r.params]
     assert rows and sum(r.stats["packed_calls"] for r in rows) > 0
     assert sum(r.stats.get("over_bound_calls", 0) for r in rows) > 0
     assert any("kernels kept for packed calls over their budget" in r.reason for r in rows), [r.reason for r in rows]
@@ -506,24 +506,24 @@ def test_max_bytes_bounds_the_copies_and_zero_allows_no_copy():
     ref = copy.deepcopy(model)
     x = torch.randn(1, 1, 64)
     alive = pk.packed_bytes_alive()
-    compiled, _ = _compiled(model, pack={"mode": "always", "max_bytes": alive + 64 * 64 * 4 * 3 + 1})
+    compiled, _ = _compiled(model, prepack={"mode": "always", "max_bytes": alive + 64 * 64 * 4 * 3 + 1})
     with torch.no_grad():
         _close(compiled(x), ref(x), torch.float32)
     assert pk.packed_bytes_alive() <= alive + 64 * 64 * 4 * 3 + 1
-    over = [r for r in wfpass.report(model).find("pack", "rewritten") if r.stats.get("over_bound_calls")]
+    over = [r for r in wfpass.report(model).find("prepack", "rewritten") if r.stats.get("over_bound_calls")]
     assert over, "some copy should have been refused by the bound"
     # max_bytes=0: no copy at all; the direct kernel where this CPU has it
     # (it reads the parameters), else the format leaves the linears alone.
     model2 = Block().eval()
     ref2 = copy.deepcopy(model2)
     before = pk.packed_bytes_alive()
-    compiled2, rec2 = _compiled(model2, pack={"mode": "always", "max_bytes": 0})
+    compiled2, rec2 = _compiled(model2, prepack={"mode": "always", "max_bytes": 0})
     with torch.no_grad():
         _close(compiled2(x), ref2(x), torch.float32)
     assert pk.packed_bytes_alive() == before
-    assert all("max_bytes=0" in r.reason for r in wfpass.report(model2).find("pack"))
+    assert all("max_bytes=0" in r.reason for r in wfpass.report(model2).find("prepack"))
     if DIRECT:
-        rows = wfpass.report(model2).find("pack", "rewritten")
+        rows = wfpass.report(model2).find("prepack", "rewritten")
         assert rec2.count(OP) == 3 and len(rows) == 3
         assert all(r.stats["direct_calls"] == 1 and r.stats["packed_calls"] == 0 and r.stats["packed_bytes"] == 0
                    for r in rows), [r.stats for r in rows]
@@ -541,7 +541,7 @@ def test_copies_die_with_their_model():
         model = Block().eval()
         # The rewritten graph run as it is (inner="eager"): lifetimes are the
         # same as under Inductor, without 20 cold C++ compiles.
-        compiled = torch.compile(model, backend=wfpass.backend(inner="eager", pack=ALWAYS))
+        compiled = torch.compile(model, backend=wfpass.backend(inner="eager", prepack=ALWAYS))
         with torch.no_grad():
             compiled(x)
         assert pk.packed_bytes_alive() > start
@@ -554,7 +554,7 @@ def test_copies_die_with_their_model():
 
 def test_restore_frees_the_copies_and_the_next_call_packs_again():
     model = Block().eval()
-    compiled = torch.compile(model, backend=wfpass.backend(pack=ALWAYS))
+    compiled = torch.compile(model, backend=wfpass.backend(prepack=ALWAYS))
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
         y = compiled(x)
@@ -570,7 +570,7 @@ def test_auto_mode_measures_and_says_so():
     compiled = torch.compile(model, backend=wfpass.backend(inner="eager"))
     with torch.no_grad():
         compiled(torch.randn(1, 1, 64))
-    rows = wfpass.last_report().find("pack")
+    rows = wfpass.last_report().find("prepack")
     assert len(rows) == 3
     for r in rows:
         # Either way the row says what was measured for M=1.
@@ -579,15 +579,15 @@ def test_auto_mode_measures_and_says_so():
 
 def test_not_packed_rows_name_the_reason():
     model = Block().double().eval()
-    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", pack=ALWAYS))
+    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", prepack=ALWAYS))
     with torch.no_grad():
         compiled(torch.randn(1, 1, 64, dtype=torch.float64))
-    rows = wfpass.last_report().find("pack", "skipped")
+    rows = wfpass.last_report().find("prepack", "skipped")
     assert len(rows) == 3 and all("no packed kernel for torch.float64" in r.reason for r in rows)
     if not _k.onednn_packs(torch.float16):
         m16 = nn.Linear(64, 64).half().eval()
-        torch.compile(m16, backend=wfpass.backend(inner="eager", pack=ALWAYS))(torch.randn(2, 64).half())
-        (row,) = wfpass.last_report().find("pack", "skipped")
+        torch.compile(m16, backend=wfpass.backend(inner="eager", prepack=ALWAYS))(torch.randn(2, 64).half())
+        (row,) = wfpass.last_report().find("prepack", "skipped")
         assert "cannot multiply torch.float16 on this CPU" in row.reason
 
 
@@ -596,35 +596,60 @@ def test_traced_graphs_pack_too():
     model = Block().eval()
     ref = copy.deepcopy(model)
     gm = torch.fx.symbolic_trace(model)
-    report = wfpass.apply(gm, pack=ALWAYS, linear_path="fused")
-    assert len(report.find("pack", "rewritten")) == 3
+    report = wfpass.apply(gm, prepack=ALWAYS, linear_path="fused")
+    assert len(report.find("prepack", "rewritten")) == 3
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
         _close(gm(x), ref(x), torch.float32)
         gm.head.weight.mul_(2)
         ref.head.weight.mul_(2)
         _close(gm(x), ref(x), torch.float32)
-    # Eagerly run with gradients: the op takes the plain GEMM (pack.training off) and trains.
+    # Eagerly run with gradients: the op takes the plain GEMM (prepack.training off) and trains.
     out = gm(x)
     (out * torch.randn_like(out)).sum().backward()
     assert gm.head.weight.grad is not None
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="pack.mode"):
-        wfpass.backend(pack={"mode": "sometimes"})
-    with pytest.raises(ValueError, match="pack.colour"):
-        wfpass.backend(pack={"colour": 1})
-    with pytest.raises(TypeError, match="pack.training"):
-        wfpass.PackOptions(training="yes")
-    with pytest.raises(ValueError, match="pack.max_bytes"):
-        wfpass.PackOptions(max_bytes=-1)
-    with pytest.raises(TypeError, match="'pack'"):
-        wfpass.backend(pack=3)
+    with pytest.raises(ValueError, match="prepack.mode"):
+        wfpass.backend(prepack={"mode": "sometimes"})
+    with pytest.raises(ValueError, match="prepack.colour"):
+        wfpass.backend(prepack={"colour": 1})
+    with pytest.raises(TypeError, match="prepack.training"):
+        wfpass.PrepackOptions(training="yes")
+    with pytest.raises(ValueError, match="prepack.max_bytes"):
+        wfpass.PrepackOptions(max_bytes=-1)
+    with pytest.raises(TypeError, match="'prepack'"):
+        wfpass.backend(prepack=3)
+
+
+def test_earlier_names_still_work_with_a_deprecation_warning():
+    """``pack=`` / ``PackOptions`` / ``passes=("pack",)`` / ``find("pack")``
+    were the names of the prepacked-weight format before "pack" also meant
+    variable-length batches: each gives what the new name gives, and says so."""
+    with pytest.warns(DeprecationWarning, match="'pack' is now 'prepack'"):
+        cfg = wfpass.Config(pack={"mode": "off", "max_bytes": 0})
+    assert cfg.prepack == wfpass.PrepackOptions(mode="off", max_bytes=0)
+    with pytest.warns(DeprecationWarning, match="PrepackOptions"):
+        assert wfpass.PackOptions is wfpass.PrepackOptions
+    with pytest.warns(DeprecationWarning, match="prepack_linears"):
+        assert wfpass.Config(passes=("pack_linears",)).passes == ("prepack_linears",)
+    with pytest.warns(DeprecationWarning):
+        assert wfpass.Config(passes=("pack",)).passes == ("prepack_linears",)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'pack.mode'"):
+        wfpass.Config(pack={"mode": "sometimes"})  # the error names the option as the caller wrote it
+    with pytest.raises(ValueError, match="give 'prepack' only"):
+        with pytest.warns(DeprecationWarning):
+            wfpass.Config(pack={"mode": "off"}, prepack={"mode": "always"})
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(64, 64)))
+    with pytest.warns(DeprecationWarning):
+        report = wfpass.apply(gm, pack=ALWAYS)
+    with pytest.warns(DeprecationWarning, match="'pack' is now 'prepack'"):
+        assert report.find("pack") == report.find("prepack") != []
 
 
 def test_opcheck():
-    site = pk.PackSite(wfpass.core.records.Record("pack", "rewritten", "", []), lambda m: "onednn", None)
+    site = pk.PackSite(wfpass.core.records.Record("prepack", "rewritten", "", []), lambda m: "onednn", None)
     sid = pk.register_site(site)
     x = torch.randn(3, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)
@@ -652,9 +677,9 @@ def test_a_one_gemm_block_in_a_training_graph_is_never_packed(inner):
 
     model = QKV()
     x = torch.randn(1, 1, 32, requires_grad=True)
-    assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=wfpass.backend(inner=inner, pack={"mode": "always"})),
+    assert_same_fwd_bwd(model, lambda m: torch.compile(m, backend=wfpass.backend(inner=inner, prepack={"mode": "always"})),
                         [x])
-    rows = {r.action for r in wfpass.report(model).records if r.pattern == "pack" and "q.weight" in " ".join(r.params)}
+    rows = {r.action for r in wfpass.report(model).records if r.pattern == "prepack" and "q.weight" in " ".join(r.params)}
     assert rows == {"skipped"}, wfpass.report(model)
     (lin,) = wfpass.report(model).find("linear", "rewritten")
     assert lin.stats["fused_calls"] == 1
@@ -684,12 +709,12 @@ def test_repeat_calls_are_answered_without_python_and_changes_still_reach_it(mon
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40, bias=False)).eval()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", pack=ALWAYS))
+    compiled = torch.compile(model, backend=wfpass.backend(inner="eager", prepack=ALWAYS))
     x = torch.randn(1, 64)
     with torch.no_grad():
         for _ in range(5):
             _close(compiled(x), ref(x), torch.float32)
-    rows = wfpass.report(model).find("pack", "rewritten")
+    rows = wfpass.report(model).find("prepack", "rewritten")
     assert [_kernel_calls(r.stats) for r in rows] == [5, 5]
     if packed_kernel != "direct":
         assert len(fresh_calls) == 2  # one first call per linear; the C++ kernel answered the other 8
@@ -787,14 +812,14 @@ def test_a_symbolic_row_count_packs_only_where_measured_to_pay_at_the_compiled_s
     model = Block().eval()
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
-    compiled, rec = _compiled(model, inner="eager", pack={"mode": "auto"})
+    compiled, rec = _compiled(model, inner="eager", prepack={"mode": "auto"})
     with torch.no_grad():
         for tokens in (3, 6, 9):  # 3: a static graph; 6: Dynamo recompiles with the length symbolic
             x = torch.randn(1, tokens, 64)
             _close(compiled(x), ref(x), torch.float32)
     symbolic = rec.graphs[-1]
     n_ops = sum(1 for n in symbolic.graph.nodes if n.op == "call_function" and n.target is OP)
-    head = [r for r in wfpass.report(model).find("pack") if r.params == ["head.weight"]]
+    head = [r for r in wfpass.report(model).find("prepack") if r.params == ["head.weight"]]
     assert 6 in seen  # measured at the compiled size
     if wins:
         assert n_ops >= 1
@@ -974,18 +999,18 @@ def test_the_direct_kernels_avx2_build_passes_the_same_checks_on_an_avx512_cpu()
     from wftest import pytest_in_a_process
 
     pytest_in_a_process({"WFPASS_DIRECT": "avx2"},
-                        "from wfpass import native, kernels; native.load(); "
+                        "from wfpass import native; from wfpass.native import ops as _nops; native.load(); "
                         "assert _nops.direct_isa() == 'avx2', _nops.direct_isa()",
                         ["tests/prepack/test_prepack.py", "-k",
                          "direct_kernel_equals or (direct and (inference_equals or weight_change or repeat_calls))"])
 
 
 def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(monkeypatch):
-    """``pack.max_bytes=0`` (measured choice): where a copy kernel won, the
+    """``prepack.max_bytes=0`` (measured choice): where a copy kernel won, the
     kernel that needs no copy runs instead: direct where it gained the
     margin over the plain GEMM, else the plain GEMM; the row says what was
     given up. Where the budget refuses a copy the same fallback runs."""
-    from wfpass.config import PackOptions
+    from wfpass.config import PrepackOptions
     from wfpass.prepack import choose, guards
 
     n = choose.ROUNDS
@@ -995,17 +1020,17 @@ def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(m
                             {"direct": [direct] * n, "brgemm": [0.3] * n}, {"brgemm": 4096}, "measured", "")
         return lambda *a, **k: d
 
-    zero, default = PackOptions(max_bytes=0), PackOptions()
+    zero, default = PrepackOptions(max_bytes=0), PrepackOptions()
     monkeypatch.setattr(choose, "decide", fake(0.6))
     assert guards.choose_kernel(default, torch.float32, 64, 64, 1) == "brgemm"
     assert guards.choose_kernel(zero, torch.float32, 64, 64, 1) == "direct"
     words = guards.describe_choice(zero, torch.float32, 64, 64, 1)
-    assert "(direct)" in words and "pack.max_bytes=0 allows no copy (brgemm over a copy measured 30 us)" in words
+    assert "(direct)" in words and "prepack.max_bytes=0 allows no copy (brgemm over a copy measured 30 us)" in words
     assert guards.copy_free_kernel(default, torch.float32, 64, 64, 1) == "direct"
     monkeypatch.setattr(choose, "decide", fake(0.95))  # direct no clear gain
     assert guards.choose_kernel(zero, torch.float32, 64, 64, 1) == "plain"
     assert guards.describe_choice(zero, torch.float32, 64, 64, 1).startswith("M=1: the plain GEMM (100 us); "
-                                                                             "pack.max_bytes=0 allows no copy")
+                                                                             "prepack.max_bytes=0 allows no copy")
 
 
 @pytest.mark.skipif(not BRGEMM or pstate._HEAP is None, reason="no brgemm kernel here, or no glibc heap to read")
@@ -1027,7 +1052,7 @@ def test_decisions_are_timed_among_the_graphs_weights(monkeypatch, tmp_path):
     decision is timed with the weight cycling through copies that fill those
     bytes (a power of two in MiB), kept under a key of its own, and the row
     says so; below it, the weight alone, as before."""
-    from wfpass.config import PackOptions
+    from wfpass.config import PrepackOptions
     from wfpass.prepack import choose, guards
 
     monkeypatch.setenv("WFPASS_CACHE_DIR", str(tmp_path))
@@ -1049,9 +1074,9 @@ def test_decisions_are_timed_among_the_graphs_weights(monkeypatch, tmp_path):
     keys = json.loads((tmp_path / "choices.json").read_text())
     texts = [t for entries in keys.values() for t in entries]
     assert "float32 96x64 M=1 pool=2MiB" in texts and "float32 96x64 M=1" in texts, texts
-    words = guards.describe_choice(PackOptions(), torch.float32, 64, 96, 1, 2**21)
+    words = guards.describe_choice(PrepackOptions(), torch.float32, 64, 96, 1, 2**21)
     assert "the weight cycling through 2 MiB of copies as among the graph's weights" in words, words
-    assert "cycling" not in guards.describe_choice(PackOptions(), torch.float32, 64, 96, 1, 2**10)
+    assert "cycling" not in guards.describe_choice(PrepackOptions(), torch.float32, 64, 96, 1, 2**10)
 
 
 def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes(monkeypatch, tmp_path):
@@ -1060,7 +1085,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     kept in the file marked noisy, so a later process runs the plain GEMM
     too instead of deciding on its own luck. With the file gone, a quiet
     measurement of the same gain packs."""
-    from wfpass.config import PackOptions
+    from wfpass.config import PrepackOptions
     from wfpass.prepack import choose, guards
 
     monkeypatch.setenv("WFPASS_CACHE_DIR", str(tmp_path))
@@ -1081,7 +1106,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     assert d.kernel == "plain" and d.source == "noisy" and d.noisy and d.spread() > WIDE
     assert len(calls) == choose.ATTEMPTS  # measured again before giving up
     assert (tmp_path / "choices.json").exists()
-    words = guards.describe_choice(PackOptions(), torch.float32, 64, 48, 3)
+    words = guards.describe_choice(PrepackOptions(), torch.float32, 64, 48, 3)
     assert "the measurement could not decide" in words and "so that every process on this machine runs the same" in words
     # A later process (this one's decisions forgotten) reads it: plain, not measured.
     monkeypatch.setattr(choose, "_DECIDED", {})
@@ -1090,7 +1115,7 @@ def test_rounds_too_noisy_to_tell_decide_the_plain_gemm_kept_for_later_processes
     d = choose.decide(torch.float32, 64, 48, 3)
     assert d.kernel == "plain" and d.source == "file" and d.noisy
     assert len(calls) == choose.ATTEMPTS
-    words = guards.describe_choice(PackOptions(), torch.float32, 64, 48, 3)
+    words = guards.describe_choice(PrepackOptions(), torch.float32, 64, 48, 3)
     assert "the measurement could not decide" in words and "by an earlier process on this machine" in words
     # The file deleted: measured again, quietly this time.
     (tmp_path / "choices.json").unlink()
@@ -1104,14 +1129,14 @@ _DECIDE_IN_A_PROCESS = """
 import torch
 torch.set_num_threads(1)
 from wfpass.prepack import choose, guards
-from wfpass.config import PackOptions
+from wfpass.config import PrepackOptions
 # What is kept, not how noise is handled (a test of its own): a suite beside
 # another on two cores must not leave a decision unwritten.
 choose._settled = lambda d: True
 for n, k, m in SHAPES:
     d = choose.decide(torch.float32, k, n, m)
     print("DECISION", n, k, m, d.kernel, d.source)
-print("WORDS", guards.describe_choice(PackOptions(), torch.float32, 256, 2752, 8))
+print("WORDS", guards.describe_choice(PrepackOptions(), torch.float32, 256, 2752, 8))
 """
 _DECIDE_SHAPES = ((384, 256, 1), (2752, 256, 8), (256, 1376, 5))
 
@@ -1168,7 +1193,7 @@ def test_default_budget_keeps_the_copies_within_the_weights_bytes(fresh_kernel_c
     model = Block(d=320).eval()  # 1.7 MiB of weights: room for copies and a kernel or two (0.55-0.6 MiB each)
     ref = copy.deepcopy(model)
     before, kernels_before, weights_before = pk.packed_bytes_alive(), pstate.total(), pk.weight_bytes()
-    compiled, _ = _compiled(model, pack={"mode": "always"})
+    compiled, _ = _compiled(model, prepack={"mode": "always"})
     x = torch.randn(2, 1, 320)
     with torch.no_grad():
         for _ in range(2):
@@ -1178,7 +1203,7 @@ def test_default_budget_keeps_the_copies_within_the_weights_bytes(fresh_kernel_c
     assert 0 < grown <= weights
     assert pstate.total() - kernels_before <= weights
     assert pk.weight_bytes() - weights_before <= weights
-    rows = wfpass.report(model).find("pack", "rewritten")
+    rows = wfpass.report(model).find("prepack", "rewritten")
     over = [r for r in rows if r.stats.get("over_bound_calls")]
     packed = [r for r in rows if r.stats.get("packed_bytes")]
     assert packed, [r.reason for r in rows]
@@ -1187,14 +1212,14 @@ def test_default_budget_keeps_the_copies_within_the_weights_bytes(fresh_kernel_c
     # A budget the copies cannot fit in refuses some, each row saying so.
     gc.collect()
     small = Block().eval()
-    compiled_small, _ = _compiled(small, pack={"mode": "always", "max_bytes": pk.packed_bytes_alive() + 64 * 64 * 4})
+    compiled_small, _ = _compiled(small, prepack={"mode": "always", "max_bytes": pk.packed_bytes_alive() + 64 * 64 * 4})
     with torch.no_grad():
         _close(compiled_small(x), copy.deepcopy(small)(x), torch.float32)
-    refused = [r for r in wfpass.report(small).find("pack", "rewritten") if r.stats.get("over_bound_calls")]
-    assert refused and all("over their budget" in r.reason and "pack.max_bytes" in r.reason for r in refused)
+    refused = [r for r in wfpass.report(small).find("prepack", "rewritten") if r.stats.get("over_bound_calls")]
+    assert refused and all("over their budget" in r.reason and "prepack.max_bytes" in r.reason for r in refused)
     assert "packed copies alive:" in str(wfpass.report(model))
-    with pytest.raises(ValueError, match="pack.max_bytes"):
-        wfpass.PackOptions(max_bytes="all")
+    with pytest.raises(ValueError, match="prepack.max_bytes"):
+        wfpass.PrepackOptions(max_bytes="all")
 
 
 def test_a_decision_for_a_kernel_this_process_lacks_takes_the_best_it_has(monkeypatch, tmp_path):

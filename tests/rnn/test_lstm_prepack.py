@@ -3,7 +3,7 @@
 oneDNN's LSTM layer reorders plain weights into its layout on every call; a
 compiled inference graph keeps each layer direction's weights as such a copy
 beside the parameters, made once, checked on every call, within
-``pack.max_bytes``, freed with the parameters. Every test compares with the
+``prepack.max_bytes``, freed with the parameters. Every test compares with the
 same model run eagerly on a deep copy.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_a_budget_of_zero_keeps_the_parameters_and_says_so():
     torch.manual_seed(0)
     model = Tagger().eval()
     ref = copy.deepcopy(model)
-    fn = _compiled(model, pack={"max_bytes": 0})
+    fn = _compiled(model, prepack={"max_bytes": 0})
     x = torch.randn(4, 2, 8)
     with torch.no_grad():
         for _ in range(2):
@@ -141,14 +141,14 @@ def test_a_budget_of_zero_keeps_the_parameters_and_says_so():
     row = _rnn_row(model)
     assert row.stats.get("packed_calls", 0) == 0 and row.stats.get("packed_bytes", 0) == 0, row.stats
     assert row.stats["over_bound_calls"] >= 1
-    assert "over their budget" in row.reason and "pack.max_bytes" in row.reason
+    assert "over their budget" in row.reason and "prepack.max_bytes" in row.reason
 
 
 def test_pack_mode_off_makes_no_copy():
     torch.manual_seed(0)
     model = Tagger().eval()
     ref = copy.deepcopy(model)
-    fn = _compiled(model, pack={"mode": "off"})
+    fn = _compiled(model, prepack={"mode": "off"})
     x = torch.randn(4, 2, 8)
     with torch.no_grad():
         _close(fn(x), ref(x))
@@ -209,7 +209,7 @@ def test_a_model_made_where_a_dead_one_was_gets_its_own_answer():
     kernel's answer for the dead model's weights (no copy: packing off)
     must not be taken for the new model's."""
     x = torch.randn(4, 2, 8)
-    for options, packs in (({"pack": {"mode": "off"}}, False), ({}, True)):
+    for options, packs in (({"prepack": {"mode": "off"}}, False), ({}, True)):
         torch.manual_seed(0)
         model = Tagger().eval()
         with torch.no_grad():
@@ -326,7 +326,7 @@ def test_a_packed_batch_on_onednn_reads_the_copies_run_by_run(dtype, monkeypatch
     (planned,) = wfpass.explain(copy.deepcopy(model), x, lengths).find("rnn", "would rewrite")
     assert "will read each layer's weights from a copy in its own layout" in planned.reason, planned.reason
     fn = _compiled(model)
-    fn_plain = _compiled(plain, pack={"mode": "off"})  # the same kernels from the parameters
+    fn_plain = _compiled(plain, prepack={"mode": "off"})  # the same kernels from the parameters
     rtol, atol = TOL[dtype]
     with torch.no_grad():
         for _ in range(2):

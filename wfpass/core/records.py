@@ -10,9 +10,12 @@ import json
 import logging
 import shutil
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .stats import Stats
+
+RENAMED_PATTERNS = {"pack": "prepack"}  #: earlier pattern names ("pack": prepacked weights) -> today's
 
 __all__ = ["Record", "Report", "Stats", "decision", "terminal_width"]
 
@@ -152,6 +155,10 @@ class Report:
             self.records.extend(other.records)
 
     def find(self, pattern: Optional[str] = None, action: Optional[str] = None) -> List[Record]:
+        if pattern in RENAMED_PATTERNS:  # an earlier pattern name would silently find nothing
+            warnings.warn(f"wfpass's report pattern {pattern!r} is now {RENAMED_PATTERNS[pattern]!r}; the old name "
+                          "goes in the next release", DeprecationWarning, stacklevel=2)
+            pattern = RENAMED_PATTERNS[pattern]
         return [r for r in self.records if (pattern is None or r.pattern == pattern) and (action is None or r.action == action)]
 
     @property
@@ -276,7 +283,7 @@ def _copies_line(records: Sequence[Record]) -> str:
     n = sum(1 for v in held if isinstance(v, int) and v)
     line = f"packed copies alive: {total / 2**20:.2f} MiB over {n} row(s) (each row's packed_bytes)"
     if kernels:
-        # The kernel library's compiled kernels for them (pack/state.py):
+        # The kernel library's compiled kernels for them (prepack/state.py):
         # they count into the same budget.
         line += f"; kernels the library compiled for them: {kernels / 2**20:.2f} MiB (kernel_bytes)"
     return line

@@ -51,6 +51,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from ..native import schemas as _schemas
 
 
 __all__ = ["FusedLinear", "LinearLayout", "fused_linear", "bias_vector", "EagerBlock", "EagerLayoutCheck"]
@@ -161,7 +162,7 @@ def _by_rows_fake(x, w_block, b_block, sizes, max_rows):
 
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
-_LIB.define("linear_by_rows(Tensor x, Tensor w_block, Tensor? b_block, int[] sizes, int max_rows) -> Tensor")
+_schemas.define(_LIB, "linear_by_rows")
 torch.library.register_fake("wfpass::linear_by_rows", _by_rows_fake, lib=_LIB)
 # The Python kernel serves every backend key; the C++ one, once loaded
 # (``native``: at the first compile), takes the CPU key before it.

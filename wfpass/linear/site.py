@@ -1,6 +1,6 @@
 """One linear call as both linear formats see it: the sibling-linear format
 (``fuse_linears``) groups these calls, the packed-weight format
-(``pack_linears``) packs their weights, and both match them here.
+(``prepack_linears``) packs their weights, and both match them here.
 
 ``linear_sites`` finds every linear call, in Dynamo graphs
 (``torch._C._nn.linear``, ``F.linear``) and in ``symbolic_trace`` graphs

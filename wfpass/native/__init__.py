@@ -12,7 +12,8 @@ linear's copy check and kernel call, 15-29 us a call in Python, measured by
 registered for CUDA, built the same against a CPU-only torch). Every decision stays in Python, which hands
 the C++ kernel what it decided; the ops' schemas, fake implementations and
 gradient formulas are registered in Python as before, so the compiler sees
-the same ops either way.
+the same ops either way. Every op's schema is in ``schemas.py``; the build
+writes the C++-defined ones into ``wfpass_schemas.h`` for the sources.
 
 The library is built once per source text and torch version into
 ``$WFPASS_CACHE`` (default ``~/.cache/wfpass``): ``g++`` with torch's headers,
@@ -199,9 +200,12 @@ _LIBS = ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 
 def _digest() -> str:
+    from .schemas import cxx_header
+
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_HERE / name).read_bytes())
+    h.update(cxx_header().encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     h.update(" ".join([_compiler() or ""] + _flags() + _LIBS).encode())
@@ -235,6 +239,11 @@ def _compile_and_link(cxx: str, flags: list, out: Path, work: Path) -> subproces
     failed step's result, else the link's."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from .schemas import cxx_header
+
+    # The ops' schemas, from the one table every definition reads.
+    (work / "wfpass_schemas.h").write_text(cxx_header())
+    flags = flags + [f"-I{work}"]
     objs = [str(work / (Path(src).stem + ".o")) for src in _SOURCES]
     done = [0]
 

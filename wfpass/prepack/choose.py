@@ -19,7 +19,7 @@ it gains the margin over the kernel taken so far too, in three rounds of
 four at least level, then MKL the same way by ``MKL_MARGIN``. direct needs
 no memory at all; the copies of brgemm and oneDNN are the weight's bytes, but each row count a kernel runs makes the
 library compile one for it, and keep it: about 16 KiB for brgemm's
-ukernel, 0.56 MiB for oneDNN's linear (torch 2.13, docs/pack.md). A
+ukernel, 0.56 MiB for oneDNN's linear (torch 2.13, docs/guide/prepack.md). A
 near-tie between two kernels keeps the lighter, so it cannot flip
 between processes.
 

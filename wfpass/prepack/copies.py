@@ -1,7 +1,7 @@
 """The packed copies behind ``wfpass::packed_linear`` (``kernel.py``) and the
 budget that bounds them: made once per weight set, kernel and row count
 (per row count for MKL), checked against the parameters on every call,
-made again where they changed, charged to ``pack.max_bytes`` (with the
+made again where they changed, charged to ``prepack.max_bytes`` (with the
 kernels the library compiles for new row counts, ``state.py``) and dropped
 with their parameter.
 
@@ -83,12 +83,12 @@ def weight_bytes() -> int:
 
 
 def budget_of(max_bytes) -> Optional[int]:
-    """``pack.max_bytes`` in bytes now: ``"weights"`` is ``weight_bytes()``."""
+    """``prepack.max_bytes`` in bytes now: ``"weights"`` is ``weight_bytes()``."""
     return weight_bytes() if max_bytes == "weights" else max_bytes
 
 
 def over_budget(max_bytes, need: int, old: int = 0) -> Optional[int]:
-    """The budget (``pack.max_bytes`` in bytes now) a new copy of ``need``
+    """The budget (``prepack.max_bytes`` in bytes now) a new copy of ``need``
     bytes, replacing one of ``old``, would take the copies alive over;
     None where it fits. The linears' copies and the LSTMs'
     (``rnn/cpu/lstm_pack.py``) share it."""
@@ -244,7 +244,7 @@ def _kernel_over_budget(site, w0: torch.Tensor, m: int, kernel: str, skey: tuple
     # (0.55-0.6 MiB with oneDNN on torch 2.13, whatever the weight's size) is
     # bounded by the same number, on its own: counted with the copies, the
     # bench decoder's kernels for its dynamic row counts were refused and its
-    # 5-token call fell from 1.91x to 0.82x of Inductor (docs/pack.md#memory).
+    # 5-token call fell from 1.91x to 0.82x of Inductor (docs/guide/prepack.md#memory).
     # Asked only for a new kernel: the budget sums the weights' bytes, and
     # with the Python kernel alone every call comes here.
     if not _state.known(skey):
@@ -301,7 +301,7 @@ def _over_budget(site, w0: torch.Tensor, m: int, kernel: str, need: int, budget:
     site.refused.setdefault(w0, set()).add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
-        whose = "the weights' bytes" if site.max_bytes == "weights" else "pack.max_bytes"
+        whose = "the weights' bytes" if site.max_bytes == "weights" else "prepack.max_bytes"
         instead = "the direct kernel (no copy)" if site.fallback_for(m) == "direct" else "the plain GEMM"
         if what == "copy":
             words[m] = (f"M={m}: {instead} for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "

@@ -26,7 +26,7 @@ The steps ``pipeline.drive`` runs:
 - ``guard``: the weight is a Parameter or buffer on the CPU in a dtype a
   packed kernel takes on this CPU; input, weight and output of one dtype
   (no autocast); not written in the graph; no gradient through it unless
-  ``pack.training``; for a static row count, a packed kernel measured
+  ``prepack.training``; for a static row count, a packed kernel measured
   faster than the plain GEMM (``wfpass/prepack/guards.py``).
 - ``apply``: the call becomes ``wfpass::packed_linear`` with its site
   (``wfpass/prepack/rewrite.py``). Nothing moves: the parameters stay where
@@ -52,7 +52,7 @@ __all__ = ["PackLinears"]
 class PackLinears(Format):
     """The packed-weight format (see the module docstring)."""
 
-    name, pattern = "pack_linears", "pack"
+    name, pattern = "prepack_linears", "prepack"
 
     def restore(self, module) -> None:
         # Packed copies are derived state: the next call makes them again.

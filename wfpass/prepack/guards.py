@@ -11,7 +11,7 @@ import torch
 
 from .._torch import kernels as _k, tensors as _tensors
 from ..native import ops as _nops
-from ..config import PackOptions
+from ..config import PrepackOptions
 from ..core.graph import PassContext, meta_value
 from ..linear.site import weight_not_2d, weight_ref_problem, written_in_place
 from ..core.storage import unmovable
@@ -29,10 +29,10 @@ def graph_weight_bytes(ctx: PassContext) -> int:
     return sum(r.tensor.numel() * r.tensor.element_size() for r in ctx.state_tensors() if r.kind == "parameter")
 
 
-def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
+def choose_kernel(opts: PrepackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The kernel for ``m`` rows of an ``n x k`` weight of ``dtype``, in a
     graph reading ``pool_bytes`` of weights per call (with
-    ``pack.max_bytes=0``, the best that needs no copy)."""
+    ``prepack.max_bytes=0``, the best that needs no copy)."""
     if opts.max_bytes == 0:
         return copy_free_kernel(opts, dtype, k, n, m, pool_bytes)
     if opts.mode == "always":
@@ -40,9 +40,9 @@ def choose_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int,
     return choose.measured(dtype, k, n, m, pool_bytes)[0]
 
 
-def copy_free_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
+def copy_free_kernel(opts: PrepackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The kernel that runs where a copy is not allowed: ``"direct"``
-    (``pack.mode="always"``: wherever it runs; else where it was measured
+    (``prepack.mode="always"``: wherever it runs; else where it was measured
     faster than the plain GEMM), or ``"plain"``."""
     if opts.mode == "always":
         return "direct" if _nops.direct_runs(dtype) else "plain"
@@ -50,19 +50,19 @@ def copy_free_kernel(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: i
 
 
 def _always(dtype: torch.dtype) -> str:
-    """``pack.mode="always"``: the first packed kernel ``choose`` would try
+    """``prepack.mode="always"``: the first packed kernel ``choose`` would try
     (brgemm, where the CPU and the dtype allow it), else oneDNN's."""
     if _nops.panel_packs(dtype):
         return "brgemm"
     return "onednn" if _k.onednn_packs(dtype) else "plain"
 
 
-def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
+def describe_choice(opts: PrepackOptions, dtype: torch.dtype, k: int, n: int, m: int, pool_bytes: int = 0) -> str:
     """The row's words for the choice at ``m`` rows."""
     if opts.mode == "always":
         kernel = choose_kernel(opts, dtype, k, n, m, pool_bytes)
-        zero = ", pack.max_bytes=0: no copies" if opts.max_bytes == 0 else ""
-        return f"M={m}: {_KERNEL_WORDS.get(kernel, 'the plain GEMM')} (pack.mode='always'{zero}, not measured)"
+        zero = ", prepack.max_bytes=0: no copies" if opts.max_bytes == 0 else ""
+        return f"M={m}: {_KERNEL_WORDS.get(kernel, 'the plain GEMM')} (prepack.mode='always'{zero}, not measured)"
     d = choose.decide(dtype, k, n, m, pool_bytes)
     if opts.max_bytes == 0 and d.kernel not in choose.COPY_FREE:
         # A copy would be faster still, and is not allowed: say what runs instead and what it gave up.
@@ -71,7 +71,7 @@ def describe_choice(opts: PackOptions, dtype: torch.dtype, k: int, n: int, m: in
         what = (f"{_KERNEL_WORDS['direct']}, {1 / d.median_ratio('direct'):.2f}x faster than the plain GEMM "
                 f"({us['direct']:.0f} us vs {us['plain']:.0f} us)" if alt == "direct" else
                 f"the plain GEMM ({us['plain']:.0f} us)")
-        return (f"M={m}: {what}; pack.max_bytes=0 allows no copy ({d.kernel} over a copy measured "
+        return (f"M={m}: {what}; prepack.max_bytes=0 allows no copy ({d.kernel} over a copy measured "
                 f"{us[d.kernel]:.0f} us)")
     pool = choose.pool_mib(pool_bytes)
     us = {name: t * 1e6 for name, t in d.times.items()}
@@ -125,11 +125,11 @@ def _rows_hint(x) -> Optional[int]:
 
 def _options_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     """Packing switched off, or no bytes allowed for packed copies."""
-    opts: PackOptions = ctx.config.pack
+    opts: PrepackOptions = ctx.config.prepack
     if opts.mode == "off":
-        return "pack.mode='off'"
+        return "prepack.mode='off'"
     if opts.max_bytes == 0 and not _nops.direct_runs(m.weights[0].tensor.dtype):
-        return "pack.max_bytes=0: no packed copies (and no copy-free kernel here: direct is float32 on AVX2 or AVX-512)"
+        return "prepack.max_bytes=0: no packed copies (and no copy-free kernel here: direct is float32 on AVX2 or AVX-512)"
     return None
 
 
@@ -188,7 +188,7 @@ def _written_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
 
 
 def _grad_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
-    """No gradient through the call unless ``pack.training``, and none ever
+    """No gradient through the call unless ``prepack.training``, and none ever
     through a block (its members' biases get theirs from ``fused_linear``)."""
     grad = m.needs_grad()
     if grad is None and ctx.is_dynamo:
@@ -201,16 +201,16 @@ def _grad_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     if grad and m.block:
         return ("the one-GEMM block in a graph that computes gradients: its biases' gradients go to each member "
                 "through fused_linear; left to it")
-    if grad and not ctx.config.pack.training:
+    if grad and not ctx.config.prepack.training:
         return ("the graph computes gradients through it (training): packing is for inference unless "
-                "pack.training=True (a copy made again after every optimizer step; measured in docs/pack.md)")
+                "prepack.training=True (a copy made again after every optimizer step; measured in docs/guide/prepack.md)")
     return None
 
 
 def _symbolic_rows_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     """A graph for every M: packed only where packing was measured to pay at
     the size the graph was compiled for; sets ``m.kernel`` and ``m.why``."""
-    opts: PackOptions = ctx.config.pack
+    opts: PrepackOptions = ctx.config.prepack
     t = m.weights[0].tensor
     # One graph for every M: the op would serve sizes nobody measured,
     # and its call costs even where it then runs the plain GEMM. So it
@@ -245,7 +245,7 @@ def _kernel_choice(m: PackMatch, ctx: PassContext) -> Optional[str]:
     ``_symbolic_rows_choice``)."""
     if m.m is None:
         return _symbolic_rows_choice(m, ctx)
-    opts: PackOptions = ctx.config.pack
+    opts: PrepackOptions = ctx.config.prepack
     t = m.weights[0].tensor
     pool = graph_weight_bytes(ctx)
     kernel = choose_kernel(opts, t.dtype, t.shape[1], m.rows, m.m, pool)

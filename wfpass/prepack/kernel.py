@@ -2,7 +2,7 @@
 packed copy of its weight, made once and checked against the parameter on
 every call.
 
-Graph after ``pack_linears`` (Dynamo flavour; a single linear, and the Q/K/V
+Graph after ``prepack_linears`` (Dynamo flavour; a single linear, and the Q/K/V
 block ``fuse_linears`` built, whose members are views of one block with
 ``q_w`` at offset 0)::
 
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .._torch import aot as _aot, kernels as _k, tensors as _tensors
-from ..native import ops as _nops
+from ..native import ops as _nops, schemas as _schemas
 from .. import native as _native
 from ..core.records import Record, Stats
 from . import state as _state
@@ -67,11 +67,10 @@ _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # Two ops over one kernel: ``packed_linear`` for graphs that compute no
 # gradient through the call (most calls: no autograd wrapper to pass
 # through, a few microseconds a call), ``packed_linear_train`` with the
-# gradient formula below for those that do (``pack.training``) and for
+# gradient formula below for those that do (``prepack.training``) and for
 # ``wfpass.apply`` graphs, which run eagerly either way.
-_SCHEMA = "(Tensor x, Tensor[] weights, Tensor[] biases, int rows, int site) -> Tensor"
-_LIB.define("packed_linear" + _SCHEMA)
-_LIB.define("packed_linear_train" + _SCHEMA)
+_schemas.define(_LIB, "packed_linear")
+_schemas.define(_LIB, "packed_linear_train")
 
 
 class PackSite:
@@ -92,7 +91,7 @@ class PackSite:
         self.id = 0
         self.names: List[str] = []  # the weights' names, for the record
         # ``wfpass.apply`` graphs run eagerly, so the op sees whether this
-        # call computes a gradient: ``pack.training`` there; None in
+        # call computes a gradient: ``prepack.training`` there; None in
         # compiled graphs, where the guard decided from the graph.
         self.eager_training: Optional[bool] = None
         #: Called when a copy is refused for the budget (the record's words change).
@@ -307,7 +306,7 @@ def _packed_linear_fake(x, weights, biases, rows, site):
 # The C++ kernel (wfpass/native/prepack/prepack.cpp) answers every call whose site,
 # row count and copy the Python kernel already checked, and hands the rest
 # to ``packed_linear_slow``: this same Python function.
-_LIB.define("packed_linear_slow" + _SCHEMA)
+_schemas.define(_LIB, "packed_linear_slow")
 _LIB.impl("packed_linear_slow", _packed_linear, "CPU")
 for _name in ("packed_linear", "packed_linear_train"):
     torch.library.register_fake("wfpass::" + _name, _packed_linear_fake, lib=_LIB)

@@ -58,7 +58,7 @@ def _record_for(ctx: PassContext, m: PackMatch) -> Record:
             else f"linear {n}x{k} {str(dtype).replace('torch.', '')}")
     rec = _RECORDS.get(w0)
     if rec is None or rec.params != m.params:
-        rec = ctx.report.add("pack", "rewritten", "", m.params, what=what)
+        rec = ctx.report.add("prepack", "rewritten", "", m.params, what=what)
         _RECORDS[w0] = rec
     else:
         ctx.report.records.append(rec)
@@ -75,7 +75,7 @@ def _open_site(ctx: PassContext, m: PackMatch, rec: Record) -> int:
     """The call's ``PackSite`` (its record, options and kernel per row
     count, each further M chosen and noted on its second call), registered
     and kept alive with the graph; its id."""
-    opts = ctx.config.pack
+    opts = ctx.config.prepack
     w0 = m.weights[0].tensor
     dtype, k, n = w0.dtype, w0.shape[1], m.rows
 

@@ -39,7 +39,7 @@ COPY_FREE = ("plain", "direct")
 def copy_free(d) -> str:
     """The best of the kernels that need no copy, by the same rule:
     ``"direct"`` where it gains the margin over the plain GEMM, else
-    ``"plain"``. What runs where a copy is not allowed (``pack.max_bytes=0``)
+    ``"plain"``. What runs where a copy is not allowed (``prepack.max_bytes=0``)
     or would go over the budget."""
     return "plain" if d.noisy else best(d, only=COPY_FREE)
 

@@ -85,7 +85,7 @@ class FuseRnn(Format):
                                       cast=s.cast)  # the rewrite takes this one
             s.plan += "; a variable-length batch (pack_padded_sequence): " + VARLEN_SUMMARY[s.kernel_plan.path]
         if ctx.config.dry_run:  # a real run's row names each kernel with its counter instead (note_kernel)
-            s.plan += planned_kernels(ctx, s, packs=ctx.config.pack.mode != "off")
+            s.plan += planned_kernels(ctx, s, packs=ctx.config.prepack.mode != "off")
         s.detail = dict(threshold=spec.threshold, mode=spec.mode, layers=spec.num_layers,
                         bidirectional=spec.bidirectional, block_elements=spec.numel)
         return None

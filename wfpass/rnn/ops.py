@@ -12,15 +12,16 @@ from typing import Callable, Sequence
 import torch
 
 from .._torch import aot as _aot
+from ..native import schemas as _schemas
 
 __all__ = ["define_rnn_op"]
 
 
-def define_rnn_op(name: str, args: str, returns: str, backward_schema: str, *, forward: Callable,
+def define_rnn_op(name: str, *, forward: Callable,
                   forward_fake: Callable, backward: Callable, backward_fake: Callable, setup: Callable,
                   grad: Callable, tags: Sequence[torch.Tag] = (), python_bodies: bool = False) -> torch.library.Library:
-    """Define ``wfpass::NAME(args) -> returns``, its ``_fw`` twin and
-    ``wfpass::NAME_backward`` + ``backward_schema`` (``"(args) -> (...)"``);
+    """Define ``wfpass::NAME``, its ``_fw`` twin and ``wfpass::NAME_backward``,
+    with their schemas from ``native/schemas.py``;
     register the kernels (CompositeExplicitAutograd: a C++ kernel registered
     for the CPU or CUDA key later comes first), the fakes, the autograd formula
     (``setup``, ``grad``) and the twin. ``python_bodies``: also define
@@ -29,17 +30,18 @@ def define_rnn_op(name: str, args: str, returns: str, backward_schema: str, *, f
     it leaves to Python (``native/rnn/cudnn.cpp``). Returns the library,
     which the caller keeps alive (its registrations go with it)."""
     lib = torch.library.Library("wfpass", "FRAGMENT")
-    lib.define(f"{name}({args}) -> {returns}", tags=tuple(tags))
-    lib.define(f"{name}_fw({args}) -> {returns}", tags=tuple(tags))
-    lib.define(f"{name}_backward{backward_schema}")
+    twins = _schemas.twins(name, python_bodies)
+    _schemas.define(lib, name, tags)
+    lib.define(f"{name}_fw" + twins[f"{name}_fw"], tags=tuple(tags))
+    _schemas.define(lib, f"{name}_backward")
     for op, kernel, fake in ((name, forward, forward_fake), (f"{name}_fw", forward, forward_fake),
                              (f"{name}_backward", backward, backward_fake)):
         lib.impl(op, kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"wfpass::{op}", fake, lib=lib)
     if python_bodies:
         # Called only from inside a C++ kernel, at run time: never traced, no fake.
-        lib.define(f"_{name}_python({args}) -> {returns}", tags=tuple(tags))
-        lib.define(f"_{name}_backward_python{backward_schema}")
+        lib.define(f"_{name}_python" + twins[f"_{name}_python"], tags=tuple(tags))
+        lib.define(f"_{name}_backward_python" + twins[f"_{name}_backward_python"])
         lib.impl(f"_{name}_python", forward, "CompositeExplicitAutograd")
         lib.impl(f"_{name}_backward_python", backward, "CompositeExplicitAutograd")
     torch.library.register_autograd(f"wfpass::{name}", grad, setup_context=setup, lib=lib)

@@ -176,15 +176,15 @@ def _allow_packed_weights(ctx: PassContext, s: RnnCall, record) -> None:
     """An inference LSTM on oneDNN's layer op (a padded batch's ``mkldnn``
     path, or a packed batch's ``packed_onednn``, run by run): let each layer
     direction keep its weights in oneDNN's layout (``cpu/lstm_pack.py``),
-    under the packed format's options (``pack.mode="off"``: none) and budget."""
-    if ctx.config.pack.mode == "off" or ctx.config.dry_run:
+    under the packed format's options (``prepack.mode="off"``: none) and budget."""
+    if ctx.config.prepack.mode == "off" or ctx.config.dry_run:
         return
     ws = [r.tensor for r in s.weights]
     if not all(_copies_here(w) for w in ws):  # bf16: only where oneDNN's LSTM runs it on this CPU
         return
     per = s.spec.weights_per_layer
     pairs = [(ws[k], ws[k + 1]) for k in range(0, len(ws), per)]
-    _lstm_prepack.allow(record, pairs, ctx.config.pack.max_bytes)
+    _lstm_prepack.allow(record, pairs, ctx.config.prepack.max_bytes)
 
 
 def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, plan: RnnPlan) -> None:
@@ -205,7 +205,7 @@ def _count_at_site(ctx: PassContext, site: GroupSite, w_nodes, counter: str, pla
 def planned_kernels(ctx: PassContext, s: RnnCall, packs: bool = False) -> str:
     """What a dry run (``wfpass.explain``) says about the call's kernel, from
     the plan a compile would take: ``"; T=12: oneDNN LSTM; threshold N=2"``;
-    ``packs`` (``pack.mode`` is not ``"off"``): also that an inference call
+    ``packs`` (``prepack.mode`` is not ``"off"``): also that an inference call
     on oneDNN's kernel will read its weights from a copy in oneDNN's layout."""
     v = meta_value(s.x)
     ref = v if isinstance(v, torch.Tensor) else s.weights[0].tensor
@@ -214,7 +214,7 @@ def planned_kernels(ctx: PassContext, s: RnnCall, packs: bool = False) -> str:
     return plan.words() + (_COPY_PLANNED if copies and (plan.varlen or plan.threshold != "auto") else "")
 
 
-_COPY_PLANNED = "; in inference oneDNN will read each layer's weights from a copy in its own layout (within pack.max_bytes)"
+_COPY_PLANNED = "; in inference oneDNN will read each layer's weights from a copy in its own layout (within prepack.max_bytes)"
 
 
 def _copies_here(ref: torch.Tensor) -> bool:

@@ -129,6 +129,7 @@ struct Isa {
 };
 
 #include "direct_kernel.h"
+#include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
 
 #undef WFPASS_TARGET
 #undef WFPASS_TARGET_INLINE
@@ -199,9 +200,9 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
 }  // namespace wfpass_direct
 
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
-  m.def("_direct_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("native_direct() -> bool", []() { return wfpass_direct::available(); });
-  m.def("native_direct_isa() -> str", []() { return std::string(wfpass_direct::isa()); });
+  m.def(WFPASS_SCHEMA_direct_linear);
+  m.def(WFPASS_SCHEMA_native_direct, []() { return wfpass_direct::available(); });
+  m.def(WFPASS_SCHEMA_native_direct_isa, []() { return std::string(wfpass_direct::isa()); });
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) { m.impl("_direct_linear", wfpass_direct::linear_op); }

@@ -36,6 +36,8 @@
 #include <sys/mman.h>
 #endif
 
+#include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
+
 namespace {
 
 // The entries below live on pages of their own, not on malloc's heap. One
@@ -120,7 +122,7 @@ constexpr size_t kMaxSets = 1024;  // past this, sets whose copy died go first, 
 struct Site {
   Map<int64_t, Vec<Entry>> by_m;
   int64_t packed_calls = 0, plain_calls = 0, direct_calls = 0;
-  int64_t eager_training = -1;  // -1: a compiled graph; 0/1: pack.training of a wfpass.apply graph
+  int64_t eager_training = -1;  // -1: a compiled graph; 0/1: prepack.training of a wfpass.apply graph
 };
 
 std::mutex mu;
@@ -379,13 +381,12 @@ void pack_forget(int64_t site) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
-  m.def("_pack_put(int site, int m, int kernel, Tensor? packed, Tensor[] weights, int rows, int sample, "
-        "int eager_training) -> ()",
+  m.def(WFPASS_SCHEMA_pack_put,
         pack_put);
-  m.def("_pack_take_counts(int site) -> int[]", pack_take_counts);
-  m.def("_pack_forget(int site) -> ()", pack_forget);
-  m.def("_panel_pack(Tensor w) -> Tensor");
-  m.def("_panel_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def(WFPASS_SCHEMA_pack_take_counts, pack_take_counts);
+  m.def(WFPASS_SCHEMA_pack_forget, pack_forget);
+  m.def(WFPASS_SCHEMA_panel_pack);
+  m.def(WFPASS_SCHEMA_panel_linear);
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {

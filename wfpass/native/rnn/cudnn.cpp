@@ -34,6 +34,7 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+#include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
 
 namespace {
 
@@ -313,9 +314,9 @@ std::vector<Tensor> python_bodies_op(const Tensor& x, const Tensor& data, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
-  m.def("_cudnn_flat_buffer(Tensor[] weights, int[] offsets) -> Tensor[]");
-  m.def("_cudnn_grad_buffer(Tensor[] dw, Tensor[] weights, int[] offsets, Tensor like) -> Tensor");
-  m.def("_cudnn_python_bodies(Tensor x, Tensor data, Tensor batch_sizes, Tensor[] weights, int[] offsets) -> Tensor[]");
+  m.def(WFPASS_SCHEMA_cudnn_flat_buffer);
+  m.def(WFPASS_SCHEMA_cudnn_grad_buffer);
+  m.def(WFPASS_SCHEMA_cudnn_python_bodies);
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CompositeExplicitAutograd, m) {

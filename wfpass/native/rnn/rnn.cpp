@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/weight_sample.h"
+#include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
 
 namespace {
 
@@ -443,12 +444,11 @@ Grads6 rnn_layer_backward(const Tensor& input, const Tensor& w_ih, const Tensor&
 // Called only inside wfpass::rnn_layer_backward's kernel (never traced, so
 // no fake implementation).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
-  m.def("_lstm_pack_put(int id, Tensor w_ih, Tensor w_hh, bool reverse, Tensor? p_ih, Tensor? p_hh, int sample) -> ()",
+  m.def(WFPASS_SCHEMA_lstm_pack_put,
         lstm_pack_put);
-  m.def("_lstm_pack_take_calls(int[] ids) -> int", lstm_pack_take_calls);
-  m.def("_lstm_pack_forget(int id, Tensor? w_ih, Tensor? w_hh) -> ()", lstm_pack_forget);
-  m.def("_gru_grad_loop(Tensor k_h, Tensor z, Tensor w_hh, Tensor? grad_output, Tensor? grad_hy) "
-        "-> (Tensor, Tensor, Tensor)",
+  m.def(WFPASS_SCHEMA_lstm_pack_take_calls, lstm_pack_take_calls);
+  m.def(WFPASS_SCHEMA_lstm_pack_forget, lstm_pack_forget);
+  m.def(WFPASS_SCHEMA_gru_grad_loop,
         gru_grad_loop);
 }
 

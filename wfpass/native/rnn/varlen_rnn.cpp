@@ -33,6 +33,7 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
+#include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
 
 namespace {
 
@@ -1276,9 +1277,9 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
 // And whether packed_bilayer_fw can run its two directions at once (built
 // with OpenMP: wfpass/native, parallel_directions).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
-  m.def("native_fast_loop() -> bool", []() { return wfpass_fast::fast_loop(); });
-  m.def("native_fast_isa() -> str", []() { return std::string(wfpass_fast::fast_isa()); });
-  m.def("native_openmp() -> bool", []() {
+  m.def(WFPASS_SCHEMA_native_fast_loop, []() { return wfpass_fast::fast_loop(); });
+  m.def(WFPASS_SCHEMA_native_fast_isa, []() { return std::string(wfpass_fast::fast_isa()); });
+  m.def(WFPASS_SCHEMA_native_openmp, []() {
 #ifdef _OPENMP
     return true;
 #else

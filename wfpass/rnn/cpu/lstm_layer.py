@@ -31,13 +31,6 @@ from . import lstm_prepack as _lstm_prepack
 
 __all__ = ["workspace_numel", "zero_states"]
 
-_ARGS = ("Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
-         "bool reverse, int hidden_size, bool has_biases, bool train")
-_BACKWARD = (
-    "(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, "
-    "Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, "
-    "int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-
 
 _MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
 _MKLDNN_RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
@@ -168,6 +161,6 @@ def _lstm_layer_grad(ctx, gy, ghy, gcy, _gws):
 
 # The C++ kernels (``native/rnn/rnn.cpp``) take the CPU key, which comes
 # before these registrations once they are loaded.
-_LIB = define_rnn_op("lstm_layer", _ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD,
+_LIB = define_rnn_op("lstm_layer",
                      forward=_lstm_layer, forward_fake=_lstm_layer_fake, backward=_lstm_layer_backward,
                      backward_fake=_lstm_layer_backward_fake, setup=_lstm_layer_setup, grad=_lstm_layer_grad)

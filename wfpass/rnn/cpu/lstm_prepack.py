@@ -13,13 +13,13 @@ passes give it) it skips the reorder, and computes the same bits.
 So a compiled inference graph whose LSTM runs oneDNN's layer op keeps such a
 copy per layer and direction beside the parameters: the parameters stay
 the truth (the state_dict, the optimizer, the backward read them); the copy
-is derived state under the packed-weight format's rules (``docs/pack.md``):
+is derived state under the packed-weight format's rules (``docs/guide/prepack.md``):
 
 * made only where the rewrite allowed it (``allow``: a float32 or bfloat16
   (where oneDNN runs it) CPU LSTM on
-  oneDNN's path in a graph that computes no gradient, ``pack.mode`` not
+  oneDNN's path in a graph that computes no gradient, ``prepack.mode`` not
   ``"off"``); training graphs read the parameters;
-* counted with the packed linears' copies against ``pack.max_bytes`` (by
+* counted with the packed linears' copies against ``prepack.max_bytes`` (by
   default the weights' bytes); a pair over it runs on its parameters
   (``over_bound_calls``), and is asked again when the budget grows;
 * never stale: every call checks the pair's addresses, version counters and
@@ -48,6 +48,7 @@ import torch
 from ..._torch import kernels as _k, tensors as _tensors
 from ... import native as _native
 from ...prepack import kernel as _pk
+from ...native import schemas as _schemas
 
 __all__ = ["allow", "packed_pair", "drop", "count_python_call", "reconsider"]
 
@@ -80,7 +81,7 @@ _PAIRS = _tensors.weak_id_key_dict()
 
 def allow(record, weights: Sequence[Tuple[torch.Tensor, torch.Tensor]], max_bytes) -> None:
     """Let these (w_ih, w_hh) pairs of one LSTM have a copy in oneDNN's
-    layout, counted on ``record``; ``max_bytes``: ``pack.max_bytes``."""
+    layout, counted on ``record``; ``max_bytes``: ``prepack.max_bytes``."""
     flat = [w for pair in weights for w in pair]
     _pk.note_weights(flat)
     for w_ih, w_hh in weights:
@@ -215,12 +216,12 @@ def _say(record, words: str) -> None:
 
 
 def _refuse(p: _Pair, need: int, budget: int) -> None:
-    """Over ``pack.max_bytes``: the pair reads its parameters until the
+    """Over ``prepack.max_bytes``: the pair reads its parameters until the
     budget grows (``reconsider``)."""
     _release(p)
     p.refused = True
     p.record.bump("over_bound_calls")
-    whose = "the weights' bytes" if p.max_bytes == "weights" else "pack.max_bytes"
+    whose = "the weights' bytes" if p.max_bytes == "weights" else "prepack.max_bytes"
     _say(p.record, f"in inference oneDNN reads the parameters, not a copy in its own layout: a copy "
                    f"({need / 2**20:.1f} MiB) would take the packed copies over their budget ({budget / 2**20:.1f} "
                    f"MiB, {whose}; {_pk.packed_bytes_alive() / 2**20:.1f} MiB in use) (over_bound_calls)")
@@ -271,6 +272,5 @@ _pk.ON_BUDGET_GROWTH.append(reconsider)
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # Called only from inside the C++ kernel of wfpass::lstm_layer_fw, at run
 # time: never traced, so no fake implementation.
-_LIB.define("_lstm_pack_ask(Tensor input, Tensor w_ih, Tensor w_hh, bool reverse, int hidden_size, "
-            "bool has_biases) -> ()")
+_schemas.define(_LIB, "_lstm_pack_ask")
 _LIB.impl("_lstm_pack_ask", _ask, "CompositeExplicitAutograd")

@@ -52,11 +52,6 @@ __all__ = ["MODES"]
 #: The modes this op runs, with their ATen kernels (``torch.gru`` etc.).
 MODES = ("GRU", "RNN_TANH", "RNN_RELU")
 
-_ARGS = "Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, str mode, bool reverse"
-_BACKWARD = ("(Tensor input, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? hx, "
-             "Tensor output, Tensor? grad_output, Tensor? grad_hy, str mode, bool reverse) "
-             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
@@ -186,6 +181,6 @@ def _grad(ctx, g_out, g_hy):
 
 # The C++ kernels (``native/rnn/rnn.cpp``) take the CPU key, which comes
 # before these registrations once they are loaded.
-_LIB = define_rnn_op("rnn_layer", _ARGS, "(Tensor, Tensor)", _BACKWARD, forward=_rnn_layer,
+_LIB = define_rnn_op("rnn_layer", forward=_rnn_layer,
                      forward_fake=_rnn_layer_fake, backward=_rnn_layer_backward,
                      backward_fake=_rnn_layer_backward_fake, setup=_setup, grad=_grad)

@@ -100,14 +100,6 @@ from ..varlen.meta import batch_of
 
 __all__ = ["MODES", "gate_count", "layer_weights", "workspace_width"]
 
-_ARGS = ("Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? w_hr, "
-         "Tensor? h0, Tensor? c0, str mode, bool reverse, bool train")
-_RETURNS = "(Tensor, Tensor, Tensor, Tensor)"
-_BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? w_hr, "
-             "Tensor? h0, Tensor? c0, Tensor out, Tensor h_n, Tensor c_n, Tensor workspace, Tensor? grad_out, "
-             "Tensor? grad_hn, Tensor? grad_cn, str mode, bool reverse) -> (Tensor d_data, Tensor d_w_ih, "
-             "Tensor d_w_hh, Tensor d_b_ih, Tensor d_b_hh, Tensor d_w_hr, Tensor d_h0, Tensor d_c0)")
-
 
 def _fake_states(states, L: int, op: str = "wfpass::packed_layer") -> None:
     """What a fake can check of the states: their rank, L and width. Their
@@ -177,19 +169,12 @@ def _grad(ctx, g_out, g_hn, g_cn, _g_ws):
 
 # The C++ kernels (``native/rnn/varlen_rnn.cpp``) take the CPU key, which
 # comes before these registrations once they are loaded.
-_LIB = define_rnn_op("packed_layer", _ARGS, _RETURNS, _BACKWARD, forward=_packed_layer,
+_LIB = define_rnn_op("packed_layer", forward=_packed_layer,
                      forward_fake=_packed_layer_fake, backward=_packed_layer_backward,
                      backward_fake=_packed_layer_backward_fake, setup=_setup, grad=_grad)
 
 
 # -- both directions of a bidirectional layer in one call ---------------------------------------
-
-_BI_ARGS = ("Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, str mode, bool has_biases, "
-            "bool has_proj, bool train")
-_BI_RETURNS = "(Tensor, Tensor, Tensor, Tensor, Tensor)"
-_BI_BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? h0, Tensor? c0, Tensor out, Tensor h_n, "
-                "Tensor c_n, Tensor ws_f, Tensor ws_b, Tensor? grad_out, Tensor? grad_hn, Tensor? grad_cn, str mode, "
-                "bool has_biases, bool has_proj) -> (Tensor d_data, Tensor[] d_weights, Tensor d_h0, Tensor d_c0)")
 
 
 def layer_weights(w, has_biases: bool, has_proj: bool):
@@ -287,6 +272,6 @@ def _bi_grad(ctx, g_out, g_hn, g_cn, _g_wf, _g_wb):
 # call, into one [N, 2 H_out] output; ``_fw`` its twin without an autograd
 # kernel. The C++ kernels (``native/rnn/varlen_rnn.cpp``) run the two
 # directions at once where torch has two or more threads.
-_BI_LIB = define_rnn_op("packed_bilayer", _BI_ARGS, _BI_RETURNS, _BI_BACKWARD, forward=_bilayer,
+_BI_LIB = define_rnn_op("packed_bilayer", forward=_bilayer,
                         forward_fake=_bilayer_fake, backward=_bilayer_backward,
                         backward_fake=_bilayer_backward_fake, setup=_bi_setup, grad=_bi_grad)

@@ -215,12 +215,6 @@ def _grad(ctx, g_out, g_hn, g_cn, _g_ws):
     return (d_data, None, d_w_ih, d_w_hh, *rest, None, None)
 
 
-_ARGS = ("Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? h0, "
-         "Tensor? c0, bool reverse, bool train")
-_BACKWARD = ("(Tensor data, Tensor batch_sizes, Tensor w_ih, Tensor w_hh, Tensor? b_ih, Tensor? b_hh, Tensor? h0, "
-             "Tensor? c0, Tensor workspace, Tensor? grad_out, Tensor? grad_hn, Tensor? grad_cn, bool reverse) -> "
-             "(Tensor d_data, Tensor d_w_ih, Tensor d_w_hh, Tensor d_b_ih, Tensor d_b_hh, Tensor d_h0, "
-             "Tensor d_c0)")
-_LIB = define_rnn_op("packed_lstm_runs", _ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_forward,
+_LIB = define_rnn_op("packed_lstm_runs", forward=_forward,
                      forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake, setup=_setup,
                      grad=_grad)

@@ -49,17 +49,11 @@ from ..ops import define_rnn_op
 __all__ = ["reserve_numel", "flat_buffer", "dropout_state", "autocast_half", "backward_outputs", "buffer_numel", "grad_buffer", "weight_grads",
            "buffer_for", "dropout_args", "weights_per_layer", "RANDOM", "cudnn_call"]
 
-_FW_ARGS = ("Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, "
-            "int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
 # With dropout between layers the op draws random numbers (cuDNN's own
 # dropout state): tagged so, the compiler neither merges two calls nor
 # recomputes one for the backward (which must see the masks the forward
 # drew: they are in the reserve).
 RANDOM = (torch.Tag.nondeterministic_seeded,)
-_BACKWARD = (
-    "(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
-    "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
-    "bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def weights_per_layer(n_weights: int, num_layers: int, bidirectional: bool) -> int:
@@ -295,7 +289,7 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     return (dx, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
-_LIB = define_rnn_op("cudnn_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_cudnn_rnn,
+_LIB = define_rnn_op("cudnn_rnn", forward=_cudnn_rnn,
                      forward_fake=_cudnn_rnn_fake, backward=_cudnn_rnn_backward,
                      backward_fake=_cudnn_rnn_backward_fake, setup=_setup, grad=_grad, tags=RANDOM, python_bodies=True)
 

@@ -37,12 +37,6 @@ from ..varlen.meta import batch_of
 
 __all__ = ["cudnn_packed_call"]
 
-_FW_ARGS = ("Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, "
-            "int proj_size, int num_layers, bool train, bool bidirectional, int[] offsets, float dropout")
-_BACKWARD = (
-    "(Tensor data, Tensor batch_sizes, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, "
-    "Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, "
-    "bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)")
 _LSTM = _kernels.CUDNN_MODES["LSTM"]
 
 
@@ -156,7 +150,7 @@ def _grad(ctx, g_out, g_hy, g_cy, _g_reserve):
     return (d_data, None, dws, dhx if hx is not None else None, dcx if cx is not None else None) + (None,) * 8
 
 
-_LIB = define_rnn_op("cudnn_packed_rnn", _FW_ARGS, "(Tensor, Tensor, Tensor, Tensor)", _BACKWARD, forward=_forward,
+_LIB = define_rnn_op("cudnn_packed_rnn", forward=_forward,
                      forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake, setup=_setup,
                      grad=_grad, tags=RANDOM, python_bodies=True)
 

@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import PackedSequence, invert_permutation
 from ..._torch import dynamo_hooks as _hooks, kernels as _kernels, tensors as _tensors
 from ..cpu.varlen_checks import known_different
 from .meta import batch_of, note_batch
+from ...native import schemas as _schemas
 
 __all__ = ["pack_padded_sequence", "pad_packed_sequence"]
 
@@ -31,13 +32,8 @@ _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # ``order[j]`` into column j (``unsorted_indices``). On the CPU the C++
 # kernels (``native/rnn/varlen_sequence.cpp``) copy each row once; these Python
 # kernels, used elsewhere, run eager's index_select and ATen's kernel.
-_LIB.define("pack_padded(Tensor input, Tensor lengths, bool batch_first, Tensor? order=None) -> (Tensor, Tensor)")
-_LIB.define("pack_padded_backward(Tensor grad, Tensor batch_sizes, SymInt[] input_size, bool batch_first, "
-            "Tensor? order=None) -> Tensor")
-_LIB.define("pad_packed(Tensor data, Tensor batch_sizes, bool batch_first, float padding_value, SymInt total_length, "
-            "Tensor? order=None) -> (Tensor, Tensor)")
-_LIB.define("pad_packed_backward(Tensor grad, Tensor batch_sizes, SymInt rows, bool batch_first, "
-            "Tensor? order=None) -> Tensor")
+for _name in ("pack_padded", "pack_padded_backward", "pad_packed", "pad_packed_backward"):
+    _schemas.define(_LIB, _name)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from .meta import batch_of
 # Dynamo traces instead of torch's are installed from here (``install``).
 from .pad_ops import pack_padded_sequence, pad_packed_sequence
 from ..spec import flat_weight_names, overrides_forward, rnn_mode
+from ...native import schemas as _schemas
 
 __all__ = ["PACKED_RNN", "PackedRnnForward", "packed_path", "install", "pack_padded_sequence", "pad_packed_sequence", "rnn_forward", "install_forward", "uninstall_forward",
            "packed_rnn_kernel"]
@@ -77,7 +78,7 @@ _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # ``h0.shape[1]``. Left to each layer op's fake, each would make a symbol of
 # its own, which no output returns (Dynamo's PendingUnbackedSymbolNotFound),
 # and the partitioner would find the symbol only in a gradient's shape.
-_LIB.define("packed_zero_state(Tensor batch_sizes, int rows, int hidden, ScalarType dtype, Device device) -> Tensor")
+_schemas.define(_LIB, "packed_zero_state")
 
 
 def _packed_zero_state(batch_sizes, rows, hidden, dtype, device):
@@ -93,8 +94,7 @@ torch.library.register_fake("wfpass::packed_zero_state", _packed_zero_state_fake
 
 # -- the whole RNN over a packed batch -----------------------------------------------------------
 
-_LIB.define("packed_rnn(Tensor data, Tensor batch_sizes, Tensor[] hx, Tensor[] weights, str mode, bool has_biases, "
-            "int num_layers, float dropout, bool train, bool bidirectional, int proj_size) -> (Tensor, Tensor, Tensor)")
+_schemas.define(_LIB, "packed_rnn")
 
 
 def packed_rnn_kernel(data, batch_sizes, hx, weights, mode, has_biases, num_layers, dropout, train, bidirectional,
