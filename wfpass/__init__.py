@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = [
-    "apply", "backend", "explain", "last_report", "report", "restore",
+    "apply", "backend", "explain", "export", "last_report", "report", "restore",
     "register_format", "unregister_format", "registered_formats",
     "Config", "LinearOptions", "RnnOptions", "PrepackOptions", "Format", "ParamFormat", "Record", "Report",
 ]
@@ -22,8 +22,13 @@ def _load_api() -> None:
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
     from .config import Config, LinearOptions, PrepackOptions, RnnOptions
+    from .deploy.program import export
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .core.records import Record, Report
+
+    from . import native
+
+    native.load_if_built()  # an exported program loaded in a fresh process calls the C++ kernels, when built
 
     # No public name is also a submodule's (tests/test_architecture.py checks),
     # so importing a submodule never rebinds one of these.
@@ -45,6 +50,7 @@ def _started_by_cli() -> bool:
 if TYPE_CHECKING:
     from .api import apply, explain, report, restore
     from .compiler import backend, last_report
+    from .deploy.program import export
     from .config import Config, LinearOptions, PrepackOptions, RnnOptions
     from .formats import Format, ParamFormat, register_format, registered_formats, unregister_format
     from .core.records import Record, Report

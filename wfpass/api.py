@@ -26,6 +26,10 @@ def apply(gm: fx.GraphModule, config: Config | None = None, **options: Any) -> R
     The parameters of ``gm`` (shared with the traced model) are moved into
     fused storage; the graph calls the fused kernels. Returns the report.
     """
+    if isinstance(gm, torch.export.ExportedProgram):
+        raise TypeError("wfpass.apply rewrites a torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model)); an "
+                        "ExportedProgram's RNNs are already traced step by step: export the model with "
+                        "wfpass.export(model, args, dynamic_shapes=...) instead")
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"wfpass.apply expects a torch.fx.GraphModule (e.g. torch.fx.symbolic_trace(model)), got {type(gm).__name__}")
     if config is not None and options:

@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["build", "load", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
+__all__ = ["build", "load", "load_if_built", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("prepack/prepack.cpp", "linear/direct.cpp", "rnn/rnn.cpp", "rnn/varlen_rnn.cpp", "rnn/fast_rnn.cpp",
@@ -349,3 +349,19 @@ def load() -> Optional[str]:
             why = f"the C++ build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     _STATE[0] = why
     return why or None
+
+
+def load_if_built() -> bool:
+    """Load the C++ kernels where they are built already, never building:
+    what ``import wfpass`` does, so a program exported or compiled by
+    AOTInductor in another process calls them when loaded in this one. True
+    when they are loaded."""
+    if _STATE[0] is None:
+        try:
+            built = (os.environ.get("WFPASS_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+                     and torch.backends.mkldnn.is_available() and library_path().exists())
+        except Exception:  # noqa: BLE001 - a broken toolchain here is load()'s to report, later
+            built = False
+        if built:
+            load()
+    return is_loaded()

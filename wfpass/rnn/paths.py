@@ -245,10 +245,12 @@ def cxx_path(spec: RnnSpec, x, hx, ws, has_b: bool, train: bool, p: float, need_
         w = ws[k * per : (k + D) * per]
         if D == 1:
             b_ih, b_hh = (w[2], w[3]) if has_b else (None, None)
-            out, hy, cy, _ws = one(layer_in, no_sizes, w[0], w[1], b_ih, b_hh, None, h, c, spec.mode, False,
+            w_hr = w[per - 1] if spec.proj_size else None
+            out, hy, cy, _ws = one(layer_in, no_sizes, w[0], w[1], b_ih, b_hh, w_hr, h, c, spec.mode, False,
                                    need_grad)
         else:
-            out, hy, cy, *_ws = two(layer_in, no_sizes, list(w), h, c, spec.mode, has_b, False, need_grad)
+            out, hy, cy, *_ws = two(layer_in, no_sizes, list(w), h, c, spec.mode, has_b, spec.proj_size > 0,
+                                    need_grad)
         out = out.view(T, B, out.shape[1])
         hs.append(hy)
         cs.append(cy)
@@ -264,8 +266,11 @@ class RnnForward:
     (out, h_n, c_n)`` on the path chosen at compile time. A callable object,
     so the graph carries its spec without any global table."""
 
-    def __init__(self, spec: RnnSpec, path: str, train: bool, cast=None):
+    def __init__(self, spec: RnnSpec, path: str, train: bool, cast=None, need_grad: Optional[bool] = None):
         self.spec, self.path, self.train = spec, path, train
+        # None: differentiable where an input needs grad (a compiled graph);
+        # False: never (an exported inference program, ``wfpass.export``).
+        self.need_grad = need_grad
         # Under autocast: (autocast dtype, output dtype[, compute dtype]) (``guards.autocast_cast``,
         # ``guards.emulates_half``: rounded to the autocast dtype, computed in float32).
         self.cast = cast
@@ -296,7 +301,9 @@ class RnnForward:
         if self.path not in ("mkldnn", "native", "cudnn", "cxx") and any(h is None for h in hx):
             # A zero state (None): the layer ops fill their own; the others get it here.
             hx = [z if h is None else h for h, z in zip(hx, zero_state(spec, x))]
-        need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
+        need_grad = self.need_grad
+        if need_grad is None:
+            need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *hx, *weights))
         path = self.path
         if path == "cxx" and any(h is not None and h.dtype != x.dtype for h in hx):
             # A state of another dtype: eager's kernels, which raise eager's error.

@@ -1,0 +1,204 @@
+"""``wfpass.export``: RNN models export with a dynamic sequence length, in a
+graph whose size does not depend on the example's T, equal to eager; the
+program saves, loads and compiles with AOTInductor, and runs in a fresh
+process where only ``import wfpass`` ran; the model is left as it was."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import wfpass
+
+
+class Net(nn.Module):
+    """An RNN between two layers, its input reused by a residual."""
+
+    def __init__(self, rnn: nn.RNNBase, width: int, with_state: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(8, rnn.input_size)
+        self.rnn, self.head, self.with_state = rnn, nn.Linear(width, 8), with_state
+
+    def forward(self, x, h=None):
+        z = self.inp(x)
+        y, state = self.rnn(z, h) if self.with_state else self.rnn(z)
+        h_n = state[0] if isinstance(state, tuple) else state
+        return self.head(y) + x, h_n
+
+
+CASES = {
+    "lstm_2_layers": (lambda: nn.LSTM(16, 32, 2), 32, False),
+    "gru_bidirectional_batch_first": (lambda: nn.GRU(16, 24, 2, bidirectional=True, batch_first=True), 48, True),
+    "lstm_proj_bidirectional": (lambda: nn.LSTM(16, 32, 2, proj_size=8, bidirectional=True), 16, False),
+    "rnn_relu_no_bias": (lambda: nn.RNN(16, 20, 3, nonlinearity="relu", bias=False), 20, False),
+    "rnn_tanh": (lambda: nn.RNN(16, 20), 20, False),
+}
+
+
+def _x(batch_first: bool, t: int, b: int = 3):
+    return torch.randn(b, t, 8) if batch_first else torch.randn(t, b, 8)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dynamic_length_program_equals_eager_at_every_length(case):
+    make, width, bf = CASES[case]
+    torch.manual_seed(0)
+    model = Net(make(), width).eval()
+    ref = copy.deepcopy(model)
+    ep = wfpass.export(model, (_x(bf, 5),), dynamic_shapes={"x": {1 if bf else 0: Dim("T", min=1, max=400)}})
+    for t in (1, 2, 17, 300):
+        x = _x(bf, t)
+        with torch.no_grad():
+            want = ref(x)
+        got = ep.module()(x)
+        assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5, (case, t)
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any(o.startswith("wfpass.") for o in ops), ops
+    assert not any(o.startswith(("aten.lstm", "aten.gru", "aten.rnn_")) for o in ops), ops
+    row, = wfpass.report(model).find("rnn", "rewritten")
+    assert "T=symbolic" in row.reason and "whatever T" in row.reason
+
+
+def test_the_graph_does_not_grow_with_the_example_length():
+    sizes = []
+    for t in (2, 64):
+        model = Net(nn.LSTM(16, 32, 2), 32).eval()
+        ep = wfpass.export(model, (_x(False, t),), dynamic_shapes={"x": {0: Dim("T")}})
+        sizes.append(len(ep.graph.nodes))
+    assert sizes[0] == sizes[1] < 60, sizes
+    # A static export (no dynamic_shapes) is the same size too: one op per layer, not per step.
+    static = wfpass.export(Net(nn.LSTM(16, 32, 2), 32).eval(), (_x(False, 64),))
+    assert len(static.graph.nodes) <= sizes[0]
+
+
+def test_given_states_dynamic_batch_and_the_model_left_as_it_was():
+    torch.manual_seed(1)
+    model = Net(nn.LSTM(16, 32, 2), 32, with_state=True).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = {k: id(p) for k, p in model.named_parameters()}
+    x, h, c = _x(False, 5), torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    T, B = Dim("T"), Dim("B")
+    ep = wfpass.export(model, (x, (h, c)), dynamic_shapes={"x": {0: T, 1: B}, "h": ({1: B}, {1: B})})
+    assert "forward" not in model.rnn.__dict__
+    assert {k: id(p) for k, p in model.named_parameters()} == ids
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert set(ep.state_dict) == {k for k, _ in model.named_parameters()}  # the model's own keys, nothing added
+    x2, h2, c2 = _x(False, 9, 6), torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+    with torch.no_grad():
+        want = model(x2, (h2, c2))
+    got = ep.module()(x2, (h2, c2))
+    assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5
+
+
+def test_unbatched_input():
+    model = Net(nn.GRU(16, 24), 24).eval()
+    ep = wfpass.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("T")}})
+    x = torch.randn(13, 8)
+    with torch.no_grad():
+        want = model(x)
+    assert _rel(ep.module()(x)[0], want[0]) <= 1e-5
+
+
+def test_a_training_mode_program_gives_eagers_gradients():
+    """A module in training mode is traced with the ops that carry gradient
+    formulas: the program's backward gives eager's gradients (loss: a fixed
+    random projection; errors scaled by the largest gradient)."""
+    torch.manual_seed(2)
+    model = Net(nn.LSTM(16, 32, 2), 32).train()
+    ref = copy.deepcopy(model)
+    ep = wfpass.export(model, (_x(False, 5),), dynamic_shapes={"x": {0: Dim("T")}})
+    prog = ep.module()
+    x = _x(False, 11)
+    R = torch.randn(11, 3, 8)
+    (ref(x)[0] * R).sum().backward()
+    (prog(x)[0] * R).sum().backward()
+    got = dict(prog.named_parameters())
+    for name, p in ref.named_parameters():
+        g = got[name].grad
+        assert g is not None, name
+        assert ((g - p.grad).abs().max() / p.grad.abs().max()).item() <= 1e-5, name
+
+
+def test_a_subclass_with_its_own_forward_is_left_to_torch_export_and_said():
+    class MyLSTM(nn.LSTM):
+        def forward(self, x):  # its own signature: traced as it is
+            return super().forward(x)
+
+    model = Net(MyLSTM(16, 32), 32).eval()
+    ep = wfpass.export(model, (_x(False, 5),))
+    (row,) = wfpass.last_report().find("rnn", "skipped")
+    assert "defines its own forward" in row.reason
+    x = _x(False, 5)
+    with torch.no_grad():
+        assert _rel(ep.module()(x)[0], model(x)[0]) <= 1e-5
+    assert "forward" not in model.rnn.__dict__
+
+
+def test_errors_name_what_is_wrong():
+    model = Net(nn.LSTM(16, 32), 32).eval()
+    with pytest.raises(TypeError, match="nn.Module"):
+        wfpass.export(lambda x: x, (torch.randn(2),))
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        wfpass.export(model, torch.randn(5, 3, 8))
+    with pytest.raises(ValueError, match="unknown wfpass option"):
+        wfpass.export(model, (_x(False, 5),), colour=1)
+    ep = wfpass.export(model, (_x(False, 5),))
+    with pytest.raises(TypeError, match="wfpass.export"):
+        wfpass.apply(ep)
+    # A failed trace leaves the module as it was.
+    with pytest.raises(Exception):
+        wfpass.export(model, (torch.randn(5, 3, 9),))
+    assert "forward" not in model.rnn.__dict__
+
+
+def test_saved_and_aoti_compiled_program_runs_in_a_fresh_process(tmp_path):
+    """``torch.export.save`` / ``load`` and an AOTInductor package, loaded in
+    a process where only ``import wfpass`` ran, give eager's values at
+    lengths the example did not have; the package calls wfpass's ops."""
+    torch.manual_seed(3)
+    lm = _LM().eval()  # an LSTM language model: embedding, 2-layer LSTM, linear
+    tok = torch.randint(0, 50, (6, 2))
+    ep = wfpass.export(lm, (tok,), dynamic_shapes={"tok": {0: Dim("T", min=1, max=300)}})
+    torch.export.save(ep, str(tmp_path / "lm_program.pt2"))
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "lm_aoti.pt2"))
+    torch.save(lm.state_dict(), tmp_path / "weights.pt")
+    for t in (1, 37, 300):
+        torch.save(torch.randint(0, 50, (t, 2)), tmp_path / f"tok{t}.pt")
+    code = textwrap.dedent(f"""
+        import sys, torch, wfpass
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from test_export import _LM
+        lm = _LM().eval(); lm.load_state_dict(torch.load({str(tmp_path / 'weights.pt')!r}))
+        run = torch._inductor.aoti_load_package({pkg!r})
+        prog = torch.export.load({str(tmp_path / 'lm_program.pt2')!r}).module()
+        for t in (1, 37, 300):
+            tok = torch.load({str(tmp_path)!r} + f"/tok{{t}}.pt")
+            with torch.no_grad():
+                want = lm(tok)
+            for got in (run(tok), prog(tok)):
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                assert err <= 1e-5, (t, err)
+        print("ok", wfpass.native.is_loaded())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().startswith("ok")
+
+
+class _LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(50, 16), nn.LSTM(16, 32, 2), nn.Linear(32, 50)
+
+    def forward(self, tok):
+        return self.head(self.rnn(self.emb(tok))[0])

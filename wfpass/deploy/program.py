@@ -1,0 +1,76 @@
+"""``wfpass.export``: ``torch.export.export`` with wfpass's RNN ops in the
+program (``deploy/rnn.py``), so an RNN exports with a dynamic sequence
+length, in a graph whose size does not grow with T, that AOTInductor
+compiles into calls of wfpass's kernels.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import native
+from ..config import Config
+from ..core.history import set_last
+from ..core.records import Report
+from . import rnn as _rnn
+
+__all__ = ["export"]
+
+
+def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = None, *,
+           dynamic_shapes: Any = None, strict: bool = False, **options: Any) -> "torch.export.ExportedProgram":
+    """Export ``model`` as ``torch.export.export(model, args, kwargs,
+    dynamic_shapes=..., strict=...)`` does (every argument has its meaning
+    there), each ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` in it traced as
+    wfpass's layer ops: T may be dynamic, the graph holds one op per layer
+    and direction whatever T is, and the ops read the model's own
+    Parameters. ``options``: the formats' options as ``wfpass.backend()``
+    takes them (``rnn={"cpu_kernel": "eager"}``, ``passes=(...)``).
+
+    Returns the ``ExportedProgram``; what was rewritten or left, and why, is
+    ``wfpass.last_report()`` and, per parameter, ``wfpass.report(model)``.
+    The model is left as it was. An RNN module in training mode is traced
+    with the ops that carry gradient formulas (the program differentiates
+    as eager does, dropout included); in eval mode with their twins that
+    keep no workspace for a backward (a backward through them gets no
+    gradient for the RNN: torch warns "an autograd kernel was not
+    registered"). Variable-length batches (``PackedSequence``)
+    and the sibling-linear, prepacked-linear and BatchNorm formats are not
+    applied to exported programs: those parts export as ``torch.export``
+    exports them, and the report says so.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wfpass.export expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"wfpass.export: args must be a tuple of the forward's positional arguments, got "
+                        f"{type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"wfpass.export: kwargs must be a dict or None, got {type(kwargs).__name__}")
+    config = Config.from_options(**options)
+    native.build()  # the program's ops run on the C++ kernels where they build (it says so on stderr)
+    report = Report(f"wfpass export ({type(model).__name__})")
+    with _rnn.swapped(model, config, report):
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    _note_left_alone(model, config, report)
+    from ..core.runtime import file_report
+
+    file_report(report, {**dict(model.named_parameters(remove_duplicate=False)),
+                         **dict(model.named_buffers(remove_duplicate=False))})
+    set_last(report)
+    return program
+
+
+def _note_left_alone(model: nn.Module, config: Config, report: Report) -> None:
+    """A row for each linear group or BatchNorm a compiled graph would
+    rewrite and a program does not: the formats that rewrite them work on
+    compiled graphs only, for now."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if linears and (config.runs("fuse_linears") or config.runs("prepack_linears")):
+        report.add("linear", "skipped", f"{len(linears)} nn.Linear: the sibling-linear and prepacked-linear formats "
+                   "are applied by torch.compile(backend='wformat'), not yet in exported programs", [])
+    if norms and config.runs("fp32_batchnorm"):
+        report.add("batchnorm", "skipped", f"{len(norms)} BatchNorm: fp32 statistics are applied by "
+                   "torch.compile(backend='wformat'), not yet in exported programs", [])

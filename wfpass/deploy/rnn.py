@@ -1,0 +1,143 @@
+"""RNNs in an exported program: each ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``
+traced by ``torch.export`` as wfpass's layer ops, symbolic in the sequence
+length T.
+
+Stock ``torch.export`` traces ``torch._VF.lstm``, whose decomposition runs
+the steps one by one: T specializes to the example's length ("You marked T
+as dynamic but your code specialized it") and the graph grows with T (722
+nodes for a 2-layer LSTM at T 16). While ``wfpass.export`` traces the
+model, each RNN it serves runs the kernel path a compiled graph would take
+for a symbolic T (``rnn/plan.py``: oneDNN's LSTM layer, ATen's GRU/RNN
+layer, or wfpass's C++ loop, one op per layer and direction), through the
+same ``RnnForward`` the compiled graph calls. Graph (2-layer ``nn.LSTM``)::
+
+    before: out, (h_n, c_n) = self.lstm(x)              # torch._VF.lstm, unrolled over T
+    after:  y0, h0, c0, _ = wfpass.lstm_layer_fw(x, w_ih_l0, w_hh_l0, b_ih_l0, b_hh_l0, None, None, False, 64, True, False)
+            y1, h1, c1, _ = wfpass.lstm_layer_fw(y0, w_ih_l1, ...)
+            h_n, c_n = cat([h0, h1]), cat([c0, c1])
+
+The ops read the module's own Parameters (the program's ``state_dict`` has
+the model's keys, nothing is copied); they are registered for the CPU by
+the C++ kernels (Python kernels where those are not built), with fakes, so
+AOTInductor calls them as extern kernels. Nothing is installed for good:
+the module's ``forward`` is swapped for the trace only (:func:`swapped`).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from typing import Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from ..config import Config, default_seq_threshold
+from ..core.records import Report
+from ..rnn.paths import RnnForward
+from ..rnn.plan import plan_call
+from ..rnn.spec import RnnSpec, flat_weight_names, overrides_forward, rnn_mode
+
+__all__ = ["swapped", "spec_of"]
+
+#: Paths that trace per step (``loop``) or through ``torch._VF`` (``aten``):
+#: in a program they specialize T; wfpass's C++ loop op takes their calls.
+_SPECIALIZING = ("loop", "aten")
+
+
+def spec_of(mod: nn.RNNBase, name: str, config: Config) -> RnnSpec:
+    """The module's ``RnnSpec`` (the weights one after another, as the CPU
+    kernels read them)."""
+    ws = [getattr(mod, n) for n in flat_weight_names(mod)]
+    ends = list(itertools.accumulate(w.numel() for w in ws))
+    return RnnSpec(name=f"{name!r} ({type(mod).__name__})", mode=rnn_mode(mod), input_size=mod.input_size,
+                   hidden_size=mod.hidden_size, proj_size=mod.proj_size, num_layers=mod.num_layers,
+                   bidirectional=mod.bidirectional, batch_first=mod.batch_first, has_biases=mod.bias,
+                   dropout=float(mod.dropout), offsets=tuple([0] + ends[:-1]), numel=ends[-1],
+                   threshold=default_seq_threshold(ws[0].device.type) if config.rnn.seq_threshold is None
+                   else config.rnn.seq_threshold, options=config.rnn)
+
+
+def _skip_reason(mod: nn.Module) -> Optional[str]:
+    if overrides_forward(mod):
+        return (f"its class {type(mod).__name__} defines its own forward: traced as it is (torch._VF, so T may "
+                "specialize)")
+    if rnn_mode(mod) is None:
+        return f"{type(mod).__name__} overrides the methods nn.RNNBase.forward calls"
+    return None
+
+
+def _forward_for(spec: RnnSpec, path: str, training: bool):
+    # A module in training mode: the ops with gradient formulas (and dropout
+    # between layers); in eval mode their twins without, which keep no
+    # workspace for a backward.
+    fwd = RnnForward(spec, path, train=training, need_grad=None if training else False)
+    names = None
+
+    def forward(self, input, hx=None):
+        nonlocal names
+        if isinstance(input, PackedSequence):
+            raise NotImplementedError(f"wfpass.export: {spec.name} got a PackedSequence; variable-length batches "
+                                      "are not exported by wfpass yet (export the padded batch)")
+        names = names or flat_weight_names(self)
+        weights = [getattr(self, n) for n in names]  # the Parameters export tracks, not a list holding the real ones
+        unbatched = input.dim() == 2  # as nn.RNNBase.forward: a batch of one, squeezed again after
+        batch_dim = 0 if spec.batch_first else 1
+        if unbatched:
+            input = input.unsqueeze(batch_dim)
+        lstm = spec.mode == "LSTM"
+        if hx is None:
+            states = [None, None] if lstm else [None]
+        else:
+            states = list(hx) if lstm else [hx]
+            if unbatched:
+                states = [h.unsqueeze(1) for h in states]
+        outs = fwd(input, states, *weights)
+        out, h_n = outs[0], outs[1]
+        if unbatched:
+            out = out.squeeze(batch_dim)
+            h_n = h_n.squeeze(1)
+        if lstm:
+            c_n = outs[2].squeeze(1) if unbatched else outs[2]
+            return out, (h_n, c_n)
+        return out, h_n
+
+    return forward
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[nn.Module]]:
+    """For the trace only: each RNN of ``model`` wfpass serves runs its
+    planned layer ops; every other one is left as it is, with a row saying
+    why. Yields the modules swapped; their ``forward`` is restored after,
+    whatever the trace did."""
+    done: List[nn.Module] = []
+    try:
+        for name, mod in model.named_modules():
+            if not isinstance(mod, nn.RNNBase):
+                continue
+            params = [f"{name}.{n}" if name else n for n in flat_weight_names(mod)]
+            why = _skip_reason(mod)
+            if why is None and not config.runs("fuse_rnn"):
+                why = "the RNN format is not in passes="
+            if why is not None:
+                report.add("rnn", "skipped", f"{name}: {why}", params)
+                continue
+            spec = spec_of(mod, name, config)
+            w0 = getattr(mod, flat_weight_names(mod)[0])
+            probe = w0.new_empty(1, 1, spec.input_size)  # the plan asks the call's device and dtype: the weights'
+            plan = plan_call(spec, probe, None, spec.threshold if spec.threshold != "auto" else 0, mod.training)
+            path = "cxx" if plan.path in _SPECIALIZING else plan.path
+            mod.__dict__["forward"] = types.MethodType(_forward_for(spec, path, mod.training), mod)
+            done.append(mod)
+            kernel = plan.kernel if path == plan.path else "wfpass's C++ loop (wfpass::packed_layer)"
+            report.add("rnn", "rewritten",
+                       f"{spec.mode}, {spec.summary()}; T=symbolic: {kernel}, one op per layer and direction, "
+                       f"whatever T{'; with gradient formulas (training mode)' if mod.training else ''}", params,
+                       kernel=kernel, path=path)
+        yield done
+    finally:
+        for mod in done:
+            mod.__dict__.pop("forward", None)
+
