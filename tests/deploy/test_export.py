@@ -202,3 +202,53 @@ class _LM(nn.Module):
 
     def forward(self, tok):
         return self.head(self.rnn(self.emb(tok))[0])
+
+
+class Encoder(nn.Module):
+    """A packed batch: pack_padded_sequence -> RNN -> pad_packed_sequence
+    (imported by name, as most models do)."""
+
+    def __init__(self, rnn: nn.RNNBase, width: int, total_length: bool, sorted_: bool):
+        super().__init__()
+        self.rnn, self.head, self.total_length, self.sorted = rnn, nn.Linear(width, 8), total_length, sorted_
+
+    def forward(self, x, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=self.sorted)
+        y, state = self.rnn(packed)
+        y, _ = pad_packed_sequence(y, batch_first=True, total_length=x.shape[1] if self.total_length else None)
+        h_n = state[0] if isinstance(state, tuple) else state
+        return self.head(y), h_n
+
+
+@pytest.mark.parametrize("rnn,width,total_length,sorted_", [
+    (lambda: nn.GRU(16, 32, 2, bidirectional=True, batch_first=True), 64, True, False),
+    (lambda: nn.LSTM(16, 24, 1, batch_first=True), 24, True, True),
+    (lambda: nn.LSTM(16, 24, 2, batch_first=True, proj_size=8), 8, False, False),
+])
+def test_packed_batch_exports_with_dynamic_lengths(rnn, width, total_length, sorted_):
+    """Upstream export fails on a packed batch (ATen's packing has no fake
+    for lengths that are data); here batch, length and the lengths' values
+    are all free, and the program equals eager."""
+    torch.manual_seed(4)
+    model = Encoder(rnn(), width, total_length, sorted_).eval()
+    x, lengths = torch.randn(4, 10, 16), torch.tensor([10, 7, 3, 1])
+    B, T = Dim("B", min=2, max=64), Dim("T", min=2, max=400)
+    ep = wfpass.export(model, (x, lengths), dynamic_shapes={"x": {0: B, 1: T}, "lengths": {0: B}})
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "wfpass.pack_padded.default" in ops and "wfpass.pad_packed.default" in ops, ops
+    gen = torch.Generator().manual_seed(5)
+    for b, t in ((4, 10), (6, 300), (3, 2)):
+        x = torch.randn(b, t, 16, generator=gen)
+        lengths = torch.randint(1, t + 1, (b,), generator=gen)
+        lengths[0] = t
+        if sorted_:
+            lengths = lengths.sort(descending=True).values
+        with torch.no_grad():
+            want = model(x, lengths)
+        got = ep.module()(x, lengths)
+        assert got[0].shape == want[0].shape
+        assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5, (b, t)
+    from torch import _VF
+    assert "_pack_padded_sequence" not in _VF.__dict__  # the trace's packing functions are gone again

@@ -37,6 +37,7 @@ from ..config import Config, default_seq_threshold
 from ..core.records import Report
 from ..rnn.paths import RnnForward
 from ..rnn.plan import plan_call
+from ..rnn.varlen.sequence import PackedRnnForward
 from ..rnn.spec import RnnSpec, flat_weight_names, overrides_forward, rnn_mode
 
 __all__ = ["swapped", "spec_of"]
@@ -73,15 +74,15 @@ def _forward_for(spec: RnnSpec, path: str, training: bool):
     # between layers); in eval mode their twins without, which keep no
     # workspace for a backward.
     fwd = RnnForward(spec, path, train=training, need_grad=None if training else False)
+    varlen = PackedRnnForward(spec, "packed", training)
     names = None
 
     def forward(self, input, hx=None):
         nonlocal names
-        if isinstance(input, PackedSequence):
-            raise NotImplementedError(f"wfpass.export: {spec.name} got a PackedSequence; variable-length batches "
-                                      "are not exported by wfpass yet (export the padded batch)")
         names = names or flat_weight_names(self)
         weights = [getattr(self, n) for n in names]  # the Parameters export tracks, not a list holding the real ones
+        if isinstance(input, PackedSequence):
+            return _packed(self, varlen, input, hx, weights)
         unbatched = input.dim() == 2  # as nn.RNNBase.forward: a batch of one, squeezed again after
         batch_dim = 0 if spec.batch_first else 1
         if unbatched:
@@ -104,6 +105,50 @@ def _forward_for(spec: RnnSpec, path: str, training: bool):
         return out, h_n
 
     return forward
+
+
+def _packed(mod, varlen, seq: PackedSequence, hx, weights):
+    """A variable-length batch: wfpass's packed RNN op (the C++ loop that
+    steps each layer's shrinking batch), the states in the batch's sorted
+    order and back, as ``nn.RNNBase.forward`` does."""
+    lstm = varlen.spec.mode == "LSTM"
+    states = [] if hx is None else (list(hx) if lstm else [hx])
+    if seq.sorted_indices is not None:
+        states = [h.index_select(1, seq.sorted_indices) for h in states]
+    outs = varlen(seq.data, seq.batch_sizes, states, *weights)
+    finals = [h if seq.unsorted_indices is None else h.index_select(1, seq.unsorted_indices)
+              for h in outs[1:(3 if lstm else 2)]]
+    out = PackedSequence(outs[0], seq.batch_sizes, seq.sorted_indices, seq.unsorted_indices)
+    return (out, tuple(finals)) if lstm else (out, finals[0])
+
+
+@contextlib.contextmanager
+def _packing_ops() -> Iterator[None]:
+    """``pack_padded_sequence`` / ``pad_packed_sequence`` (however the model
+    imported them) pack and pad through wfpass's ops for the trace: ATen's
+    ``_pack_padded_sequence`` has no fake for lengths that are data, so
+    upstream export of a packed batch fails. ``torch._VF``'s two functions
+    are what both call (torch/nn/utils/rnn.py, checked on torch 2.11-2.15);
+    restored after."""
+    from torch import _VF
+    from ..rnn.varlen import pad_ops  # noqa: F401  (defines wfpass::pack_padded / pad_packed)
+
+    def pack(input, lengths, batch_first):
+        return torch.ops.wfpass.pack_padded(input, lengths, batch_first, None)
+
+    def pad(data, batch_sizes, batch_first, padding_value, total_length):
+        return torch.ops.wfpass.pad_packed(data, batch_sizes, batch_first, float(padding_value), total_length, None)
+
+    saved = {k: _VF.__dict__.get(k) for k in ("_pack_padded_sequence", "_pad_packed_sequence")}
+    _VF._pack_padded_sequence, _VF._pad_packed_sequence = pack, pad
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                _VF.__dict__.pop(k, None)
+            else:
+                setattr(_VF, k, v)
 
 
 @contextlib.contextmanager
@@ -136,7 +181,8 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
                        f"{spec.mode}, {spec.summary()}; T=symbolic: {kernel}, one op per layer and direction, "
                        f"whatever T{'; with gradient formulas (training mode)' if mod.training else ''}", params,
                        kernel=kernel, path=path)
-        yield done
+        with _packing_ops():
+            yield done
     finally:
         for mod in done:
             mod.__dict__.pop("forward", None)
