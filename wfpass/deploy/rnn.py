@@ -107,14 +107,28 @@ def _forward_for(spec: RnnSpec, path: str, training: bool):
     return forward
 
 
+#: id(batch_sizes) -> (batch_sizes, B) for the batches packed during a trace.
+_BATCH: dict = {}
+
+
 def _packed(mod, varlen, seq: PackedSequence, hx, weights):
     """A variable-length batch: wfpass's packed RNN op (the C++ loop that
     steps each layer's shrinking batch), the states in the batch's sorted
     order and back, as ``nn.RNNBase.forward`` does."""
-    lstm = varlen.spec.mode == "LSTM"
+    spec = varlen.spec
+    lstm = spec.mode == "LSTM"
     states = [] if hx is None else (list(hx) if lstm else [hx])
     if seq.sorted_indices is not None:
         states = [h.index_select(1, seq.sorted_indices) for h in states]
+    batch = _BATCH.get(id(seq.batch_sizes), (None, None))[1]
+    if not states and batch is not None:
+        # The zero state at the padded input's batch size (a size the
+        # program knows): left to the ops, B would be batch_sizes[0], a
+        # value, which AOTInductor then bounds by the example's range.
+        rows = spec.num_layers * spec.directions
+        states = [seq.data.new_zeros(rows, batch, spec.out_hidden)]
+        if lstm:
+            states.append(seq.data.new_zeros(rows, batch, spec.hidden_size))
     outs = varlen(seq.data, seq.batch_sizes, states, *weights)
     finals = [h if seq.unsorted_indices is None else h.index_select(1, seq.unsorted_indices)
               for h in outs[1:(3 if lstm else 2)]]
@@ -134,16 +148,26 @@ def _packing_ops() -> Iterator[None]:
     from ..rnn.varlen import pad_ops  # noqa: F401  (defines wfpass::pack_padded / pad_packed)
 
     def pack(input, lengths, batch_first):
-        return torch.ops.wfpass.pack_padded(input, lengths, batch_first, None)
+        data, batch_sizes = torch.ops.wfpass.pack_padded(input, lengths, batch_first, None)
+        _BATCH[id(batch_sizes)] = (batch_sizes, input.shape[0 if batch_first else 1])
+        return data, batch_sizes
 
     def pad(data, batch_sizes, batch_first, padding_value, total_length):
-        return torch.ops.wfpass.pad_packed(data, batch_sizes, batch_first, float(padding_value), total_length, None)
+        batch = _BATCH.get(id(batch_sizes), (None, None))[1]
+        # With the input's B known, an identity order of B rows: the op's
+        # output then has that size (one the program knows) instead of a new
+        # one read from batch_sizes when it runs, which AOTInductor bounds by
+        # the example's range (a batch of 1 failed its check). It costs one
+        # copy of the padded output.
+        order = None if batch is None else torch.arange(batch)
+        return torch.ops.wfpass.pad_packed(data, batch_sizes, batch_first, float(padding_value), total_length, order)
 
     saved = {k: _VF.__dict__.get(k) for k in ("_pack_padded_sequence", "_pad_packed_sequence")}
     _VF._pack_padded_sequence, _VF._pad_packed_sequence = pack, pad
     try:
         yield
     finally:
+        _BATCH.clear()
         for k, v in saved.items():
             if v is None:
                 _VF.__dict__.pop(k, None)

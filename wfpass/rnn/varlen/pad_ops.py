@@ -166,7 +166,7 @@ def _pad_packed_fake(data, batch_sizes, batch_first, padding_value, total_length
     if data.dim() < 1 or batch_sizes.dim() != 1:
         raise RuntimeError(f"pad_packed_sequence: data must have a row dimension and batch_sizes be 1-D, got "
                            f"{data.dim()}-D and {batch_sizes.dim()}-D")
-    B = batch_of(batch_sizes)
+    B = order.shape[0] if order is not None else batch_of(batch_sizes)  # the order's size where there is one
     T = batch_sizes.shape[0] if (isinstance(total_length, int) and total_length < 0) else total_length
     shape = (B, T) if batch_first else (T, B)  # contiguous, as the kernel returns it
     return data.new_empty((*shape, *data.shape[1:])), torch.empty((B,), dtype=torch.int64, device="cpu")

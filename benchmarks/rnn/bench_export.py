@@ -1,0 +1,213 @@
+"""Exported RNN models: export time, AOTInductor compile time and the
+package's run time, ``wfpass.export`` against stock ``torch.export`` (a
+static T: it cannot export a dynamic one), stock with PyTorch's while-loop
+LSTM decomposition where it runs, and eager.
+
+Each variant runs in a process of its own (``--worker``): export, compile,
+load the package, then the run times at T 1, 16 and 128 and batch 1 and 8
+(median of ``--reps`` calls after 3 warm-up calls), each checked against
+eager (relative error). A stock package holds one T: it is compiled at
+T 16 and run only there.
+
+    python benchmarks/rnn/bench_export.py --threads 1 --out docs/results/export_1thread.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("lstm_lm", "gru_packed")
+VARIANTS = ("eager", "wfpass", "stock_static", "stock_while_loop")
+LENGTHS = (1, 16, 128)
+BATCHES = (1, 8)
+
+
+def build(name: str):
+    import torch
+    from torch import nn
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    if name == "lstm_lm":
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.rnn, self.head = nn.Embedding(500, 128), nn.LSTM(128, 128, 2), nn.Linear(128, 500)
+
+            def forward(self, tok):
+                return self.head(self.rnn(self.emb(tok))[0])
+
+        def inputs(t, b):
+            return (torch.randint(0, 500, (t, b)),)
+
+        return LM().eval(), inputs, lambda T, B: {"tok": {0: T, 1: B}}
+
+    class Enc(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(64, 128, 1, bidirectional=True, batch_first=True)
+            self.head = nn.Linear(256, 64)
+
+        def forward(self, x, lengths):
+            y, h = self.rnn(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+            y, _ = pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
+            return self.head(y), h
+
+    def inputs(t, b):
+        g = torch.Generator().manual_seed(t * 100 + b)
+        lengths = torch.randint(1, t + 1, (b,), generator=g)
+        lengths[0] = t
+        return torch.randn(b, t, 64, generator=g), lengths
+
+    return Enc().eval(), inputs, lambda T, B: {"x": {0: B, 1: T}, "lengths": {0: B}}
+
+
+def _time(fn, args, reps):
+    for _ in range(3):
+        fn(*args)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(*args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def _err(got, want):
+    import torch
+
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want) if isinstance(w, torch.Tensor))
+
+
+def worker(model_name: str, variant: str, reps: int) -> dict:
+    import torch
+    from torch.export import Dim
+
+    import wfpass
+
+    model, inputs, dyn = build(model_name)
+    out = {"model": model_name, "variant": variant, "runs": {}}
+    shapes = [(t, b) for t in LENGTHS for b in BATCHES]
+    with torch.no_grad():
+        if variant == "eager":
+            for t, b in shapes:
+                out["runs"][f"{t},{b}"] = [_time(model, inputs(t, b), reps), 0.0]
+            return out
+        ex = inputs(16, 2)
+        t0 = time.perf_counter()
+        if variant == "wfpass":
+            ep = wfpass.export(model, ex, dynamic_shapes=dyn(Dim("T", min=1, max=512), Dim("B", min=1, max=64)))
+        elif variant == "stock_static":
+            shapes = [(16, b) for b in BATCHES]
+            try:
+                ep = torch.export.export(model, inputs(16, 1))  # one T and one B a package: compiled at each B below
+            except Exception as e:  # noqa: BLE001 - what a user meets, in the table
+                return {**out, "skipped": f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        else:
+            from torch.export._patches import register_lstm_while_loop_decomposition
+
+            if model_name != "lstm_lm":
+                return {**out, "skipped": "the while-loop decomposition is for nn.LSTM over a padded batch"}
+            try:
+                with register_lstm_while_loop_decomposition():
+                    ep = torch.export.export(model, ex, dynamic_shapes=dyn(Dim("T", min=1, max=512),
+                                                                              Dim("B", min=1, max=64)))
+            except Exception as e:  # noqa: BLE001 - what a user meets, in the table
+                return {**out, "skipped": f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        out["export_s"] = time.perf_counter() - t0
+        out["nodes"] = len(ep.graph.nodes)
+        packages = {}
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            try:
+                if variant == "stock_static":
+                    for b in BATCHES:  # stock's static program is for batch 1: export and compile one per batch too
+                        e_b = torch.export.export(model, inputs(16, b)) if b != 1 else ep
+                        packages[b] = torch._inductor.aoti_compile_and_package(e_b, package_path=f"{d}/m{b}.pt2")
+                    out["compile_s"] = (time.perf_counter() - t0) / len(BATCHES)
+                else:
+                    path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/m.pt2")
+                    packages = {b: path for b in BATCHES}
+                    out["compile_s"] = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001
+                return {**out, "skipped": f"AOTInductor failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            loaded = {p: torch._inductor.aoti_load_package(p) for p in set(packages.values())}
+            for t, b in shapes:
+                args = inputs(t, b)
+                run = loaded[packages[b]]
+                out["runs"][f"{t},{b}"] = [_time(run, args, reps), _err(run(*args), model(*args))]
+    return out
+
+
+def _cell(r, key, eager):
+    if "skipped" in r:
+        return "-"
+    if key not in r["runs"]:
+        return "one T a package"
+    ms, err = r["runs"][key]
+    base = eager["runs"][key][0]
+    return f"{ms:.3f} ({base / ms:.2f}x, err {err:.0e})" if r["variant"] != "eager" else f"{ms:.3f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--out")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        print(json.dumps(worker(a.worker[0], a.worker[1], a.reps)))
+        return 0
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from _out import emit
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WFPASS_QUIET": "1"}
+    results = {}
+    for m in a.models:
+        for v in VARIANTS:
+            p = subprocess.run([sys.executable, __file__, "--worker", m, v, "--threads", str(a.threads),
+                                "--reps", str(a.reps)], capture_output=True, text=True, env=env)
+            line = p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else None
+            results[(m, v)] = json.loads(line) if line else {"model": m, "variant": v,
+                                                            "skipped": f"worker failed: {p.stderr[-300:]}"}
+            print(m, v, "done", file=sys.stderr, flush=True)
+    import torch
+
+    import wfpass.tools.doctor as doctor
+
+    lines = [f"`python benchmarks/rnn/bench_export.py --threads {a.threads}" + (f" --out {a.out}`" if a.out else "`"),
+             "", f"Machine: {doctor.cpu_words()}; torch {torch.__version__}; {a.threads} thread(s); each variant "
+             f"in its own process; run times: median of {a.reps} calls of the loaded AOTInductor package "
+             "(eager: the model itself), in ms, with the speed-up over eager and the relative error against it.", ""]
+    lines += ["| model | variant | export s | AOTInductor compile s | graph nodes | notes |", "|---|---|---|---|---|---|"]
+    for (m, v), r in results.items():
+        if v == "eager":
+            continue
+        note = r.get("skipped", "dynamic T and B" if v in ("wfpass", "stock_while_loop") else "T 16, one package per batch")
+        fmt = (lambda k: f"{r[k]:.1f}" if k in r else "-")
+        lines.append(f"| {m} | {v} | {fmt('export_s')} | {fmt('compile_s')} | {r.get('nodes', '-')} | {note} |")
+    lines += ["", "| model | T | batch | " + " | ".join(VARIANTS) + " |", "|---|---|---|" + "---|" * len(VARIANTS)]
+    for m in a.models:
+        eager = results[(m, "eager")]
+        for t in LENGTHS:
+            for b in BATCHES:
+                key = f"{t},{b}"
+                lines.append(f"| {m} | {t} | {b} | " + " | ".join(_cell(results[(m, v)], key, eager) for v in VARIANTS)
+                             + " |")
+    return emit(lines, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
