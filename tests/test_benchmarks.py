@@ -1,10 +1,13 @@
-"""Smoke test of the benchmark that backs docs/rnn.md's per-call table: it
-must keep running (it reads a private Dynamo helper) and its pieces must add
-up the way the docs read them."""
+"""The benchmarks: one folder per format, each script listed in
+benchmarks/README.md with its command and its results page, every path to a
+script in the docs and tests pointing at one that exists; and smoke runs of
+the scripts whose tables the docs read (they must keep running, and their
+pieces must add up the way the docs read them)."""
 from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 
 import pytest
 import torch
@@ -12,13 +15,82 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _script(name: str) -> pathlib.Path:
+    """A benchmark script by name, in whichever format's folder it sits."""
+    (path,) = (ROOT / "benchmarks").glob(f"*/{name}.py")
+    return path
+
+
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, _script(name))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+# -- the layout: a folder per format, each script in the README with its page ---------
+
+BENCHMARKS = ROOT / "benchmarks"
+FOLDERS = ("rnn", "linear", "prepack", "batchnorm", "gpu", "overall")
+
+
+def _scripts():
+    return sorted(p for p in BENCHMARKS.rglob("*.py") if not p.name.startswith("_"))
+
+
+def _readme_sections():
+    """``{folder: its section of benchmarks/README.md}``, by ``## folder/`` headings."""
+    readme = (BENCHMARKS / "README.md").read_text()
+    return {part.split("/", 1)[0]: part for part in readme.split("\n## ")[1:]}
+
+
+def test_benchmarks_sit_in_a_folder_per_format():
+    # At the root only the shared modules (named with a leading underscore).
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == ["_out.py", "_worker.py"]
+    assert {p.parent.relative_to(BENCHMARKS).as_posix() for p in _scripts()} == set(FOLDERS)
+    assert set(_readme_sections()) == set(FOLDERS)
+
+
+@pytest.mark.parametrize("script", _scripts(), ids=lambda p: p.relative_to(BENCHMARKS).as_posix())
+def test_the_readme_lists_every_script_with_its_command_and_page(script):
+    rel = script.relative_to(BENCHMARKS).as_posix()
+    section = _readme_sections().get(script.parent.name, "")
+    rows = [line for line in section.splitlines() if line.startswith(f"| `{script.name}` |")]
+    assert len(rows) == 1, f"benchmarks/README.md lists {rel} {len(rows)} times under ## {script.parent.name}/"
+    (row,) = rows
+    assert f"`python benchmarks/{rel}" in row, f"{rel}: its command is not on its line: {row}"
+    pages = re.findall(r"\]\(\.\./docs/results/([^)#]+)\)", row)
+    assert pages, f"{rel}: its line links no results page: {row}"
+    for page in pages:
+        assert (ROOT / "docs" / "results" / page).is_file(), f"{rel}: docs/results/{page} does not exist"
+
+
+def test_every_readme_line_names_a_script_and_links_pages_that_exist():
+    readme = (BENCHMARKS / "README.md").read_text()
+    for folder, section in _readme_sections().items():
+        for name in re.findall(r"^\| `(\w+\.py)` \|", section, re.M):
+            assert (BENCHMARKS / folder / name).is_file(), f"README lists {folder}/{name}, which does not exist"
+    links = re.findall(r"\]\((?!https?://)([^)#]+)", readme)
+    assert len(links) > len(_scripts())
+    for target in links:
+        assert (BENCHMARKS / target).exists(), f"benchmarks/README.md links to a missing {target}"
+
+
+def _mentions():
+    """Every ``benchmarks/...py`` in README.md, docs/**/*.md, benchmarks/ and
+    tests/, with where it is."""
+    files = [ROOT / "README.md", BENCHMARKS / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "tests").rglob("*.py")), *_scripts()]
+    for f in files:
+        for m in re.finditer(r"\bbenchmarks/(?:[\w-]+/)*[\w-]+\.py\b", f.read_text()):
+            yield f.relative_to(ROOT).as_posix(), m.group(0)
+
+
+def test_every_path_to_a_benchmark_exists():
+    mentions = list(_mentions())
+    assert len(mentions) > 200  # the check sees the docs' commands
+    missing = sorted({(f, path) for f, path in mentions if not (ROOT / path).is_file()})
+    assert not missing, missing
 
 
 def test_pass_time_benchmark_runs_and_checks_the_tree_it_imported(tmp_path):
@@ -43,7 +115,7 @@ def test_gpu_benchmark_check_compiles_every_model_to_the_expected_graph():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--check"],
+    out = subprocess.run([sys.executable, str(_script("bench_gpu")), "--check"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "every model compiles to the expected graph" in out.stdout
@@ -51,13 +123,13 @@ def test_gpu_benchmark_check_compiles_every_model_to_the_expected_graph():
 
 
 def test_packed_threads_profile_runs():
-    """``profile_packed_threads.py`` (docs/rnn.md cites it): it runs, and
+    """``profile_packed_threads.py`` (docs/results/rnn_varlen.md cites it): it runs, and
     says which kernels and both timings."""
     import re
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_packed_threads.py"), "--calls", "2"],
+    out = subprocess.run([sys.executable, str(_script("profile_packed_threads")), "--calls", "2"],
                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"one after the other: [\d.]+ ms per pair; two threads at once: [\d.]+ ms per pair",
@@ -81,7 +153,7 @@ def test_gpu_summary_reads_the_committed_pages():
 
 
 def test_host_cost_benchmark_runs_quick_and_its_tables_add_up(tmp_path):
-    """``host_cost.py --quick`` (docs/host_cost.md): one case in a process of
+    """``host_cost.py --quick`` (docs/results/host_cost.md): one case in a process of
     its own, every variant timed; the table has both steps with ratios,
     floor and the direct check; the parts table a row per compiled variant
     whose parts add up to its total; the wformat variant rewrote the RNN."""
@@ -118,7 +190,7 @@ def test_host_cost_benchmark_runs_quick_and_its_tables_add_up(tmp_path):
 
 
 def test_size_asserts_benchmark_runs(capsys):
-    """``size_asserts.py`` (docs/host_cost.md): one case, both steps, every
+    """``size_asserts.py`` (docs/results/host_cost_parts.md): one case, both steps, every
     variant timed, and the ratio column."""
     _load("size_asserts").main(["--cases", "gru1", "--rounds", "1", "--sample-s", "0.002"])
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
@@ -128,7 +200,7 @@ def test_size_asserts_benchmark_runs(capsys):
 
 
 def test_cpu_rnn_kernels_benchmark_times_both_kernels_per_step(capsys):
-    """``cpu_rnn_kernels.py`` (docs/rnn.md): both kernels of each size timed
+    """``cpu_rnn_kernels.py`` (docs/results/rnn_cpu_kernels.md): both kernels of each size timed
     in both steps, the ratios their quotients, and what auto takes."""
     from wfpass import native
 
@@ -146,7 +218,7 @@ def test_cpu_rnn_kernels_benchmark_times_both_kernels_per_step(capsys):
 
 
 def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path):
-    """``pack_real_calls.py --quick`` (docs/choice_spread.md): every linear
+    """``pack_real_calls.py --quick`` (docs/results/choice_spread_model_calls.md): every linear
     shape of the small decoder (Q/K/V block, o, gate/up block, down) is
     found by its recorded shapes at each length in both variants, with a
     time, and the summary line counts the packed ones."""
@@ -158,7 +230,7 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
     out = tmp_path / "t.md"
     r = subprocess.run([sys.executable, "pack_real_calls.py", "--quick", "--rounds", "1", "--calls", "2",
                         "--tokens", "1", "5", "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       cwd=str(ROOT / "benchmarks"), env={**os.environ, "WFPASS_CACHE_DIR": "off"})
+                       cwd=str(ROOT / "benchmarks" / "prepack"), env={**os.environ, "WFPASS_CACHE_DIR": "off"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
             if re.match(r"\| \d+x\d+ \|", line)]
@@ -172,12 +244,12 @@ def test_pack_real_calls_benchmark_times_every_linear_in_both_variants(tmp_path)
 
 def test_cudnn_body_cost_benchmark_runs():
     """The Python body's host cost beyond an op call, with ATen's cuDNN call
-    stubbed (docs/rnn.md#on-cuda): runs on the CPU and prints its figure."""
+    stubbed (docs/results/rnn_cuda_path.md): runs on the CPU and prints its figure."""
     import re
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cudnn_body_cost.py"), "--rounds", "1", "--calls", "50"],
+    r = subprocess.run([sys.executable, str(_script("cudnn_body_cost")), "--rounds", "1", "--calls", "50"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"Python body, kernel stubbed: ([\d.]+) us; a C\+\+ op call with the same weights: ([\d.]+) us", r.stdout)
@@ -185,14 +257,13 @@ def test_cudnn_body_cost_benchmark_runs():
 
 
 def test_lstm_pack_kernel_packed_mode_reads_the_copy_with_the_same_bits(capsys, monkeypatch):
-    """``lstm_pack_kernel.py --packed`` (docs/rnn.md): every packed size
+    """``lstm_pack_kernel.py --packed`` (docs/results/rnn_onednn_layout.md): every packed size
     timed from the plain weights and from the copy (the script stops if the
     copy was never read), the outputs the same bits."""
     from wfpass._torch.kernels import mkldnn_rnn_dtype
 
     if not torch.backends.mkldnn.is_available() or not mkldnn_rnn_dtype(torch.float32):
         pytest.skip("needs oneDNN's LSTM")
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its _out.py
     assert _load("lstm_pack_kernel").main(["--packed", "--rounds", "1", "--sample-s", "0.001"]) == 0
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and line[2].isdigit()]
@@ -203,7 +274,7 @@ def test_lstm_pack_kernel_packed_mode_reads_the_copy_with_the_same_bits(capsys, 
 
 
 def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
-    """``layer_call_ab.py --quick`` (docs/host_cost.md): this checkout twice,
+    """``layer_call_ab.py --quick`` (docs/results/host_cost_loop_call.md): this checkout twice,
     each in its own process importing it from its path, every size timed
     in both and the ratio of the two columns printed."""
     from wfpass import native
@@ -220,7 +291,7 @@ def test_layer_call_ab_times_each_checkout_in_its_own_process(capsys):
 
 
 def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
-    """``encoder_two_kernels.py`` (docs/rnn_speed.md): the encoder's
+    """``encoder_two_kernels.py`` (docs/results/rnn_speed.md): the encoder's
     training step on the loop and on oneDNN's layer, both timed, the ratio
     printed from them."""
     from wfpass import native
@@ -237,7 +308,7 @@ def test_encoder_two_kernels_times_both_kernels_in_one_process(capsys):
 
 @pytest.mark.parametrize("pool", [[], ["--pool-mib", "1"]], ids=["alone", "pool"])
 def test_brgemm_kernel_times_the_kernels_and_their_kernel_bytes(capsys, pool):
-    """``brgemm_kernel.py`` (docs/guide/prepack.md): each kernel timed per shape and
+    """``brgemm_kernel.py`` (docs/results/prepack_kernels.md): each kernel timed per shape and
     row count, alone or cycling through copies (brgemm and direct checked
     against the plain GEMM first), the ratios printed from the times, and
     the heap a new row count leaves."""

@@ -165,3 +165,58 @@ def test_results_pages_say_their_machine_and_command():
         text = page.read_text()
         assert re.search(r"(Machine:|AMD EPYC|Intel Xeon|NVIDIA H[12]00|not recorded)", text), _id(page)
         assert re.search(r"python (-m wfpass|benchmarks/)", text), _id(page)
+
+
+# -- every figure a reader meets names its source ------------------------------------
+
+#: A measured figure: a number (or a range) with a unit of time, size or speed-up.
+FIGURE = re.compile(r"(?<![\w.±-])[±~]?\d+(?:\.\d+)?(?:\s?(?:-|–|to)\s?\d+(?:\.\d+)?)?\s?"
+                    r"(?:(?:x|ms|µs|us|s|GB|MB|KB|GiB|MiB|KiB)\b|%)")
+RESULTS_LINK = re.compile(r"\]\((?:\.\./|docs/)results/[^)]+\)")
+FIGURE_PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs" / "guide").glob("*.md"))
+
+
+def _sections(text: str):
+    """The page's sections (split at headings, code blocks left out), each a
+    list of its blocks: paragraphs, bullets and table rows."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    for section in re.split(r"^#+ .*$", text, flags=re.M):
+        blocks, block = [], []
+        for line in section.splitlines():
+            s = line.strip()
+            if (not s or s.startswith("|") or re.match(r"([-*]|\d+\.) ", s)) and block:
+                blocks.append("\n".join(block))
+                block = []
+            if s.startswith("|"):
+                blocks.append(s)
+            elif s:
+                block.append(s)
+        if block:
+            blocks.append("\n".join(block))
+        yield blocks
+
+
+def _figures(block: str):
+    return FIGURE.findall(re.sub(r"`[^`]*`", "", block))  # not the numbers of code and options
+
+
+@pytest.mark.parametrize("doc", FIGURE_PAGES, ids=_id)
+def test_every_figure_links_the_results_page_it_comes_from(doc):
+    # A measured figure in the README or a guide page sits in a paragraph,
+    # bullet or table row that links its results page, or in a section that does.
+    unsourced = []
+    for blocks in _sections(doc.read_text()):
+        if any(RESULTS_LINK.search(b) for b in blocks):
+            continue
+        unsourced += [f"{_figures(b)}: {b[:120]}" for b in blocks if _figures(b)]
+    assert not unsourced, f"{_id(doc)}: figures without a link to docs/results/: {unsourced}"
+
+
+def test_the_figure_check_sees_figures():
+    # The check above must find figures, in the README's table and the guide's prose alike.
+    readme = [b for s in _sections((ROOT / "README.md").read_text()) for b in s if _figures(b)]
+    assert len(readme) >= 6 and all(RESULTS_LINK.search(b) for b in readme if b.startswith("| "))
+    guide = [b for p in FIGURE_PAGES[1:] for s in _sections(p.read_text()) for b in s if _figures(b)]
+    assert len(guide) > 20
+    assert _figures("2.0x faster, 15-29 µs, 4.7 MB, 31 s and ±5%") == ["2.0x", "15-29 µs", "4.7 MB", "31 s", "±5%"]
+    assert not _figures("float32, x86_64, T 16, 8x3x32x32, `--pool-mib 18`, 3 steps")

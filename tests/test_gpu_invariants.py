@@ -12,7 +12,7 @@ steady-state training step.
 
 Every test is marked ``gpu`` and takes ``device="cuda"``, skipped where no
 GPU is; on a GPU machine ``python -m pytest -m gpu`` runs them with every
-other test that needs a GPU, in a few minutes (``benchmarks/bench_gpu.py``
+other test that needs a GPU, in a few minutes (``benchmarks/gpu/bench_gpu.py``
 runs that first). Most compile with ``inner="aot_eager"``: AOTAutograd
 traces the rewritten graph as it does for Inductor, and these tests are
 about what wfpass does, not about Inductor's kernels; the training test

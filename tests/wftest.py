@@ -130,7 +130,7 @@ class Capture:
 def needs_gpu(reason: str = "needs a GPU"):
     """Decorator for a test that needs a CUDA GPU: skipped without one, and
     marked ``gpu``, so that ``python -m pytest -m gpu`` on a GPU machine runs
-    every such test (``benchmarks/bench_gpu.py`` does, first)."""
+    every such test (``benchmarks/gpu/bench_gpu.py`` does, first)."""
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
 
     def mark(fn):

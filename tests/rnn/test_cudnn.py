@@ -542,7 +542,7 @@ def test_the_layout_without_a_gpu_matches_every_layout_recorded_on_a_gpu():
     """cuDNN 9 puts every layer's matrices first and the biases after them,
     and keeps the bias space of an RNN without biases: the buffer can end
     past the last weight. The rule wfpass follows without a GPU, against
-    the layouts cuDNN gave on an H200 (``benchmarks/probe_cudnn_layout.py``):
+    the layouts cuDNN gave on an H200 (``benchmarks/gpu/probe_cudnn_layout.py``):
     every mode, 1-3 layers, bidirectional, projections, no biases, fp32 and
     fp16, two sizes."""
     import json

@@ -61,9 +61,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _rss_marks(backend: str, calls: int) -> dict:
     """``{call: (raw RSS, RSS after malloc_trim)}`` in MB, at calls 50 and
-    ``calls`` of ``benchmarks/profile_packed_memory.py`` (a smaller model
+    ``calls`` of ``benchmarks/rnn/profile_packed_memory.py`` (a smaller model
     than its default: input 32, hidden 64), in a fresh process."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_packed_memory.py"), "--backend", backend, "--calls",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "rnn" / "profile_packed_memory.py"), "--backend", backend, "--calls",
            str(calls), "--input", "32", "--hidden", "64", "--marks", "50", "--trim"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Inductor's CUDA code written on a machine without a GPU (checked on
 torch 2.11.0+cu130 and 2.15.0+cu130, triton 3.6 / 3.9).
 
-For tests and ``benchmarks/bench_gpu.py --check``: a graph captured on fake
+For tests and ``benchmarks/gpu/bench_gpu.py --check``: a graph captured on fake
 CUDA tensors (a CUDA build of torch, ``FakeTensorMode``) goes through
 AOTAutograd and Inductor's lowering and scheduling as on a GPU; what stops
 Inductor without one is only where it asks the driver. Inside

@@ -8,7 +8,7 @@ torch's dispatcher; Python kernels where they cannot be.
 
 Only per-call work lives here (``prepack/prepack.cpp``: the prepacked
 linear's copy check and kernel call, 15-29 us a call in Python, measured by
-``benchmarks/profile_pack.py``; ``rnn/cudnn.cpp``: the cuDNN RNN ops' bodies,
+``benchmarks/prepack/profile_pack.py``; ``rnn/cudnn.cpp``: the cuDNN RNN ops' bodies,
 registered for CUDA, built the same against a CPU-only torch). Every decision stays in Python, which hands
 the C++ kernel what it decided; the ops' schemas, fake implementations and
 gradient formulas are registered in Python as before, so the compiler sees

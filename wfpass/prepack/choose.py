@@ -38,7 +38,7 @@ the second-worst of 7 rounds of 1 ms (the rule before this one, which a single
 slow round also swayed). The margin is wide on purpose: across fresh
 processes the median of the same shape moved by up to 0.08 (0.88-0.96 for a
 384x256 weight at 5 rows), so a threshold near 1 flipped such near-ties from
-one process to the next (``benchmarks/choice_spread.py``,
+one process to the next (``benchmarks/prepack/choice_spread.py``,
 docs/choice_spread.md), and a gain that small is not worth a copy's memory.
 
 **Timed among the model's weights.** Where the graph reads more than
@@ -106,7 +106,7 @@ __all__ = ["COPY_FREE", "copy_free", "MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S
 #: What a call of the packed op costs beyond its kernel, added to every
 #: packed candidate's time before the comparison: the plain GEMM runs inside
 #: the compiled graph, the packed kernel behind an op that checks its copy.
-#: Measured with ``benchmarks/profile_pack.py`` (one row, 1 thread, torch
+#: Measured with ``benchmarks/prepack/profile_pack.py`` (one row, 1 thread, torch
 #: 2.13.0): 0.5-2.5 us with the C++ kernel (``wfpass/native``), 15-29 us
 #: with the Python one; the high end of the first, the low end of the
 #: second, so a kernel that wins by more is still taken.

@@ -14,7 +14,7 @@ compiled with a symbolic row count (prefill of varied prompt lengths) made
 one such kernel per length per packed shape: called at every length from 1
 to 200, the bench decoder grew by 250.7 MB (219 MB of kernels, 12.2 MB of
 packed copies) against Inductor's 24.6 MB
-(``benchmarks/decoder_memory.py --warm --sweep 200``). So ``prepack.max_bytes`` bounds
+(``benchmarks/prepack/decoder_memory.py --warm --sweep 200``). So ``prepack.max_bytes`` bounds
 these kernels too, on their own: the copies within it, and the kernels
 within it (one budget for both took the bench decoder's kernels for its
 dynamic row counts, and its 5-token call fell from 1.91x to 0.82x of

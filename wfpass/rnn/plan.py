@@ -60,7 +60,7 @@ __all__ = ["RnnPlan", "plan_call", "choose_path", "cxx_serves", "training_batch_
 #
 # ``cpu_kernel="eager"``: never; ``"cxx"``: wherever it can run.
 # ``threads``: the rule at that thread count (default: torch's now).
-# Measured: ``benchmarks/cpu_rnn_kernels.py``, docs/rnn.md.
+# Measured: ``benchmarks/rnn/cpu_rnn_kernels.py``, docs/rnn.md.
 def cxx_serves(spec: RnnSpec, x: torch.Tensor, steps: Optional[int], train: bool = False,
                threads: Optional[int] = None) -> bool:
     """Does a call of ``steps`` time steps (None: symbolic) take ``cxx``, the

@@ -238,7 +238,7 @@ def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] =
     with open(table_path, "w") as f:
         f.write(text)
     print(f"table written to {table_path}")
-    # The same figures for programs (benchmarks/bench_versions.py compares
+    # The same figures for programs (benchmarks/overall/bench_versions.py compares
     # torch releases from them): medians in ms, ratios, checks.
     rows = [{"model": r.case.model, "step": r.case.step, "size": r.case.size, "ok": r.ok,
              "median_ms": {k: t.median * 1e3 for k, t in r.times.items()},

@@ -5,7 +5,7 @@ ATen's oneDNN LSTM layer (``aten.mkldnn_rnn_layer``, what
 oneDNN's layout on every call it is given plain weights: measured here
 (torch 2.13, 1 thread, AMD EPYC with AVX-512) 23-53 us of a call at
 hidden 64-128, 2.5 ms of a 2.7 ms step at hidden 512
-(``benchmarks/lstm_pack_kernel.py``, docs/rnn.md). Given the
+(``benchmarks/rnn/lstm_pack_kernel.py``, docs/rnn.md). Given the
 weights already in that layout (torch's
 ``mkldnn::_reorder_mkldnn_rnn_layer_weight``, what Inductor's freezing
 passes give it) it skips the reorder, and computes the same bits.

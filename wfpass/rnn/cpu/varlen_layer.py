@@ -5,7 +5,7 @@ and backward, steps of each sequence past its length never computed.
 Why: eager PyTorch runs a packed RNN on the CPU through ATen's generic
 per-step path (a cell call per step, each a dozen small ops, and autograd
 recording all of them): a training step of one LSTM layer took 3.4x the
-padded oneDNN kernel's time in ``benchmarks/bench_packed_layer.py``, on
+padded oneDNN kernel's time in ``benchmarks/rnn/bench_packed_layer.py``, on
 fewer valid steps. This op keeps the packed layout (nothing padded, no
 work on steps past a sequence's end) and runs the recurrence in a few
 vectorized calls a step, with a hand-written backward.
