@@ -187,7 +187,8 @@ def main(argv=None) -> int:
 
     import wfpass.tools.doctor as doctor
 
-    lines = [f"`python benchmarks/rnn/bench_export.py --threads {a.threads}" + (f" --out {a.out}`" if a.out else "`"),
+    lines = [f"# Exported RNN models, {a.threads} thread(s): wfpass.export against stock torch.export", "",
+             f"`python benchmarks/rnn/bench_export.py --threads {a.threads}" + (f" --out {a.out}`" if a.out else "`"),
              "", f"Machine: {doctor.cpu_words()}; torch {torch.__version__}; {a.threads} thread(s); each variant "
              f"in its own process; run times: median of {a.reps} calls of the loaded AOTInductor package "
              "(eager: the model itself), in ms, with the speed-up over eager and the relative error against it.", ""]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -161,47 +160,17 @@ def test_errors_name_what_is_wrong():
     assert "forward" not in model.rnn.__dict__
 
 
-def test_saved_and_aoti_compiled_program_runs_in_a_fresh_process(tmp_path):
-    """``torch.export.save`` / ``load`` and an AOTInductor package, loaded in
-    a process where only ``import wfpass`` ran, give eager's values at
-    lengths the example did not have; the package calls wfpass's ops."""
-    torch.manual_seed(3)
-    lm = _LM().eval()  # an LSTM language model: embedding, 2-layer LSTM, linear
-    tok = torch.randint(0, 50, (6, 2))
-    ep = wfpass.export(lm, (tok,), dynamic_shapes={"tok": {0: Dim("T", min=1, max=300)}})
-    torch.export.save(ep, str(tmp_path / "lm_program.pt2"))
-    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "lm_aoti.pt2"))
-    torch.save(lm.state_dict(), tmp_path / "weights.pt")
-    for t in (1, 37, 300):
-        torch.save(torch.randint(0, 50, (t, 2)), tmp_path / f"tok{t}.pt")
-    code = textwrap.dedent(f"""
-        import sys, torch, wfpass
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-        from test_export import _LM
-        lm = _LM().eval(); lm.load_state_dict(torch.load({str(tmp_path / 'weights.pt')!r}))
-        run = torch._inductor.aoti_load_package({pkg!r})
-        prog = torch.export.load({str(tmp_path / 'lm_program.pt2')!r}).module()
-        for t in (1, 37, 300):
-            tok = torch.load({str(tmp_path)!r} + f"/tok{{t}}.pt")
-            with torch.no_grad():
-                want = lm(tok)
-            for got in (run(tok), prog(tok)):
-                err = ((got - want).abs().max() / want.abs().max()).item()
-                assert err <= 1e-5, (t, err)
-        print("ok", wfpass.native.is_loaded())
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+def test_the_export_example_runs_its_package_in_a_fresh_process(tmp_path):
+    """``examples/export_lstm.py`` (docs/guide/export.md): ``torch.export.save``
+    / ``load`` and an AOTInductor package, loaded in a process where only
+    ``import wfpass`` ran, give eager's values at lengths the example did not
+    have."""
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "examples" / "export_lstm.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert r.stdout.strip().startswith("ok")
-
-
-class _LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.rnn, self.head = nn.Embedding(50, 16), nn.LSTM(16, 32, 2), nn.Linear(32, 50)
-
-    def forward(self, tok):
-        return self.head(self.rnn(self.emb(tok))[0])
+    assert r.stdout.count("equals eager") == 6, r.stdout
+    assert (tmp_path / "lm_aoti.pt2").exists() and (tmp_path / "lm_program.pt2").exists()
 
 
 class Encoder(nn.Module):
