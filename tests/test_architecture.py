@@ -211,7 +211,7 @@ LAYERS = [
     ("runtime", ("wfpass.core.notes", "wfpass.core.runtime", "wfpass.core.groups")),
     ("capture policy", ("wfpass.capture",)),
     ("formats", ("wfpass.formats", "wfpass.builtin", "wfpass.rnn", "wfpass.linear", "wfpass.prepack", "wfpass.batchnorm")),
-    ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass")),
+    ("entry points", ("wfpass.compiler", "wfpass.api", "wfpass.deploy", "wfpass")),
     ("tools", ("wfpass.tools", "wfpass.__main__")),
 ]
 

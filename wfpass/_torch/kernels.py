@@ -4,6 +4,8 @@ the functional linear and conv kernels, BatchNorm's base class and FX's op
 types. Imports nothing from wfpass."""
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
@@ -308,3 +310,31 @@ def has_kernel_for_key(op: str, key: str) -> bool:
     (``torch._C._dispatch_has_kernel_for_dispatch_key``, private; torch
     2.11.0-2.15.0)."""
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+
+
+@contextlib.contextmanager
+def packing_functions(pack, pad):
+    """``torch._VF._pack_padded_sequence`` / ``_pad_packed_sequence``, which
+    ``torch.nn.utils.rnn.pack_padded_sequence`` / ``pad_packed_sequence``
+    call (torch/nn/utils/rnn.py, checked on torch 2.11-2.15), replaced by
+    ``pack`` / ``pad`` inside the block and restored after."""
+    from torch import _VF
+
+    names = ("_pack_padded_sequence", "_pad_packed_sequence")
+    saved = {k: _VF.__dict__.get(k) for k in names}
+    _VF._pack_padded_sequence, _VF._pad_packed_sequence = pack, pad
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                _VF.__dict__.pop(k, None)
+            else:
+                setattr(_VF, k, v)
+
+
+def packing_functions_replaced() -> bool:
+    """Are they replaced now (inside ``packing_functions``)?"""
+    from torch import _VF
+
+    return "_pack_padded_sequence" in _VF.__dict__

@@ -136,3 +136,10 @@ def size_product_reader(dims, inputs):
     ns: dict = {}
     exec(compile(src, "<wfpass: a product of symbolic sizes>", "exec"), ns)
     return ns["read"]
+
+
+def tell_compiler(condition) -> None:
+    """``torch._check``: a fact about symbolic sizes the compiler may use (and
+    checks when the graph runs). Documented, but named as private (torch
+    2.11-2.15)."""
+    torch._check(condition)

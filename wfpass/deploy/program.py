@@ -67,7 +67,7 @@ def _note_left_alone(model: nn.Module, config: Config, report: Report) -> None:
     rewrite and a program does not: the formats that rewrite them work on
     compiled graphs only, for now."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [n for n, m in model.named_modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))]
     if linears and (config.runs("fuse_linears") or config.runs("prepack_linears")):
         report.add("linear", "skipped", f"{len(linears)} nn.Linear: the sibling-linear and prepacked-linear formats "
                    "are applied by torch.compile(backend='wformat'), not yet in exported programs", [])

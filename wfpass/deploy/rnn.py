@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .._torch import kernels as _kernels
 from ..config import Config, default_seq_threshold
 from ..core.records import Report
 from ..rnn.paths import RnnForward
@@ -62,7 +63,7 @@ def spec_of(mod: nn.RNNBase, name: str, config: Config) -> RnnSpec:
 
 def _skip_reason(mod: nn.Module) -> Optional[str]:
     if overrides_forward(mod):
-        return (f"its class {type(mod).__name__} defines its own forward: traced as it is (torch._VF, so T may "
+        return (f"its class {type(mod).__name__} defines its own forward: traced as it is (torch's own RNN call, so T may "
                 "specialize)")
     if rnn_mode(mod) is None:
         return f"{type(mod).__name__} overrides the methods nn.RNNBase.forward calls"
@@ -142,9 +143,7 @@ def _packing_ops() -> Iterator[None]:
     imported them) pack and pad through wfpass's ops for the trace: ATen's
     ``_pack_padded_sequence`` has no fake for lengths that are data, so
     upstream export of a packed batch fails. ``torch._VF``'s two functions
-    are what both call (torch/nn/utils/rnn.py, checked on torch 2.11-2.15);
-    restored after."""
-    from torch import _VF
+    are what both call (``_torch.kernels.packing_functions``); restored after."""
     from ..rnn.varlen import pad_ops  # noqa: F401  (defines wfpass::pack_padded / pad_packed)
 
     def pack(input, lengths, batch_first):
@@ -162,17 +161,11 @@ def _packing_ops() -> Iterator[None]:
         order = None if batch is None else torch.arange(batch)
         return torch.ops.wfpass.pad_packed(data, batch_sizes, batch_first, float(padding_value), total_length, order)
 
-    saved = {k: _VF.__dict__.get(k) for k in ("_pack_padded_sequence", "_pad_packed_sequence")}
-    _VF._pack_padded_sequence, _VF._pad_packed_sequence = pack, pad
     try:
-        yield
+        with _kernels.packing_functions(pack, pad):
+            yield
     finally:
         _BATCH.clear()
-        for k, v in saved.items():
-            if v is None:
-                _VF.__dict__.pop(k, None)
-            else:
-                setattr(_VF, k, v)
 
 
 @contextlib.contextmanager

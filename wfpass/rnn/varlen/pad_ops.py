@@ -101,8 +101,8 @@ def _pack_padded_fake(input, lengths, batch_first, order=None):
     # input's steps, so ``pad_packed_sequence(..., total_length=T)``'s check
     # ``total_length < max(lengths)`` is decided while tracing (torch.export
     # fails on it otherwise: a guard on a data-dependent size).
-    torch._check(steps <= input.shape[1 if batch_first else 0])
-    torch._check(rows <= steps * B)
+    _tensors.tell_compiler(steps <= input.shape[1 if batch_first else 0])
+    _tensors.tell_compiler(rows <= steps * B)
     batch_sizes = torch.empty((steps,), dtype=torch.int64, device="cpu")
     note_batch(batch_sizes, input.shape[0 if batch_first else 1])
     return input.new_empty((rows, *input.shape[2:])), batch_sizes
