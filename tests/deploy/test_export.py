@@ -99,6 +99,16 @@ def test_given_states_dynamic_batch_and_the_model_left_as_it_was():
     assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5
 
 
+def test_a_forward_the_module_already_had_is_put_back():
+    """A module compiled with wformat before holds wfpass's forward in its
+    __dict__: after an export it holds the same one again."""
+    model = Net(nn.LSTM(16, 32), 32).eval()
+    torch.compile(model, backend="wformat")(_x(False, 5))
+    had = model.rnn.__dict__.get("forward")
+    wfpass.export(model, (_x(False, 5),))
+    assert model.rnn.__dict__.get("forward") is had
+
+
 def test_unbatched_input():
     model = Net(nn.GRU(16, 24), 24).eval()
     ep = wfpass.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("T")}})

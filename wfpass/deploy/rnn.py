@@ -175,6 +175,7 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
     why. Yields the modules swapped; their ``forward`` is restored after,
     whatever the trace did."""
     done: List[nn.Module] = []
+    before = {}  # a forward already in a module's __dict__ (wformat's own, a user's): put back after
     try:
         for name, mod in model.named_modules():
             if not isinstance(mod, nn.RNNBase):
@@ -191,6 +192,8 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
             probe = w0.new_empty(1, 1, spec.input_size)  # the plan asks the call's device and dtype: the weights'
             plan = plan_call(spec, probe, None, spec.threshold if spec.threshold != "auto" else 0, mod.training)
             path = "cxx" if plan.path in _SPECIALIZING else plan.path
+            if "forward" in mod.__dict__:
+                before[id(mod)] = mod.__dict__["forward"]
             mod.__dict__["forward"] = types.MethodType(_forward_for(spec, path, mod.training), mod)
             done.append(mod)
             kernel = plan.kernel if path == plan.path else "wfpass's C++ loop (wfpass::packed_layer)"
@@ -202,5 +205,8 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
             yield done
     finally:
         for mod in done:
-            mod.__dict__.pop("forward", None)
+            if id(mod) in before:
+                mod.__dict__["forward"] = before[id(mod)]
+            else:
+                mod.__dict__.pop("forward", None)
 
