@@ -176,7 +176,7 @@ def test_crdnn_trained_under_bf16_autocast(kind):
     under autocast (the larger)."""
     torch.manual_seed(0)
     model = CRDNNLike(kind)
-    fp32, eager, inductor = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    fp32, eager, inductor, plain_rnn = (copy.deepcopy(model) for _ in range(4))
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(4, 8, 12, generator=g) for _ in range(3)]
     outs = _train(model, torch.compile(model, backend="wformat"), batches, True)
@@ -195,7 +195,16 @@ def test_crdnn_trained_under_bf16_autocast(kind):
     # whatever the RNN runs on: that is the stock compiler's own distance.
     ind = _distance(inductor, _train(inductor, torch.compile(inductor, backend="inductor"), batches, True), fp32,
                     ref_outs)
-    theirs = (max(theirs[0], ind[0]), max(theirs[1], ind[1]))
+    # And wformat without its RNN format: the same graph and compiler, the
+    # RNN left as Dynamo traced it. Stock Inductor's figure alone did not
+    # hold in a long run (one CI run: conv.weight 5.6e-3 there, 2.6e-2 in a
+    # fresh process, wformat's 2.45e-2 in both): the parameters outside the
+    # RNN drift with how the rest of the graph is compiled, and this
+    # reference compiles it as wformat does.
+    others = tuple(n for n in wfpass.pipeline.registered_names() if n != "fuse_rnn")
+    plain = _distance(plain_rnn, _train(plain_rnn, torch.compile(plain_rnn, backend=wfpass.backend(passes=others)),
+                                        batches, True), fp32, ref_outs)
+    theirs = (max(theirs[0], ind[0], plain[0]), max(theirs[1], ind[1], plain[1]))
     assert ours[0] <= 1.5 * theirs[0] + 1e-3 and ours[1] <= 1.5 * theirs[1] + 1e-3, (ours, theirs)
     (row,) = wfpass.report(model).find("rnn")
     assert row.action == "rewritten" and "under autocast" in row.reason and "torch.bfloat16" in row.reason, row.reason
