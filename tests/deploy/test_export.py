@@ -109,6 +109,37 @@ def test_a_forward_the_module_already_had_is_put_back():
     assert model.rnn.__dict__.get("forward") is had
 
 
+def test_a_model_compiled_before_packages_each_weight_once(tmp_path):
+    """After torch.compile(backend="wformat") the RNN's Parameters are views
+    of one flat block; AOTInductor packages a constant's whole storage, so a
+    program holding those views packaged the block once per Parameter (31 MB
+    for this 3.7 MB model). The program holds aliases of each weight's own
+    bytes: the same memory as the model's (a later change shows through),
+    a package and a saved program of about the weights' size."""
+    torch.manual_seed(0)
+    model = Net(nn.LSTM(64, 128, 2), 128).eval()
+    torch.compile(model, backend="wformat")(_x(False, 5))
+    assert len({p.untyped_storage().data_ptr() for p in model.rnn.parameters()}) == 1  # one flat block
+    ep = wfpass.export(model, (_x(False, 16),), dynamic_shapes={"x": {0: Dim("T", max=300)}})
+    params = dict(model.named_parameters())
+    for name, t in ep.state_dict.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+        assert t.data_ptr() == params[name].data_ptr(), name  # an alias, not a copy
+    (row,) = wfpass.last_report().find("export")
+    assert len(row.params) == len(list(model.rnn.parameters())), row
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.export.save(ep, tmp_path / "program.pt2")
+    assert (tmp_path / "program.pt2").stat().st_size < weights * 1.1 + 200_000
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    assert (tmp_path / "m.pt2").stat().st_size < weights * 1.2 + 3_000_000
+    with torch.no_grad():
+        model.rnn.weight_hh_l1.mul_(0.5)  # the program reads the model's bytes: never a stale copy
+        x = _x(False, 23)
+        want = model(x)[0]
+        assert _rel(ep.module()(x)[0], want) <= 1e-5
+        assert _rel(torch._inductor.aoti_load_package(package)(x)[0], model(x)[0]) > 1e-3  # the package froze the weights it was given
+
+
 def test_unbatched_input():
     model = Net(nn.GRU(16, 24), 24).eval()
     ep = wfpass.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("T")}})
