@@ -103,7 +103,7 @@ def packed_kernel(request, monkeypatch):
         from wfpass.prepack import guards
 
         real = guards._always
-        monkeypatch.setattr(guards, "_always", lambda dtype: "direct" if dtype == torch.float32 else real(dtype))
+        monkeypatch.setattr(guards, "_always", lambda dtype: "direct" if _nops.direct_runs(dtype) else real(dtype))
     if request.param == "onednn":
         monkeypatch.setattr(_nops, "panel_packs", lambda dtype: False)
     return request.param
@@ -132,7 +132,9 @@ def test_inference_equals_eager_and_the_graph_calls_the_packed_op(dtype, tokens,
     assert rec.count(OP) == 3
     assert rec.count(torch._C._nn.linear) == 0
     rows = wfpass.last_report().find("prepack", "rewritten")
-    expect = packed_kernel if dtype == torch.float32 else "onednn"  # brgemm and direct are float32's
+    # brgemm is float32's; direct reads a bf16 weight too
+    expect = packed_kernel if dtype == torch.float32 or (packed_kernel == "direct" and _nops.direct_runs(dtype)) \
+        else "onednn"
     assert len(rows) == 3 and all(_kernel_calls(r.stats) == 1 for r in rows)
     assert all(r.stats["direct_calls" if expect == "direct" else "packed_calls"] == 1 for r in rows)
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("weight"))
@@ -1003,6 +1005,8 @@ def test_the_direct_kernels_avx2_build_passes_the_same_checks_on_an_avx512_cpu()
                         "assert _nops.direct_isa() == 'avx2', _nops.direct_isa()",
                         ["tests/prepack/test_prepack.py", "-k",
                          "direct_kernel_equals or (direct and (inference_equals or weight_change or repeat_calls))"])
+    pytest_in_a_process({"WFPASS_DIRECT": "avx2"}, "from wfpass import native; native.load()",
+                        ["tests/prepack/test_direct_half.py"])
 
 
 def test_with_no_bytes_for_copies_the_measured_choice_falls_to_direct_or_plain(monkeypatch):

@@ -14,9 +14,11 @@ __all__ = ["direct_runs", "direct_isa", "direct_linear", "panel_packs", "panel_p
 
 def direct_runs(dtype: torch.dtype) -> bool:
     """Can the ``"direct"`` kernel run a linear of ``dtype`` here? float32,
-    where wfpass's C++ kernels are loaded on an x86-64 CPU with AVX-512F or
-    AVX2 and FMA (and ``WFPASS_DIRECT`` is not off)."""
-    return dtype == torch.float32 and direct_isa() != ""
+    bfloat16 or float16 (a half weight widened to float32 as it streams in,
+    summed in float32), where wfpass's C++ kernels are loaded on an x86-64
+    CPU with AVX-512F, or AVX2 with FMA and F16C (and ``WFPASS_DIRECT`` is
+    not off)."""
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) and direct_isa() != ""
 
 
 def direct_isa() -> str:

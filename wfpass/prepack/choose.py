@@ -4,8 +4,9 @@ model on the same machine gets the same kernels from one process to the next.
 
 Candidates: ``"plain"`` (``F.linear`` on the parameter, what eager and
 Inductor run: oneDNN or MKL reorders the weight inside every call),
-``"direct"`` (float32 on a CPU with AVX-512F, or AVX2 with FMA: wfpass's C++
-kernel of dot products over the parameter as it is, no copy), ``"brgemm"``
+``"direct"`` (float32, bfloat16 or float16 on a CPU with AVX-512F, or AVX2
+with FMA and F16C: wfpass's C++ kernel of dot products over the parameter as
+it is, no copy), ``"brgemm"``
 (float32: oneDNN's small-GEMM ukernel over a copy of the weight
 in 64-column panels, wfpass's C++ kernel), ``"onednn"`` (oneDNN's packed
 layout, one copy for every row count) and, for float32 with at most

@@ -129,7 +129,7 @@ def _options_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     if opts.mode == "off":
         return "prepack.mode='off'"
     if opts.max_bytes == 0 and not _nops.direct_runs(m.weights[0].tensor.dtype):
-        return "prepack.max_bytes=0: no packed copies (and no copy-free kernel here: direct is float32 on AVX2 or AVX-512)"
+        return "prepack.max_bytes=0: no packed copies (and no copy-free kernel here: direct needs float32, bfloat16 or float16 on AVX2 or AVX-512)"
     return None
 
 

@@ -13,6 +13,13 @@
 // 2752x256 weight at 2 / 8 rows took 84 / 154 us, against 209 / 363 us
 // plain and 185 / 210 us from the brgemm copy (docs/pack.md, "direct").
 //
+// A bfloat16 or float16 weight is read the same way, as it is (2 bytes an
+// element, no float32 copy of it): each load of W elements is widened to
+// float32 in registers (bf16: the 16 bits moved up; fp16: vcvtph2ps, F16C
+// on AVX2) and multiplied into float32 sums, the input rows widened once
+// per call. At decode row counts the kernel is bound by the weight's
+// bytes, not by the widening (2 instructions per 16 elements).
+//
 // direct_kernel.h is compiled twice, under __attribute__((target("avx512f")))
 // and target("avx2,fma"), one picked at run time (isa()), so the library
 // itself still builds for any x86-64 CPU.
@@ -26,6 +33,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -39,6 +47,16 @@ namespace wfpass_direct {
 
 namespace {
 
+// A weight's element types beside float: their bits, so that the kernel's
+// loads pick the widening by type (at::BFloat16 and at::Half have the same
+// layout).
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
 enum class Kind { none, avx2, avx512 };
 
 Kind probe() {
@@ -50,7 +68,8 @@ Kind probe() {
   // WFPASS_DIRECT=avx2 runs the AVX2 kernel on an AVX-512 CPU too: how the
   // tests check both on one machine.
   if (__builtin_cpu_supports("avx512f") && v != "avx2") return Kind::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Kind::avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Kind::avx2;
 #endif
   return Kind::none;
 }
@@ -77,6 +96,23 @@ struct Isa {
   WFPASS_TARGET_INLINE static V load(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
   WFPASS_TARGET_INLINE static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   WFPASS_TARGET_INLINE static Mask tail(int64_t n) { return static_cast<Mask>((1u << n) - 1); }
+  WFPASS_TARGET_INLINE static V loadw(const float* p) { return loadu(p); }
+  WFPASS_TARGET_INLINE static V loadw(const Bf16* p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  WFPASS_TARGET_INLINE static V loadw(const F16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  WFPASS_TARGET_INLINE static V loadw_tail(const float* p, Mask m, int64_t) { return load(m, p); }
+  // A half row's last < W elements through a zeroed copy: a masked 16-bit
+  // load needs AVX-512BW, and this runs once per weight row.
+  template <class T>
+  WFPASS_TARGET_INLINE static V loadw_tail(const T* p, Mask, int64_t n) {
+    alignas(64) T buf[W] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
+    return loadw(buf);
+  }
   // reduce16 below leaves the sum of v[4 j + l] at element 4 l + j.
   static constexpr int slot(int p) { return 4 * (p % 4) + p / 4; }
   // The sums of 16 vectors' lanes at once: two 128-bit-lane shuffle stages,
@@ -104,8 +140,8 @@ struct Isa {
 }  // namespace avx512
 
 namespace avx2 {
-#define WFPASS_TARGET __attribute__((target("avx2,fma")))
-#define WFPASS_TARGET_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+#define WFPASS_TARGET __attribute__((target("avx2,fma,f16c")))
+#define WFPASS_TARGET_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 struct Isa {
   using V = __m256;
@@ -117,6 +153,21 @@ struct Isa {
   WFPASS_TARGET_INLINE static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   WFPASS_TARGET_INLINE static Mask tail(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  WFPASS_TARGET_INLINE static V loadw(const float* p) { return loadu(p); }
+  WFPASS_TARGET_INLINE static V loadw(const Bf16* p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  WFPASS_TARGET_INLINE static V loadw(const F16* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  WFPASS_TARGET_INLINE static V loadw_tail(const float* p, Mask m, int64_t) { return load(m, p); }
+  template <class T>
+  WFPASS_TARGET_INLINE static V loadw_tail(const T* p, Mask, int64_t n) {
+    alignas(32) T buf[W] = {};
+    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
+    return loadw(buf);
   }
   static constexpr int slot(int p) { return p; }
   // The sums of 8 vectors' lanes at once (horizontal adds, then the two
@@ -142,22 +193,26 @@ bool available() { return kind() != Kind::none; }
 
 const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::avx2 ? "avx2" : ""; }
 
-void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
-                   const float* bias, float* y, int64_t ldy) {
+namespace {
+
+template <class WT>
+void run(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const WT* w, int64_t ldw, const float* bias,
+         float* y, int64_t ldy) {
 #ifdef WFPASS_DIRECT_X86
   TORCH_CHECK(available(), "wfpass::_direct_linear: not available on this CPU");
   const bool wide = kind() == Kind::avx512;
   const int64_t blocks = (N + 15) / 16;
   // Blocks of 16 weight rows per thread: at least ~256K multiply-adds each
   // (a 384x256 weight at one row, 98K, runs on one thread rather than pay
-  // the threads' start).
+  // the threads' start). Each thread streams its own rows of the weight
+  // (a fused Q/K/V or gate/up block is one [N, K] weight: one stream).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * M * K));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t r0 = b0 * 16, r1 = std::min(N, b1 * 16);
     if (wide)
-      avx512::rows_of(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      avx512::rows_of<WT>(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
     else
-      avx2::rows_of(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      avx2::rows_of<WT>(M, N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
   });
 #else
   (void)M, (void)N, (void)K, (void)x, (void)ldx, (void)w, (void)ldw, (void)bias, (void)y, (void)ldy;
@@ -165,23 +220,32 @@ void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx,
 #endif
 }
 
+}  // namespace
+
+void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                   const float* bias, float* y, int64_t ldy) {
+  run<float>(M, N, K, x, ldx, w, ldw, bias, y, ldy);
+}
+
 // Every shape, dtype and stride is checked before a pointer is read.
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(wfpass_direct::available(),
-              "wfpass::_direct_linear: needs an x86-64 CPU with AVX-512F or AVX2 and FMA (and WFPASS_DIRECT not off)");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
-              "wfpass::_direct_linear: expected a 2-D float32 CPU weight, got ", w.scalar_type(), " of shape ",
-              w.sizes(), " on ", w.device());
+              "wfpass::_direct_linear: needs an x86-64 CPU with AVX-512F, or AVX2 with FMA and F16C (and WFPASS_DIRECT "
+              "not off)");
+  const at::ScalarType dt = w.scalar_type();
+  TORCH_CHECK(w.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && w.dim() == 2,
+              "wfpass::_direct_linear: expected a 2-D float32, bfloat16 or float16 CPU weight, got ", dt,
+              " of shape ", w.sizes(), " on ", w.device());
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
-              "wfpass::_direct_linear: input of shape ", x.sizes(), " and dtype ", x.scalar_type(),
-              " for a float32 weight with ", K, " input features");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dt && x.dim() >= 1 && x.size(-1) == K,
+              "wfpass::_direct_linear: input of shape ", x.sizes(), " and dtype ", x.scalar_type(), " for a ", dt,
+              " weight with ", K, " input features");
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
-                    bias->numel() == N,
-                "wfpass::_direct_linear: bias of shape ", bias->sizes(), " for ", N, " output features");
-    b = bias->contiguous();
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dt && bias->dim() == 1 && bias->numel() == N,
+                "wfpass::_direct_linear: bias of shape ", bias->sizes(), " and dtype ", bias->scalar_type(), " for ",
+                N, " output features of dtype ", dt);
+    b = bias->to(at::kFloat).contiguous();  // summed in float32 (a copy of N values for a half bias)
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
@@ -191,9 +255,24 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   if (K == 0) return b.defined() ? y.copy_(b.expand_as(y)) : y.zero_();
   // The weight's rows may be apart (a leading dim past K); its elements in a row must be adjacent.
   const at::Tensor wc = (w.stride(1) == 1 && w.stride(0) >= K) ? w : w.contiguous();
-  const at::Tensor x2 = x.reshape({M, K}).contiguous();
-  wfpass_direct::direct_linear(M, N, K, x2.const_data_ptr<float>(), K, wc.const_data_ptr<float>(), wc.stride(0),
-                               b.defined() ? b.const_data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+  // The input rows in float32 (M x K values: a few KB at decode row counts).
+  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  if (dt == at::kFloat) {
+    wfpass_direct::run<float>(M, N, K, x2.const_data_ptr<float>(), K, wc.const_data_ptr<float>(), wc.stride(0), bp,
+                              y.data_ptr<float>(), N);
+    return y;
+  }
+  at::Tensor y32 = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (dt == at::kBFloat16)
+    wfpass_direct::run<Bf16>(M, N, K, x2.const_data_ptr<float>(), K,
+                             reinterpret_cast<const Bf16*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
+                             y32.data_ptr<float>(), N);
+  else
+    wfpass_direct::run<F16>(M, N, K, x2.const_data_ptr<float>(), K,
+                            reinterpret_cast<const F16*>(wc.const_data_ptr<at::Half>()), wc.stride(0), bp,
+                            y32.data_ptr<float>(), N);
+  y.view({M, N}).copy_(y32);  // rounded once, as the plain GEMM rounds its float32 sums
   return y;
 }
 

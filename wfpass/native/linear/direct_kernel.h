@@ -9,18 +9,23 @@
 // of 32 registers with AVX-512, 8 of 16 with AVX2), zero(), loadu(p),
 // load(mask, p), fma(a, b, c), tail(n) (a mask of the first n lanes),
 // slot(p) (where output p's accumulator sits) and sums(acc, out) (out[p] =
-// the sum of the lanes of acc[slot(p)], for p < ACC).
+// the sum of the lanes of acc[slot(p)], for p < ACC), and for the weight's
+// element type WT (float, Bf16 or F16): loadw(p) (W elements widened to
+// float32) and loadw_tail(p, mask, n) (the first n, the rest zero).
+// Input rows, bias and sums are float32 whatever WT is: a half-precision
+// weight is widened as it streams in, so its bytes are read once, as they
+// are, and every product is summed in float32.
 
 // One step of W columns k .. k + W - 1 (the last partial one masked) for
 // R input rows and C weight rows: output p = i C + j (input row i, weight
 // row j) accumulates at slot(p). With PF, the same columns of the C rows at
 // pf are fetched into cache.
-template <int R, int C, bool PF, bool TAIL>
-WFPASS_TARGET_INLINE void step(typename Isa::V* acc, const float* x, int64_t ldx, const float* w, int64_t ldw,
-                               int64_t k, typename Isa::Mask m, const float* pf) {
+template <int R, int C, bool PF, bool TAIL, class WT>
+WFPASS_TARGET_INLINE void step(typename Isa::V* acc, const float* x, int64_t ldx, const WT* w, int64_t ldw,
+                               int64_t k, typename Isa::Mask m, int64_t n, const WT* pf) {
   typename Isa::V wv[C];
 #pragma GCC unroll 16
-  for (int j = 0; j < C; ++j) wv[j] = TAIL ? Isa::load(m, w + j * ldw + k) : Isa::loadu(w + j * ldw + k);
+  for (int j = 0; j < C; ++j) wv[j] = TAIL ? Isa::loadw_tail(w + j * ldw + k, m, n) : Isa::loadw(w + j * ldw + k);
   if (PF) {
 #pragma GCC unroll 16
     for (int j = 0; j < C; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
@@ -35,16 +40,16 @@ WFPASS_TARGET_INLINE void step(typename Isa::V* acc, const float* x, int64_t ldx
 
 // y[i * ldy + j] = x_i . w_j (+ bias[j]) for R input rows and C weight rows
 // (R C <= ACC); with PF, the C rows at pf are fetched into cache meanwhile.
-template <int R, int C, bool PF>
-WFPASS_TARGET_INLINE void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
-                                int64_t ldy, const float* bias, const float* pf) {
+template <int R, int C, bool PF, class WT>
+WFPASS_TARGET_INLINE void block(const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K, float* y,
+                                int64_t ldy, const float* bias, const WT* pf) {
   static_assert(R * C <= Isa::ACC, "more outputs than accumulators");
   typename Isa::V acc[Isa::ACC];
 #pragma GCC unroll 16
   for (int i = 0; i < Isa::ACC; ++i) acc[i] = Isa::zero();
   int64_t k = 0;
-  for (; k + Isa::W <= K; k += Isa::W) step<R, C, PF, false>(acc, x, ldx, w, ldw, k, Isa::tail(Isa::W), pf);
-  if (k < K) step<R, C, PF, true>(acc, x, ldx, w, ldw, k, Isa::tail(K - k), pf);
+  for (; k + Isa::W <= K; k += Isa::W) step<R, C, PF, false>(acc, x, ldx, w, ldw, k, Isa::tail(Isa::W), Isa::W, pf);
+  if (k < K) step<R, C, PF, true>(acc, x, ldx, w, ldw, k, Isa::tail(K - k), K - k, pf);
   alignas(64) float t[Isa::ACC];
   Isa::sums(acc, t);
 #pragma GCC unroll 16
@@ -56,24 +61,24 @@ WFPASS_TARGET_INLINE void block(const float* x, int64_t ldx, const float* w, int
 // Every input row against the C weight rows at w: blocks of 4, 2 and 1
 // input rows, as many as the accumulators allow; the first block fetches
 // the C rows at pf.
-template <int C>
-WFPASS_TARGET_INLINE void rows_c(int64_t M, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                                 float* y, int64_t ldy, const float* bias, const float* pf) {
+template <int C, class WT>
+WFPASS_TARGET_INLINE void rows_c(int64_t M, const float* x, int64_t ldx, const WT* w, int64_t ldw, int64_t K,
+                                 float* y, int64_t ldy, const float* bias, const WT* pf) {
   int64_t i = 0;
   bool first = true;
   if constexpr (4 * C <= Isa::ACC) {
     for (; i + 4 <= M; i += 4, first = false)
-      first ? block<4, C, true>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
-            : block<4, C, false>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
+      first ? block<4, C, true, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
+            : block<4, C, false, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
   }
   if constexpr (2 * C <= Isa::ACC) {
     for (; i + 2 <= M; i += 2, first = false)
-      first ? block<2, C, true>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
-            : block<2, C, false>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
+      first ? block<2, C, true, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
+            : block<2, C, false, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
   }
   for (; i < M; ++i, first = false)
-    first ? block<1, C, true>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
-          : block<1, C, false>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
+    first ? block<1, C, true, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf)
+          : block<1, C, false, WT>(x + i * ldx, ldx, w, ldw, K, y + i * ldy, ldy, bias, pf);
 }
 
 // Every input row at once (R = M, up to 7) against the weight rows
@@ -82,19 +87,19 @@ WFPASS_TARGET_INLINE void rows_c(int64_t M, const float* x, int64_t ldx, const f
 // multiply-adds, where blocks of 4 and then 1 input row read each weight
 // row twice and the second pass takes 5 loads for 4. The last rows of the
 // range (fewer than C) one at a time.
-template <int R>
-WFPASS_TARGET_INLINE void all_rows(int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,
+template <int R, class WT>
+WFPASS_TARGET_INLINE void all_rows(int64_t N, int64_t K, const float* x, int64_t ldx, const WT* w, int64_t ldw,
                                    const float* bias, float* y, int64_t ldy, int64_t r0, int64_t r1) {
   constexpr int C = Isa::ACC / R;
   constexpr int64_t kAhead = 16;
   int64_t n = r0;
   for (; n + C <= r1; n += C) {
-    const float* wn = w + n * ldw;
-    const float* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
-    block<R, C, true>(x, ldx, wn, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, pf);
+    const WT* wn = w + n * ldw;
+    const WT* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
+    block<R, C, true, WT>(x, ldx, wn, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, pf);
   }
   for (; n < r1; ++n)
-    block<R, 1, false>(x, ldx, w + n * ldw, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, nullptr);
+    block<R, 1, false, WT>(x, ldx, w + n * ldw, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, nullptr);
 }
 
 // Weight rows r0 .. r1 - 1 for every input row. One or two input rows, and
@@ -113,23 +118,24 @@ WFPASS_TARGET_INLINE void all_rows(int64_t N, int64_t K, const float* x, int64_t
 // memory one miss at a time (a 2752x256 weight at 8 rows, cycling through
 // 16 MiB of weights as in a model: 611 us, against 474 us plain; with it,
 // 142 us).
-WFPASS_TARGET void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w,
+template <class WT>
+WFPASS_TARGET void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const WT* w,
                            int64_t ldw, const float* bias, float* y, int64_t ldy, int64_t r0, int64_t r1) {
   constexpr int A = Isa::ACC;
   constexpr int64_t kAhead = 16;
-  if (M == 1) return all_rows<1>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
-  if (M == 2) return all_rows<2>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+  if (M == 1) return all_rows<1, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+  if (M == 2) return all_rows<2, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
   if (K >= 1024) {
     switch (M) {
-      case 3: return all_rows<3>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
-      case 4: return all_rows<4>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      case 3: return all_rows<3, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+      case 4: return all_rows<4, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
       default: break;
     }
     if constexpr (A >= 16) {
       switch (M) {
-        case 5: return all_rows<5>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
-        case 6: return all_rows<6>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
-        case 7: return all_rows<7>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        case 5: return all_rows<5, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        case 6: return all_rows<6, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
+        case 7: return all_rows<7, WT>(N, K, x, ldx, w, ldw, bias, y, ldy, r0, r1);
         default: break;
       }
     }
@@ -137,14 +143,14 @@ WFPASS_TARGET void rows_of(int64_t M, int64_t N, int64_t K, const float* x, int6
   const int64_t C = M < 4 ? A / 2 : A / 4;
   int64_t n = r0;
   for (; n + C <= r1; n += C) {
-    const float* wn = w + n * ldw;
-    const float* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
+    const WT* wn = w + n * ldw;
+    const WT* pf = n + kAhead + C <= N ? wn + kAhead * ldw : wn;  // else these rows again: in cache
     const float* bn = bias != nullptr ? bias + n : nullptr;
     if (C == A / 2)
-      rows_c<A / 2>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
+      rows_c<A / 2, WT>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
     else
-      rows_c<A / 4>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
+      rows_c<A / 4, WT>(M, x, ldx, wn, ldw, K, y + n, ldy, bn, pf);
   }
   for (; n < r1; ++n)  // the last rows of the range, one at a time
-    rows_c<1>(M, x, ldx, w + n * ldw, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, w + n * ldw);
+    rows_c<1, WT>(M, x, ldx, w + n * ldw, ldw, K, y + n, ldy, bias != nullptr ? bias + n : nullptr, w + n * ldw);
 }

@@ -1,0 +1,62 @@
+"""The ``direct`` kernel on bfloat16 and float16 weights: the parameter read
+as it is (2 bytes an element, no float32 copy), widened in registers and
+summed in float32, the output rounded once, as the plain GEMM rounds."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wfpass.native import ops as _nops
+
+HALF = [d for d in (torch.bfloat16, torch.float16) if _nops.direct_runs(d)]
+
+pytestmark = pytest.mark.skipif(not HALF, reason="no direct kernel here (wfpass's C++ kernels, or AVX-512F / AVX2 "
+                                "with FMA and F16C, missing)")
+
+
+def _want(x, w, b, dtype):
+    """The exact float32 sums of the same half values, rounded once to ``dtype``."""
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return y.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF or [torch.bfloat16])
+def test_half_weights_give_the_float32_sums_rounded_once(dtype):
+    """Any shape (output features not a multiple of the 16-row block, input
+    features not a multiple of the vector width: the row's tail), 1 to 70
+    input rows, batched and strided inputs, a weight whose rows are apart
+    or transposed, with and without a bias, at 1 and 2 threads: within one
+    rounding of the exact result (the plain GEMM is held to the same)."""
+    torch.manual_seed(0)
+    ulp = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (48, 1), (35, 1030), (64, 2048)):
+                w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+                wide = torch.randn(n, k + 3).to(dtype)[:, 1:k + 1]
+                for x in (*(torch.randn(m, k).to(dtype) for m in (1, 2, 3, 5, 7, 70)),
+                          torch.randn(2, 3, k).to(dtype), torch.randn(k, 9).to(dtype).t()):
+                    for bias in (b, None):
+                        for weight in (w, wide, w.t().contiguous().t()):
+                            got, want = _nops.direct_linear(x, weight, bias), _want(x, weight, bias, dtype)
+                            assert got.dtype == dtype and got.shape == want.shape
+                            scale = want.abs().max().item() + 1e-3
+                            err = (got.double() - want.double()).abs().max().item() / scale
+                            plain = (F.linear(x, weight, bias).double() - want.double()).abs().max().item() / scale
+                            assert err <= max(2 * ulp, 1.5 * plain), (dtype, n, k, tuple(x.shape), err, plain)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", HALF or [torch.bfloat16])
+def test_a_half_call_whose_tensors_do_not_fit_raises(dtype):
+    w, x = torch.randn(100, 37).to(dtype), torch.randn(4, 37).to(dtype)
+    bad = [(x.float(), w, None), (x, w.float(), None), (x, w, torch.randn(100)), (torch.randn(4, 36).to(dtype), w, None),
+           (x, w, torch.randn(99).to(dtype)),
+           (x, w.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16), None)]
+    for args in bad:
+        with pytest.raises(RuntimeError, match="_direct_linear"):
+            _nops.direct_linear(*args)
