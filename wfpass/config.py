@@ -177,7 +177,11 @@ class PrepackOptions:
                every graph this format rewrote, and of every parameter set
                such a graph ran with (regional compilation: every layer);
                for one model: its weights' bytes, so the copies at most
-               double them; an int, that many bytes (0: no packed copies,
+               double them, and never more than memory leaves: a copy is
+               made only where a fifth of the memory the process may use
+               (its cgroup's limit, else the machine's) stays free after
+               it, read when the copy is made (``core/memory.py``;
+               ``python -m wfpass doctor`` shows the bound now); an int, that many bytes (0: no packed copies,
                the ``direct`` kernel where it runs and was measured
                faster, else the plain GEMM); ``None``: no bound. The kernels the library compiles for
                packed calls (oneDNN: one per weight shape and row count,

@@ -22,12 +22,13 @@ import torch
 
 from .._torch import kernels as _k, tensors as _tensors
 from ..native import ops as _nops
+from ..core import memory as _memory
 from ..core.records import Record
 from ..core.runtime import note
 from ..core.storage import layout_of
 from . import state as _state
 
-__all__ = ["SAMPLE", "packed_bytes_alive", "count_weights", "weight_bytes", "budget_of", "over_budget", "charge",
+__all__ = ["SAMPLE", "packed_bytes_alive", "count_weights", "weight_bytes", "budget_of", "memory_bound", "over_budget", "charge",
            "copies_of", "drop_copies", "laid_out", "whole", "sample_of", "fresh"]
 
 #: Elements of a weight compared bit for bit on every call.
@@ -83,8 +84,18 @@ def weight_bytes() -> int:
 
 
 def budget_of(max_bytes) -> Optional[int]:
-    """``prepack.max_bytes`` in bytes now: ``"weights"`` is ``weight_bytes()``."""
-    return weight_bytes() if max_bytes == "weights" else max_bytes
+    """``prepack.max_bytes`` in bytes now: ``"weights"`` is ``weight_bytes()``,
+    and no more than the copies alive plus what memory leaves for new ones
+    (``core/memory.py``: a share of what the process may use, read now)."""
+    if max_bytes != "weights":
+        return max_bytes
+    room = _memory.copy_room()
+    return weight_bytes() if room is None else min(weight_bytes(), _ALIVE[0] + room)
+
+
+def memory_bound(max_bytes, budget: int) -> bool:
+    """Was ``budget`` (``budget_of``) set by memory rather than the weights?"""
+    return max_bytes == "weights" and budget < weight_bytes()
 
 
 def over_budget(max_bytes, need: int, old: int = 0) -> Optional[int]:
@@ -301,7 +312,8 @@ def _over_budget(site, w0: torch.Tensor, m: int, kernel: str, need: int, budget:
     site.refused.setdefault(w0, set()).add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
-        whose = "the weights' bytes" if site.max_bytes == "weights" else "prepack.max_bytes"
+        whose = ("what memory leaves: " + _memory.describe() if memory_bound(site.max_bytes, budget) else
+                 "the weights' bytes" if site.max_bytes == "weights" else "prepack.max_bytes")
         instead = "the direct kernel (no copy)" if site.fallback_for(m) == "direct" else "the plain GEMM"
         if what == "copy":
             words[m] = (f"M={m}: {instead} for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "

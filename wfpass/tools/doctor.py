@@ -57,9 +57,9 @@ def _native_lines() -> List[str]:
                      "or WFPASS_FAST_LOOP=0)")
         out.append(f"packed RNN loop on raw pointers (float32): {fast}")
         isa = _nops.direct_isa()
-        out.append(f"direct linear (float32, dot products over the weight as it is, no copy): "
+        out.append(f"direct linear (float32, bfloat16, float16: dot products over the weight as it is, no copy): "
                    + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'})" if isa else
-                      "no (a CPU with neither AVX-512F nor AVX2 with FMA, or WFPASS_DIRECT=0)"))
+                      "no (a CPU with neither AVX-512F nor AVX2 with FMA and F16C, or WFPASS_DIRECT=0)"))
         out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
                    f"{_yes(_nops.panel_packs(torch.float32))}")
         both = (f"yes, with {torch.get_num_threads()} torch threads" if native.parallel_directions()
@@ -101,6 +101,10 @@ def lines() -> List[str]:
                        f"packed linear {_yes(kernels.onednn_packs(dtype))} (each probed with a tiny call)")
     out.append(f"MKL packed SGEMM (float32): {_yes(kernels.mkl_packs(torch.float32))}")
     out += _native_lines()
+    from ..core import memory
+
+    out.append(f"packed copies, default bound (prepack.max_bytes='weights'): at most the weights' bytes and "
+               f"{memory.describe()}")
     if torch.version.cuda:
         if torch.cuda.is_available():
             names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
