@@ -60,3 +60,33 @@ def test_a_half_call_whose_tensors_do_not_fit_raises(dtype):
     for args in bad:
         with pytest.raises(RuntimeError, match="_direct_linear"):
             _nops.direct_linear(*args)
+
+
+@pytest.mark.skipif(torch.float16 not in HALF, reason="no fp16 direct kernel here")
+def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(monkeypatch):
+    """On a CPU whose oneDNN cannot multiply fp16 (an AVX2 CPU, an AMD EPYC
+    without avx512_fp16: faked here), a fp16 model's linears are still
+    served, by the copy-free kernel: before, they were left with "oneDNN
+    cannot multiply torch.float16 on this CPU"."""
+    import copy
+
+    import torch.nn as nn
+
+    import wfpass
+    from wfpass._torch import kernels as _k
+    from wfpass.prepack import guards
+
+    monkeypatch.setattr(_k, "onednn_packs", lambda dtype: False)
+    monkeypatch.setattr(_k, "mkl_packs", lambda dtype: False)
+    monkeypatch.setattr(guards, "_always", lambda dtype: "direct" if _nops.direct_runs(dtype) else "plain")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 64)).to(torch.float16).eval()
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(prepack={"mode": "always", "max_bytes": None}))
+    x = torch.randn(3, 64).to(torch.float16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fn(x), ref(x), rtol=2e-3, atol=2e-3)
+    rows = wfpass.report(model).find("prepack")
+    assert len(rows) == 2 and all(r.action == "rewritten" and r.stats["direct_calls"] >= 1 for r in rows), \
+        [(r.action, r.reason) for r in rows]

@@ -151,7 +151,8 @@ def _weights_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
 
 def _kernel_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
     """The weight is 2-D, on the CPU, in a dtype a packed kernel of this
-    CPU's oneDNN or MKL multiplies."""
+    CPU's oneDNN or MKL, or the copy-free direct kernel, multiplies (fp16 on
+    an AVX2 CPU: direct alone)."""
     w = m.weights[0]
     t = w.tensor
     if t.dim() != 2 or m.rows <= 0:
@@ -162,7 +163,8 @@ def _kernel_problem(m: PackMatch, ctx: PassContext) -> Optional[str]:
         return f"no packed kernel for {t.dtype}"
     if not torch.backends.mkldnn.is_available() or not _k.get_mkldnn_enabled():
         return "oneDNN is not available or switched off (torch.backends.mkldnn)"
-    if not _k.onednn_packs(t.dtype) and not _k.mkl_packs(t.dtype):
+    if not _k.onednn_packs(t.dtype) and not _k.mkl_packs(t.dtype) and not _nops.direct_runs(t.dtype):
+        # No packed kernel and no copy-free one: the plain GEMM it is.
         need = {torch.float16: "avx512_fp16 or avx_ne_convert", torch.bfloat16: "avx512 with bf16 support"}.get(t.dtype, "")
         return f"oneDNN cannot multiply {t.dtype} on this CPU{' (it needs ' + need + ')' if need else ''}"
     return None
