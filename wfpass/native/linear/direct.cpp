@@ -104,15 +104,6 @@ struct Isa {
   WFPASS_TARGET_INLINE static V loadw(const F16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  WFPASS_TARGET_INLINE static V loadw_tail(const float* p, Mask m, int64_t) { return load(m, p); }
-  // A half row's last < W elements through a zeroed copy: a masked 16-bit
-  // load needs AVX-512BW, and this runs once per weight row.
-  template <class T>
-  WFPASS_TARGET_INLINE static V loadw_tail(const T* p, Mask, int64_t n) {
-    alignas(64) T buf[W] = {};
-    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
-    return loadw(buf);
-  }
   // reduce16 below leaves the sum of v[4 j + l] at element 4 l + j.
   static constexpr int slot(int p) { return 4 * (p % 4) + p / 4; }
   // The sums of 16 vectors' lanes at once: two 128-bit-lane shuffle stages,
@@ -161,13 +152,6 @@ struct Isa {
   }
   WFPASS_TARGET_INLINE static V loadw(const F16* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  WFPASS_TARGET_INLINE static V loadw_tail(const float* p, Mask m, int64_t) { return load(m, p); }
-  template <class T>
-  WFPASS_TARGET_INLINE static V loadw_tail(const T* p, Mask, int64_t n) {
-    alignas(32) T buf[W] = {};
-    std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
-    return loadw(buf);
   }
   static constexpr int slot(int p) { return p; }
   // The sums of 8 vectors' lanes at once (horizontal adds, then the two

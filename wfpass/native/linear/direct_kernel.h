@@ -11,10 +11,23 @@
 // slot(p) (where output p's accumulator sits) and sums(acc, out) (out[p] =
 // the sum of the lanes of acc[slot(p)], for p < ACC), and for the weight's
 // element type WT (float, Bf16 or F16): loadw(p) (W elements widened to
-// float32) and loadw_tail(p, mask, n) (the first n, the rest zero).
+// float32) (load_tail below reads a row's last elements).
 // Input rows, bias and sums are float32 whatever WT is: a half-precision
 // weight is widened as it streams in, so its bytes are read once, as they
 // are, and every product is summed in float32.
+
+// The last K % W elements of a weight row (the rest zero): float32 through
+// the ISA's masked load; a half row through a zeroed copy, as a masked
+// 16-bit load needs AVX-512BW (once per weight row).
+WFPASS_TARGET_INLINE typename Isa::V load_tail(const float* p, typename Isa::Mask m, int64_t) {
+  return Isa::load(m, p);
+}
+template <class T>
+WFPASS_TARGET_INLINE typename Isa::V load_tail(const T* p, typename Isa::Mask, int64_t n) {
+  alignas(64) T buf[Isa::W] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(T));
+  return Isa::loadw(buf);
+}
 
 // One step of W columns k .. k + W - 1 (the last partial one masked) for
 // R input rows and C weight rows: output p = i C + j (input row i, weight
@@ -25,7 +38,7 @@ WFPASS_TARGET_INLINE void step(typename Isa::V* acc, const float* x, int64_t ldx
                                int64_t k, typename Isa::Mask m, int64_t n, const WT* pf) {
   typename Isa::V wv[C];
 #pragma GCC unroll 16
-  for (int j = 0; j < C; ++j) wv[j] = TAIL ? Isa::loadw_tail(w + j * ldw + k, m, n) : Isa::loadw(w + j * ldw + k);
+  for (int j = 0; j < C; ++j) wv[j] = TAIL ? load_tail(w + j * ldw + k, m, n) : Isa::loadw(w + j * ldw + k);
   if (PF) {
 #pragma GCC unroll 16
     for (int j = 0; j < C; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
