@@ -45,6 +45,8 @@ MODELS = {
 }
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("eager", "inductor", "freezing", "wformat")
+#: Beside them on request: wformat with no prepacked copies (prepack.max_bytes=0).
+EXTRA = ("wformat_nocopy",)
 PROMPT, SHORT, LONG = 16, 4, 24
 
 
@@ -120,7 +122,9 @@ def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) 
         import torch._inductor.config as ic
 
         ic.freezing = True
-    if backend != "eager":
+    if backend == "wformat_nocopy":
+        model.forward = torch.compile(model.forward, backend=wfpass.backend(prepack={"max_bytes": 0}))
+    elif backend != "eager":
         model.forward = torch.compile(model.forward, backend="inductor" if backend == "freezing" else backend)
 
     def gen(n):
@@ -142,7 +146,7 @@ def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) 
         per_token.append((long_ - short) / (LONG - SHORT) * 1e3)
     out = {"model": name, "dtype": dtype_name, "backend": backend, "threads": threads, "weights": weights,
            "first_s": first, "ms": per_token, "rss_growth": rss1 - rss0, "peak": peak}
-    if backend == "wformat":
+    if backend.startswith("wformat"):
         rows = wfpass.report(model).find("prepack")
         calls = {k: sum(r.stats.get(k, 0) for r in rows) for k in ("direct_calls", "packed_calls", "plain_calls")}
         out["wformat"] = {**calls, "packed_bytes": sum(r.stats.get("packed_bytes", 0) for r in rows),
@@ -221,13 +225,13 @@ def _md(runs: list, lin: list, command: str) -> str:
         bw = statistics.median([r["bandwidth"] for rs in by.values() for r in rs])
         w = next(iter(by.values()))[0]["weights"]
         floor = w / bw / 1e6
-        for b in BACKENDS:
+        for b in BACKENDS + EXTRA:
             if b not in by:
                 continue
             r = by[b][-1]
             vs = f"{med['freezing'] / med[b]:.2f}x" if "freezing" in med else "-"
             extra = ""
-            if b == "wformat" and "wformat" in r:
+            if b.startswith("wformat") and "wformat" in r:
                 k = r["wformat"]
                 extra = (f"direct {k['direct_calls']}, packed {k['packed_calls']}, plain {k['plain_calls']} calls; "
                          f"copies {k['packed_bytes'] / 2**20:.0f} MiB")
@@ -236,7 +240,8 @@ def _md(runs: list, lin: list, command: str) -> str:
                          f"{extra} |")
     lines += ["", "x freezing: `freezing=True`'s ms/token over this backend's (above 1: faster than freezing). "
               "wformat's linears: the calls of its linear kernels during the last `generate()` pair and the "
-              "bytes of the packed copies it holds."]
+              "bytes of the packed copies it holds. wformat_nocopy: wformat with `prepack={\"max_bytes\": 0}` "
+              "(no prepacked copy; the direct kernel or the plain GEMM)."]
     if lin:
         lines += ["", "## Per linear, bf16, one row, 1 thread", "",
                   "Each weight of the 1GB model's shapes cycling through copies that fill 512 MiB; share: "
@@ -253,11 +258,12 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "DTYPE", "BACKEND", "THREADS"))
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS + EXTRA)
     ap.add_argument("--threads", nargs="+", type=int, default=[1])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--linears", action="store_true", help="only the per-linear table (printed)")
+    ap.add_argument("--no-linears", action="store_true", help="without the per-linear table")
     ap.add_argument("--out")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -285,7 +291,7 @@ def main(argv=None) -> int:
                         print(f"{m} {d} t{t} {b}: {statistics.median(r['ms']):.1f} ms/token, floor "
                               f"{r['weights'] / r['bandwidth'] / 1e6:.1f}, RSS {r['rss_growth'] / 1e9:+.2f} GB "
                               f"{r.get('wformat', '')}", flush=True)
-    lin = linears(1) if "1GB" in a.models else []
+    lin = linears(1) if "1GB" in a.models and not a.no_linears else []
     command = "python benchmarks/linear/bench_decode_sizes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.json:
         with open(a.json, "w") as f:
