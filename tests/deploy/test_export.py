@@ -140,6 +140,19 @@ def test_a_model_compiled_before_packages_each_weight_once(tmp_path):
         assert _rel(torch._inductor.aoti_load_package(package)(x)[0], model(x)[0]) > 1e-3  # the package froze the weights it was given
 
 
+def test_a_constant_that_views_a_larger_tensor_is_narrowed_too():
+    """A non-persistent buffer (a program constant, packaged like a weight)
+    that is a slice of a larger tensor: held as its own bytes too."""
+    model = Net(nn.GRU(16, 32), 32).eval()
+    big = torch.randn(1000)
+    model.register_buffer("scale", big[10:18], persistent=False)
+    ep = wfpass.export(model, (_x(False, 5),))
+    t = ep.constants["scale"]
+    assert t.untyped_storage().nbytes() == 8 * 4 and t.data_ptr() == big[10:18].data_ptr()
+    (row,) = wfpass.last_report().find("export")
+    assert row.params == ["scale"], row
+
+
 def test_unbatched_input():
     model = Net(nn.GRU(16, 24), 24).eval()
     ep = wfpass.export(model, (torch.randn(5, 8),), dynamic_shapes={"x": {0: Dim("T")}})

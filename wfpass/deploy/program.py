@@ -90,10 +90,12 @@ def _own_storages(program: "torch.export.ExportedProgram", report: Report) -> No
     slice of the storage, nothing copied: the model's and the program's
     weights stay one), a storage AOTInductor and ``torch.export.save``
     store once each."""
-    state = program.state_dict
     narrowed = []
-    for name, t in list(state.items()):
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+    # The state_dict's entries, and the constants (non-persistent buffers,
+    # lifted tensors) that AOTInductor packages the same way.
+    for state, name, t in [(d, n, v) for d in (program.state_dict, program.constants) for n, v in list(d.items())]:
+        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, nn.Parameter) \
+                or t.device.type == "meta" or t.numel() == 0:
             continue
         start, end = byte_extent(t)
         storage = t.untyped_storage()
