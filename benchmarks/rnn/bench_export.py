@@ -10,6 +10,10 @@ eager (relative error). A stock package holds one T: it is compiled at
 T 16 and run only there.
 
     python benchmarks/rnn/bench_export.py --threads 1 --out docs/results/export_1thread.md
+    python benchmarks/rnn/bench_export.py --threads 1 --models decoder_block --reps 20 --out docs/results/export_decoder_1thread.md
+
+The LLaMA-like decoder block (no RNN; d 512, 8 heads, FF 1376, 7 linears)
+shows what a program holds of the linear formats: its GEMM nodes.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import sys
 import tempfile
 import time
 
-MODELS = ("lstm_lm", "gru_packed")
+MODELS = ("lstm_lm", "gru_packed", "decoder_block")
 VARIANTS = ("eager", "wfpass", "stock_static", "stock_while_loop")
 LENGTHS = (1, 16, 128)
 BATCHES = (1, 8)
@@ -47,6 +51,33 @@ def build(name: str):
             return (torch.randint(0, 500, (t, b)),)
 
         return LM().eval(), inputs, lambda T, B: {"tok": {0: T, 1: B}}
+
+    if name == "decoder_block":
+        class Block(nn.Module):
+            """LLaMA-like: RMSNorm, Q/K/V/O, causal SDPA, SiLU-gated MLP
+            (gate/up/down): 7 linears, two sibling groups (Q/K/V, gate/up)."""
+
+            def __init__(self, d=512, heads=8, ff=1376):
+                super().__init__()
+                self.heads = heads
+                self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+                self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+                self.gate, self.up = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+                self.down = nn.Linear(ff, d, bias=False)
+
+            def forward(self, x):
+                b, t, d = x.shape
+                h = self.n1(x)
+                q, k, v = (f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+                h = self.n2(x)
+                return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+        def inputs(t, b):
+            return (torch.randn(b, t, 512, generator=torch.Generator().manual_seed(t * 100 + b)),)
+
+        return Block().eval(), inputs, lambda T, B: {"x": {0: B, 1: T}}
 
     class Enc(nn.Module):
         def __init__(self):
@@ -123,6 +154,8 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
                 return {**out, "skipped": f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
         out["export_s"] = time.perf_counter() - t0
         out["nodes"] = len(ep.graph.nodes)
+        out["gemms"] = sum(1 for n in ep.graph.nodes if n.op == "call_function" and
+                           str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1] in ("linear", "mm", "addmm", "bmm"))
         packages = {}
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
@@ -187,18 +220,20 @@ def main(argv=None) -> int:
 
     import wfpass.tools.doctor as doctor
 
-    lines = [f"# Exported RNN models, {a.threads} thread(s): wfpass.export against stock torch.export", "",
-             f"`python benchmarks/rnn/bench_export.py --threads {a.threads}" + (f" --out {a.out}`" if a.out else "`"),
+    lines = [f"# Exported models, {a.threads} thread(s): wfpass.export against stock torch.export", "",
+             "`python benchmarks/rnn/bench_export.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
              "", f"Machine: {doctor.cpu_words()}; torch {torch.__version__}; {a.threads} thread(s); each variant "
              f"in its own process; run times: median of {a.reps} calls of the loaded AOTInductor package "
              "(eager: the model itself), in ms, with the speed-up over eager and the relative error against it.", ""]
-    lines += ["| model | variant | export s | AOTInductor compile s | graph nodes | notes |", "|---|---|---|---|---|---|"]
+    lines += ["| model | variant | export s | AOTInductor compile s | graph nodes | GEMM nodes | notes |",
+              "|---|---|---|---|---|---|---|"]
     for (m, v), r in results.items():
         if v == "eager":
             continue
         note = r.get("skipped", "dynamic T and B" if v in ("wfpass", "stock_while_loop") else "T 16, one package per batch")
         fmt = (lambda k: f"{r[k]:.1f}" if k in r else "-")
-        lines.append(f"| {m} | {v} | {fmt('export_s')} | {fmt('compile_s')} | {r.get('nodes', '-')} | {note} |")
+        lines.append(f"| {m} | {v} | {fmt('export_s')} | {fmt('compile_s')} | {r.get('nodes', '-')} | "
+                     f"{r.get('gemms', '-')} | {note} |")
     lines += ["", "| model | T | batch | " + " | ".join(VARIANTS) + " |", "|---|---|---|" + "---|" * len(VARIANTS)]
     for m in a.models:
         eager = results[(m, "eager")]
