@@ -140,8 +140,10 @@ def copy_room(share: float = SHARE) -> Optional[int]:
     ``1 - share`` of the memory it may use free; None where that is not
     known (no bound from memory)."""
     m = memory_now()
-    if m is None:
-        return None
+    return None if m is None else _room(m, share)
+
+
+def _room(m: Memory, share: float) -> int:
     return max(0, m.free - int((1.0 - share) * m.limit))
 
 
@@ -150,6 +152,6 @@ def describe(share: float = SHARE) -> str:
     m = memory_now()
     if m is None:
         return "not known here (no /proc/meminfo): only the weights' bytes bound the copies"
-    room = copy_room(share)
+    room = _room(m, share)  # from the same reading as the figures beside it
     return (f"{room / 2**30:.2f} GiB more copies now: the process may use {m.limit / 2**30:.2f} GiB, "
             f"{m.free / 2**30:.2f} GiB of it free ({m.source}), and copies leave {1 - share:.0%} of it free")

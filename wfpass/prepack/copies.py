@@ -28,7 +28,7 @@ from ..core.runtime import note
 from ..core.storage import layout_of
 from . import state as _state
 
-__all__ = ["SAMPLE", "packed_bytes_alive", "count_weights", "weight_bytes", "budget_of", "memory_bound", "over_budget", "charge",
+__all__ = ["SAMPLE", "packed_bytes_alive", "count_weights", "weight_bytes", "budget_of", "memory_bound", "bound_words", "over_budget", "charge",
            "copies_of", "drop_copies", "laid_out", "whole", "sample_of", "fresh"]
 
 #: Elements of a weight compared bit for bit on every call.
@@ -96,6 +96,14 @@ def budget_of(max_bytes) -> Optional[int]:
 def memory_bound(max_bytes, budget: int) -> bool:
     """Was ``budget`` (``budget_of``) set by memory rather than the weights?"""
     return max_bytes == "weights" and budget < weight_bytes()
+
+
+def bound_words(max_bytes, budget: int) -> str:
+    """Which bound ``budget`` came from, for a refused copy's row (the
+    linears' and the LSTMs')."""
+    if memory_bound(max_bytes, budget):
+        return "what memory leaves: " + _memory.describe()
+    return "the weights' bytes" if max_bytes == "weights" else "prepack.max_bytes"
 
 
 def over_budget(max_bytes, need: int, old: int = 0) -> Optional[int]:
@@ -312,8 +320,7 @@ def _over_budget(site, w0: torch.Tensor, m: int, kernel: str, need: int, budget:
     site.refused.setdefault(w0, set()).add(m)
     words = site.record.detail.setdefault("over_budget", {})
     if m not in words:
-        whose = ("what memory leaves: " + _memory.describe() if memory_bound(site.max_bytes, budget) else
-                 "the weights' bytes" if site.max_bytes == "weights" else "prepack.max_bytes")
+        whose = bound_words(site.max_bytes, budget)
         instead = "the direct kernel (no copy)" if site.fallback_for(m) == "direct" else "the plain GEMM"
         if what == "copy":
             words[m] = (f"M={m}: {instead} for a weight set whose {kernel} copy ({need / 2**20:.1f} MiB) would "

@@ -55,13 +55,13 @@ from . import state as _state
 # The packed copies and their budget (copies.py), re-exported: callers (the
 # LSTMs' copies, the tests) read them here. ``_fresh`` is called through
 # this module's name.
-from .copies import (SAMPLE, _COPIES, budget_of, charge, memory_bound, copies_of, count_weights, drop_copies,
+from .copies import (SAMPLE, _COPIES, bound_words, budget_of, charge, memory_bound, copies_of, count_weights, drop_copies,
                      fresh as _fresh, laid_out as _laid_out, over_budget, packed_bytes_alive, sample_of,
                      weight_bytes, whole as _whole)
 
 __all__ = ["PackSite", "register_site", "packed_bytes_alive", "drop_copies", "copies_of", "SAMPLE", "note_weights",
            "over_budget", "charge", "sample_of",
-           "weight_bytes", "budget_of", "memory_bound"]
+           "weight_bytes", "budget_of", "memory_bound", "bound_words"]
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
 # Two ops over one kernel: ``packed_linear`` for graphs that compute no

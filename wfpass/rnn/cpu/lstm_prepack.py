@@ -49,7 +49,6 @@ from ..._torch import kernels as _k, tensors as _tensors
 from ... import native as _native
 from ...prepack import kernel as _pk
 from ...native import schemas as _schemas
-from ...core import memory as _memory
 
 __all__ = ["allow", "packed_pair", "drop", "count_python_call", "reconsider"]
 
@@ -222,8 +221,7 @@ def _refuse(p: _Pair, need: int, budget: int) -> None:
     _release(p)
     p.refused = True
     p.record.bump("over_bound_calls")
-    whose = ("what memory leaves: " + _memory.describe() if _pk.memory_bound(p.max_bytes, budget) else
-             "the weights' bytes" if p.max_bytes == "weights" else "prepack.max_bytes")
+    whose = _pk.bound_words(p.max_bytes, budget)
     _say(p.record, f"in inference oneDNN reads the parameters, not a copy in its own layout: a copy "
                    f"({need / 2**20:.1f} MiB) would take the packed copies over their budget ({budget / 2**20:.1f} "
                    f"MiB, {whose}; {_pk.packed_bytes_alive() / 2**20:.1f} MiB in use) (over_bound_calls)")
