@@ -15,7 +15,7 @@ from ..config import Config
 from ..core.history import set_last
 from ..core.records import Report
 from ..core.storage import byte_extent
-from . import rnn as _rnn
+from . import batchnorm as _bn, rnn as _rnn
 
 __all__ = ["export"]
 
@@ -37,10 +37,12 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
     as eager does, dropout included); in eval mode with their twins that
     keep no workspace for a backward (a backward through them gets no
     gradient for the RNN: torch warns "an autograd kernel was not
-    registered"). Variable-length batches (``PackedSequence``)
-    and the sibling-linear, prepacked-linear and BatchNorm formats are not
-    applied to exported programs: those parts export as ``torch.export``
-    exports them, and the report says so.
+    registered"). Variable-length batches (``PackedSequence``) take
+    wfpass's packed-batch ops. In a bf16/fp16 model each BatchNorm computes
+    from float32 copies of its weight, bias and statistics held by the
+    program (``deploy/batchnorm.py``). The sibling-linear and
+    prepacked-linear formats are not applied to exported programs: those
+    linears export as ``torch.export`` exports them, and the report says so.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wfpass.export expects an nn.Module, got {type(model).__name__}")
@@ -52,8 +54,18 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
     config = Config.from_options(**options)
     native.build()  # the program's ops run on the C++ kernels where they build (it says so on stderr)
     report = Report(f"wfpass export ({type(model).__name__})")
-    with _rnn.swapped(model, config, report):
-        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+    norms = _bn.candidates(model, report) if config.runs("fp32_batchnorm") else {}
+    while True:  # traced again only if the trace shows a BatchNorm that cannot take float32 (it is then left)
+        traced = Report(report.title)  # the RNN rows of the trace that is kept
+        with _rnn.swapped(model, config, traced), _bn.in_fp32(norms) as fp32:
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+        bad = _bn.check(program, norms)
+        for name, why in bad.items():
+            report.add("batchnorm", "skipped", f"{name!r}: {why}", [f"{name}.{r}" for r in norms.pop(name)])
+        if not bad:
+            break
+    report.extend(traced)
+    _bn.into_program(program, model, norms, fp32, report)
     _own_storages(program, report)
     _note_left_alone(model, config, report)
     from ..core.runtime import file_report
@@ -65,17 +77,12 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
 
 
 def _note_left_alone(model: nn.Module, config: Config, report: Report) -> None:
-    """A row for each linear group or BatchNorm a compiled graph would
-    rewrite and a program does not: the formats that rewrite them work on
-    compiled graphs only, for now."""
+    """A row for the linears a compiled graph would rewrite and a program
+    does not: the formats that rewrite them work on compiled graphs only."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    norms = [n for n, m in model.named_modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm))]
     if linears and (config.runs("fuse_linears") or config.runs("prepack_linears")):
         report.add("linear", "skipped", f"{len(linears)} nn.Linear: the sibling-linear and prepacked-linear formats "
                    "are applied by torch.compile(backend='wformat'), not yet in exported programs", [])
-    if norms and config.runs("fp32_batchnorm"):
-        report.add("batchnorm", "skipped", f"{len(norms)} BatchNorm: fp32 statistics are applied by "
-                   "torch.compile(backend='wformat'), not yet in exported programs", [])
 
 
 def _own_storages(program: "torch.export.ExportedProgram", report: Report) -> None:
