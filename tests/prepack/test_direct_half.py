@@ -90,3 +90,34 @@ def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(mon
     rows = wfpass.report(model).find("prepack")
     assert len(rows) == 2 and all(r.action == "rewritten" and r.stats["direct_calls"] >= 1 for r in rows), \
         [(r.action, r.reason) for r in rows]
+
+
+@pytest.mark.skipif(not _nops.direct_amx(), reason="no AMX-BF16 here (or WFPASS_DIRECT_AMX=0): the widening body "
+                    "serves every row count")
+def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
+    """At 4 or more rows a bf16 weight whose shape fits the tiles (K a
+    multiple of 32, N of 16) goes through AMX tiles (direct_amx.h); each
+    row's result is the widening body's for that row alone (1 row) within
+    one rounding, whatever the row count (4 to 70: one and two tile halves,
+    a 32-row pass and its rest), the weight's row stride and the bias. The
+    test above runs again with the tiles off, so both bodies stay checked."""
+    torch.manual_seed(0)
+    for n, k, ld in ((64, 2048, 2048), (48, 96, 96), (32, 64, 80)):
+        w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
+        b = torch.randn(n).to(torch.bfloat16)
+        for m in (4, 16, 17, 32, 33, 70):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            got = _nops.direct_linear(x, w, b)
+            rows = torch.cat([_nops.direct_linear(x[i:i + 1], w, b) for i in range(m)])
+            scale = rows.abs().max().item()
+            assert (got.double() - rows.double()).abs().max().item() <= 2 ** -7 * scale, (n, k, m)
+            assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
+
+
+@pytest.mark.skipif(not _nops.direct_amx(), reason="no AMX-BF16 here: the checks above already ran the widening body")
+def test_the_widening_body_passes_the_same_checks_with_the_tiles_off():
+    from wftest import pytest_in_a_process
+
+    pytest_in_a_process({"WFPASS_DIRECT_AMX": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
+                        "native.load(); assert not _nops.direct_amx()",
+                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])

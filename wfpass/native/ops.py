@@ -9,7 +9,7 @@ import torch
 
 from . import fast_loop, loaded
 
-__all__ = ["direct_runs", "direct_isa", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
+__all__ = ["direct_runs", "direct_isa", "direct_amx", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
 
 
 def direct_runs(dtype: torch.dtype) -> bool:
@@ -28,6 +28,15 @@ def direct_isa() -> str:
     if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_isa"):
         return ""
     return str(torch.ops.wfpass.native_direct_isa())
+
+
+def direct_amx() -> bool:
+    """Does the ``"direct"`` kernel take bfloat16 weights at 4 or more input
+    rows through AMX tiles here (a CPU with AMX-BF16, the AVX-512 build, and
+    ``WFPASS_DIRECT_AMX`` not ``0``)?"""
+    if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_amx"):
+        return False
+    return bool(torch.ops.wfpass.native_direct_amx())
 
 
 def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:

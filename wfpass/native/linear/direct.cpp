@@ -42,6 +42,7 @@
 #include <immintrin.h>
 #define WFPASS_DIRECT_X86 1
 #endif
+#include "direct_amx.h"
 
 namespace wfpass_direct {
 
@@ -177,6 +178,21 @@ bool available() { return kind() != Kind::none; }
 
 const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::avx2 ? "avx2" : ""; }
 
+// The AMX body (direct_amx.h) on a CPU with AMX-BF16 whose kernel grants the
+// tile state, with the AVX-512 build; WFPASS_DIRECT_AMX=0 turns it off.
+bool amx_on() {
+#ifdef WFPASS_DIRECT_AMX
+  static const bool on = [] {
+    const char* env = std::getenv("WFPASS_DIRECT_AMX");
+    const std::string v(env != nullptr ? env : "");
+    return kind() == Kind::avx512 && v != "0" && v != "off" && v != "false" && v != "no" && amx::probe();
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 template <class WT>
@@ -201,6 +217,27 @@ void run(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const WT*
 #else
   (void)M, (void)N, (void)K, (void)x, (void)ldx, (void)w, (void)ldw, (void)bias, (void)y, (void)ldy;
   TORCH_CHECK(false, "wfpass::_direct_linear: not built for this CPU");
+#endif
+}
+
+// bf16 rows by AMX tiles, 32 input rows at a time (two halves of 16),
+// blocks of 16 weight rows split over threads as run() splits them.
+void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w, int64_t ldw, const float* bias,
+             float* y) {
+#ifdef WFPASS_DIRECT_AMX
+  std::vector<uint16_t> xv0(16 * K), xv1(16 * K);
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int64_t mi0 = std::min<int64_t>(16, M - m0), mi1 = std::max<int64_t>(0, std::min<int64_t>(16, M - m0 - 16));
+    amx::vnni(x, K, m0, mi0, K, xv0.data());
+    if (mi1 > 0) amx::vnni(x, K, m0 + 16, mi1, K, xv1.data());
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, 16 * (mi0 + mi1) * K));
+    at::parallel_for(0, N / 16, grain, [&](int64_t b0, int64_t b1) {
+      amx::rows(K, w, ldw, xv0.data(), mi0, xv1.data(), mi1, bias, y + m0 * N, N, b0 * 16, b1 * 16);
+    });
+  }
+#else
+  (void)M, (void)N, (void)K, (void)x, (void)w, (void)ldw, (void)bias, (void)y;
+  TORCH_CHECK(false, "wfpass::_direct_linear: AMX body not built");
 #endif
 }
 
@@ -248,7 +285,14 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
     return y;
   }
   at::Tensor y32 = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (dt == at::kBFloat16)
+  if (dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && N % 16 == 0 && wfpass_direct::amx_on()) {
+    // A prompt's rows: AMX tiles over the weight as it is (direct_amx.h); at
+    // 1-3 rows the widening body below streams the weight faster.
+    const at::Tensor xb = x.reshape({M, K}).contiguous();
+    wfpass_direct::run_amx(M, N, K, reinterpret_cast<const uint16_t*>(xb.const_data_ptr<at::BFloat16>()),
+                           reinterpret_cast<const uint16_t*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
+                           y32.data_ptr<float>());
+  } else if (dt == at::kBFloat16)
     wfpass_direct::run<Bf16>(M, N, K, x2.const_data_ptr<float>(), K,
                              reinterpret_cast<const Bf16*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
                              y32.data_ptr<float>(), N);
@@ -266,6 +310,7 @@ TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def(WFPASS_SCHEMA_direct_linear);
   m.def(WFPASS_SCHEMA_native_direct, []() { return wfpass_direct::available(); });
   m.def(WFPASS_SCHEMA_native_direct_isa, []() { return std::string(wfpass_direct::isa()); });
+  m.def(WFPASS_SCHEMA_native_direct_amx, []() { return wfpass_direct::amx_on(); });
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) { m.impl("_direct_linear", wfpass_direct::linear_op); }
