@@ -92,15 +92,22 @@ def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(mon
         [(r.action, r.reason) for r in rows]
 
 
-@pytest.mark.skipif(not _nops.direct_amx(), reason="no AMX-BF16 here (or WFPASS_DIRECT_AMX=0): the widening body "
-                    "serves every row count")
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _nops.direct_amx(), reason="the AMX body runs only with WFPASS_DIRECT_AMX=1 on a CPU with "
+                    "AMX-BF16 (the next test asks for it)")
 def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
     """At 4 or more rows a bf16 weight whose shape fits the tiles (K a
     multiple of 32, N of 16) goes through AMX tiles (direct_amx.h); each
     row's result is the widening body's for that row alone (1 row) within
     one rounding, whatever the row count (4 to 70: one and two tile halves,
-    a 32-row pass and its rest), the weight's row stride and the bias. The
-    test above runs again with the tiles off, so both bodies stay checked."""
+    a 32-row pass and its rest), the weight's row stride and the bias."""
     torch.manual_seed(0)
     for n, k, ld in ((64, 2048, 2048), (48, 96, 96), (32, 64, 80)):
         w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
@@ -114,10 +121,12 @@ def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
             assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
 
 
-@pytest.mark.skipif(not _nops.direct_amx(), reason="no AMX-BF16 here: the checks above already ran the widening body")
-def test_the_widening_body_passes_the_same_checks_with_the_tiles_off():
+@pytest.mark.skipif(not _has_amx() or _nops.direct_isa() != "avx512f", reason="no AMX-BF16 on this CPU")
+def test_the_amx_body_when_asked_passes_the_same_checks():
+    """WFPASS_DIRECT_AMX=1 in a fresh process (the switch is read once):
+    the tiles run, the rounding checks above hold with them."""
     from wftest import pytest_in_a_process
 
-    pytest_in_a_process({"WFPASS_DIRECT_AMX": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
-                        "native.load(); assert not _nops.direct_amx()",
-                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])
+    pytest_in_a_process({"WFPASS_DIRECT_AMX": "1"}, "from wfpass import native; from wfpass.native import ops as _nops; "
+                        "native.load(); assert _nops.direct_amx()",
+                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once or agree_with"])

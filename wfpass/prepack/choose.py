@@ -260,8 +260,12 @@ def _cpu_name() -> str:
 
 
 def _machine() -> str:
-    """What a decision holds for: this CPU's model, the torch build, the threads."""
-    return f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | rule {RULE}"
+    """What a decision holds for: this CPU's model, the torch build, the
+    threads, and the copy-free kernel's body (AMX tiles or not: a decision
+    measured without them is measured again)."""
+    direct = _nops.direct_isa() + ("+amx" if _nops.direct_amx() else "")
+    return (f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | rule {RULE} | "
+            f"direct {direct or 'none'}")
 
 
 def _key_text(key: tuple) -> str:
