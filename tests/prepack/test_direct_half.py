@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from wfpass.native import ops as _nops
+from wfpass.tools.doctor import cpu_words
 
 HALF = [d for d in (torch.bfloat16, torch.float16) if _nops.direct_runs(d)]
 
@@ -92,14 +93,6 @@ def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(mon
         [(r.action, r.reason) for r in rows]
 
 
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not _nops.direct_amx(), reason="the AMX body runs only with WFPASS_DIRECT_AMX=1 on a CPU with "
                     "AMX-BF16 (the next test asks for it)")
 def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
@@ -121,7 +114,7 @@ def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
             assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
 
 
-@pytest.mark.skipif(not _has_amx() or _nops.direct_isa() != "avx512f", reason="no AMX-BF16 on this CPU")
+@pytest.mark.skipif("amx_bf16" not in cpu_words() or _nops.direct_isa() != "avx512f", reason="no AMX-BF16 on this CPU")
 def test_the_amx_body_when_asked_passes_the_same_checks():
     """WFPASS_DIRECT_AMX=1 in a fresh process (the switch is read once):
     the tiles run, the rounding checks above hold with them."""

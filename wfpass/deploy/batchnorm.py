@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+from ..batchnorm.fp32 import dtype_name as _dtype
 from ..batchnorm.kernels import HALF, ROLES
 from ..core.records import Report
 from ..core.storage import overlaps
@@ -35,10 +36,6 @@ from ..core.storage import overlaps
 __all__ = ["candidates", "in_fp32", "check", "into_program"]
 
 _TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _skip(report: Report, name: str, why: str, fqns: List[str]) -> None:

@@ -280,8 +280,12 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   if (K == 0) return b.defined() ? y.copy_(b.expand_as(y)) : y.zero_();
   // The weight's rows may be apart (a leading dim past K); its elements in a row must be adjacent.
   const at::Tensor wc = (w.stride(1) == 1 && w.stride(0) >= K) ? w : w.contiguous();
-  // The input rows in float32 (M x K values: a few KB at decode row counts).
-  const at::Tensor x2 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  // A prompt's bf16 rows take AMX tiles over the weight as it is
+  // (direct_amx.h), reading the input as it is; at 1-3 rows the widening
+  // body streams the weight faster.
+  const bool tiles = dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && N % 16 == 0 && wfpass_direct::amx_on();
+  // Otherwise the input rows in float32 (M x K values: a few KB at decode row counts).
+  const at::Tensor x2 = tiles ? at::Tensor() : x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
   if (dt == at::kFloat) {
     wfpass_direct::run<float>(M, N, K, x2.const_data_ptr<float>(), K, wc.const_data_ptr<float>(), wc.stride(0), bp,
@@ -289,9 +293,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
     return y;
   }
   at::Tensor y32 = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && N % 16 == 0 && wfpass_direct::amx_on()) {
-    // A prompt's rows: AMX tiles over the weight as it is (direct_amx.h); at
-    // 1-3 rows the widening body below streams the weight faster.
+  if (tiles) {
     const at::Tensor xb = x.reshape({M, K}).contiguous();
     wfpass_direct::run_amx(M, N, K, reinterpret_cast<const uint16_t*>(xb.const_data_ptr<at::BFloat16>()),
                            reinterpret_cast<const uint16_t*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
