@@ -15,7 +15,7 @@ from ..config import Config
 from ..core.history import set_last
 from ..core.records import Report
 from ..core.storage import byte_extent
-from . import batchnorm as _bn, rnn as _rnn
+from . import batchnorm as _bn, linear as _linear, rnn as _rnn
 
 __all__ = ["export"]
 
@@ -40,9 +40,10 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
     registered"). Variable-length batches (``PackedSequence``) take
     wfpass's packed-batch ops. In a bf16/fp16 model each BatchNorm computes
     from float32 copies of its weight, bias and statistics held by the
-    program (``deploy/batchnorm.py``). The sibling-linear and
-    prepacked-linear formats are not applied to exported programs: those
-    linears export as ``torch.export`` exports them, and the report says so.
+    program (``deploy/batchnorm.py``). Sibling linears (Q/K/V, gate/up) are
+    one ``wfpass::linear_group`` op over their weights as the program holds
+    them, on the copy-free direct kernel up to the row count measured faster
+    on this machine (``deploy/linear.py``); no prepacked copies are made.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wfpass.export expects an nn.Module, got {type(model).__name__}")
@@ -66,6 +67,8 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
             break
     report.extend(traced)
     _bn.into_program(program, model, norms, fp32, report)
+    if config.runs("fuse_linears") and config.linear.path != "split":
+        _linear.into_program(program, config, report)
     _own_storages(program, report)
     _note_left_alone(model, config, report)
     from ..core.runtime import file_report
@@ -77,12 +80,13 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
 
 
 def _note_left_alone(model: nn.Module, config: Config, report: Report) -> None:
-    """A row for the linears a compiled graph would rewrite and a program
-    does not: the formats that rewrite them work on compiled graphs only."""
+    """A row for what a compiled graph would do to the linears and a program
+    does not: prepacked copies (a program holds each weight once)."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if linears and (config.runs("fuse_linears") or config.runs("prepack_linears")):
-        report.add("linear", "skipped", f"{len(linears)} nn.Linear: the sibling-linear and prepacked-linear formats "
-                   "are applied by torch.compile(backend='wformat'), not yet in exported programs", [])
+    if linears and config.runs("prepack_linears") and config.prepack.mode != "off":
+        report.add("prepack", "skipped", f"{len(linears)} nn.Linear: no prepacked copies in an exported program (it holds "
+                   "each weight once); its linears run the copy-free kernels (the plain GEMM, wfpass's direct kernel "
+                   "where measured faster)", [])
 
 
 def _own_storages(program: "torch.export.ExportedProgram", report: Report) -> None:

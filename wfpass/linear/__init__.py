@@ -17,6 +17,9 @@ which runs these steps):
                        graph's new call
 ``kernel.py``          the block's layout (``LinearLayout``) and the kernel
                        (``fused_linear``, whose backward is written in ATen ops)
+``group.py``           ``wfpass::linear_group``: the siblings of an exported
+                       program as one op over each weight where it is
+                       (``deploy/linear.py`` puts it in the program)
 ``already_fused.py``   layers that already hold several projections in one
                        weight (``nn.MultiheadAttention``, GPT-2's ``Conv1D``):
                        reported, left alone

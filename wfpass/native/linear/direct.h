@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace wfpass_direct {
 
@@ -25,5 +26,24 @@ void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx,
 // wfpass::_direct_linear: F.linear(x, w, bias) on direct_linear, every
 // shape, dtype and stride checked (a malformed call raises).
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+// A member of a group of weights that read the same input: its rows (n of
+// them, leading dim ldw, elements of the group's dtype), its float32 bias
+// or null, and its first column in the group's output.
+struct GroupMember {
+  const void* w;
+  int64_t ldw;
+  int64_t n;
+  const float* bias;
+  int64_t off;
+};
+
+// wfpass::linear_group's direct path: y [M, total] = x2 [M, K] times every
+// weight, member i into its columns, in one pass over all of them. The
+// caller (linear.cpp) has checked shapes, dtypes and devices; total is the
+// members' rows summed; biases[i] undefined for a member without one.
+// Only where available() is true.
+at::Tensor group_op(const at::Tensor& x2, at::TensorList weights, const std::vector<at::Tensor>& biases,
+                    int64_t total);
 
 }  // namespace wfpass_direct

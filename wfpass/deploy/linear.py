@@ -1,0 +1,176 @@
+"""Sibling linears (Q/K/V, gate/up) and the copy-free linear kernel in an
+exported program.
+
+Run on the program ``torch.export`` traced (``program.py``). Linears that
+read the same input and whose weights are the program's own parameters,
+read by nothing else, become one ``wfpass::linear_group`` (``linear/group.py``)
+followed by views of its output::
+
+    before: q = aten.linear(x, q_w, q_b); k = aten.linear(x, k_w, k_b); v = aten.linear(x, v_w, v_b)
+    after:  y = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 8)
+            q, k, v = aten.split_with_sizes(y, [512, 128, 128], -1)
+
+The op reads each weight where the program holds it: no block, no copy, no
+concatenation. Up to ``direct_rows`` rows a call is one pass of wfpass's
+copy-free direct kernel over all the members, above it one GEMM per member;
+``direct_rows`` is what the prepacked-linear format would choose among its
+copy-free kernels (``prepack/rule.copy_free``) on the exporting machine for
+a weight of the group's size, from the same timings and ``choices.json``. A
+lone linear becomes the op too where that choice is the direct kernel at
+some row count (else it stays ``aten.linear``). Prepacked copies are not
+made: a program holds each weight once.
+
+Left as ``torch.export`` traced them, with the reason in the report: a
+weight or bias that is not a parameter of the program, or that another node
+also reads (tied, reused); a program not on the CPU (the op has only its
+Python kernel elsewhere, unchecked in AOTInductor); members of mixed dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from ..core.records import Report
+from ..linear import group as _group
+from ..native import ops as _nops
+from ..prepack import choose as _choose
+from ..prepack.rule import copy_free as _copy_free
+
+__all__ = ["into_program", "direct_rows"]
+
+#: Row counts tried for the direct kernel, in order (the decisions' buckets:
+#: exact up to ``choose.EXACT_ROWS``, then powers of two); ``direct_rows`` is
+#: the last of the unbroken run the direct kernel wins from the first.
+_ROWS = tuple(range(1, _choose.EXACT_ROWS + 1)) + (16, 32)
+
+
+def direct_rows(dtype: torch.dtype, k: int, n: int, config: Config) -> Tuple[int, str]:
+    """The largest row count up to which the direct kernel serves a weight
+    of ``n`` x ``k`` (every count up to it measured faster than the plain
+    GEMM by the prepack rule's margin), and the words saying why."""
+    if not config.runs("prepack_linears") or config.prepack.mode == "off":
+        return 0, "the prepacked-linear format is off: one GEMM per member"
+    if not _nops.direct_runs(dtype):
+        return 0, "the direct kernel does not run here (CPU, build or dtype): one GEMM per member"
+    rows = 0
+    for m in _ROWS:
+        if _copy_free(_choose.decide(dtype, k, n, m)) != "direct":
+            break
+        rows = m
+    if rows == 0:
+        return 0, f"the direct kernel was not faster than the plain GEMM at 1 row for {n}x{k}: one GEMM per member"
+    return rows, f"direct kernel up to {rows} row(s) (measured faster on this machine for {n}x{k}), one GEMM per member above"
+
+
+def _param(node: fx.Node, params: Dict[str, str]) -> Optional[str]:
+    return params.get(node.name) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def into_program(program: "torch.export.ExportedProgram", config: Config, report: Report) -> None:
+    """Rewrite the program's linears in place (see the module docstring)."""
+    gm = program.graph_module
+    params = dict(program.graph_signature.inputs_to_parameters)
+    mutated = set(program.graph_signature.buffers_to_mutate.values()) | set(
+        program.graph_signature.user_inputs_to_mutate.values())
+    by_input: Dict[fx.Node, List[fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.linear.default:
+            by_input[node.args[0]].append(node)
+    done = 0
+    for x, nodes in by_input.items():
+        members, left = [], []
+        for node in nodes:
+            why = _member_problem(node, params, mutated)
+            (left.append((node, why)) if why else members.append(node))
+        for node, why in left:
+            fqns = [f for f in (_param(a, params) for a in node.args[1:3]) if f]
+            report.add("linear", "skipped", f"linear {node.name}: {why}; left as torch.export traced it", fqns)
+        if not members:
+            continue
+        dtypes = {m.args[1].meta["val"].dtype for m in members} | {x.meta["val"].dtype}
+        if len(dtypes) > 1:
+            report.add("linear", "skipped", f"linears reading {x.name} mix dtypes "
+                       f"({', '.join(sorted(str(d) for d in dtypes))}): left as torch.export traced them",
+                       [_param(m.args[1], params) for m in members])
+            continue
+        w = members[0].args[1].meta["val"]
+        n = sum(int(m.args[1].meta["val"].shape[0]) for m in members)
+        rows, words = direct_rows(w.dtype, int(w.shape[1]), n, config)
+        fqns = [f for m in members for f in (_param(a, params) for a in m.args[1:3]) if f]
+        if len(members) == 1 and rows == 0:
+            continue  # a lone linear the plain GEMM serves: nothing to change, as a compiled graph would leave it
+        _rewrite(gm, x, members, rows)
+        done += 1
+        kind = f"{len(members)} sibling linears as one op" if len(members) > 1 else "a lone linear on the direct kernel"
+        report.add("linear", "rewritten", f"exported program: {kind} over each weight where the program holds it (no "
+                   f"block, no copy, no concatenation); {words}", fqns, members=len(members), direct_rows=rows,
+                   out_features=n)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _member_problem(node: fx.Node, params: Dict[str, str], mutated: set) -> str:
+    args = list(node.args) + [None] * (3 - len(node.args))
+    x, w, b = args[:3]
+    if node.kwargs:
+        return f"called with keywords {sorted(node.kwargs)}"
+    if _param(w, params) is None:
+        return "its weight is not a parameter of the program (computed, or a constant)"
+    if b is not None and _param(b, params) is None:
+        return "its bias is not a parameter of the program"
+    for t in (w, b):
+        if t is None:
+            continue
+        if len(t.users) != 1:
+            others = sorted(u.name for u in t.users if u is not node)
+            return f"{params[t.name]} is also read by {', '.join(others)} (tied or reused)"
+        if params[t.name] in mutated:
+            return f"{params[t.name]} is written in place by the program"
+    vals = [a.meta.get("val") for a in (x, w, b) if a is not None]
+    if any(not isinstance(v, torch.Tensor) for v in vals):
+        return "a tensor without a traced value"
+    if any(v.device.type != "cpu" for v in vals):
+        return f"on {vals[1].device.type}: the exported linear op is checked on the CPU only"
+    if vals[1].dim() != 2:
+        return "its weight is not 2-D"
+    return ""
+
+
+def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> None:
+    first = min(members, key=lambda m: list(gm.graph.nodes).index(m))
+    weights = [m.args[1] for m in members]
+    biases = [m.args[2] if len(m.args) > 2 else None for m in members]
+    sizes = [int(w.meta["val"].shape[0]) for w in weights]
+    xv = x.meta["val"]
+    fake = getattr(xv, "fake_mode", None)
+    with gm.graph.inserting_before(first):
+        y = gm.graph.call_function(torch.ops.wfpass.linear_group.default,
+                                   (x, weights + [b for b in biases if b is not None], [b is not None for b in biases],
+                                    rows))
+        parts = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (y, sizes, -1)) \
+            if len(members) > 1 else None
+        outs = [gm.graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))] \
+            if parts is not None else [y]
+    for new in [y] + ([parts] if parts is not None else []) + (outs if parts is not None else []):
+        new.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack",
+                                                                     "torch_fn")})
+    vals = [a.meta["val"] for a in weights]
+    bvals = [b.meta["val"] for b in biases if b is not None]
+    with (fake if fake is not None else contextlib.nullcontext()):
+        yv = torch.ops.wfpass.linear_group.default(xv, vals + bvals, [b is not None for b in biases], rows)
+        y.meta["val"] = yv
+        if parts is not None:
+            pv = torch.ops.aten.split_with_sizes.default(yv, sizes, -1)
+            parts.meta["val"] = list(pv)
+            for o, v in zip(outs, pv):
+                o.meta["val"] = v
+    for m, o in zip(members, outs):
+        m.replace_all_uses_with(o)
+        gm.graph.erase_node(m)
