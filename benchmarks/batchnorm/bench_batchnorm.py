@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -232,7 +231,9 @@ def main(argv=None):
     lines.append("# BatchNorm in a bf16 ResNet: eager vs Inductor vs wformat\n")
     lines.append("Command (from the repository root):\n")
     lines.append("```\n" + cmd + ".venv/bin/python benchmarks/batchnorm/bench_batchnorm.py " + " ".join(sys.argv[1:] if argv is None else argv) + "\n```\n")
-    lines.append(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, torch {torch.__version__} "
+    from wfpass.tools import doctor
+
+    lines.append(f"Machine: {doctor.cpu_words()}, {os.cpu_count()} CPUs visible, torch {torch.__version__} "
                  f"({torch.get_num_threads()} thread(s)), CPU only, shared with other jobs: timings are noisy, "
                  f"so medians (and minima) of interleaved runs are given: {args.reps} training steps and "
                  f"{args.eval_reps} eval forwards per variant, rotating which variant goes first. First-call times are "

@@ -12,8 +12,11 @@ T 16 and run only there.
     python benchmarks/rnn/bench_export.py --threads 1 --out docs/results/export_1thread.md
     python benchmarks/rnn/bench_export.py --threads 1 --models decoder_block --reps 20 --out docs/results/export_decoder_1thread.md
 
-The LLaMA-like decoder block (no RNN; d 512, 8 heads, FF 1376, 7 linears)
-shows what a program holds of the linear formats: its GEMM nodes.
+The LLaMA-like decoder block (no RNN; d 512, 8 heads, FF 1376, 7 linears;
+in float32 and in bfloat16) shows what a program holds of the linear
+formats: its GEMM nodes (``wfpass::linear_group`` counted as one).
+
+    python benchmarks/rnn/bench_export.py --threads 1 --models decoder_block decoder_block_bf16 --reps 20 --out docs/results/export_decoder_1thread.md
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 
-MODELS = ("lstm_lm", "gru_packed", "decoder_block")
+MODELS = ("lstm_lm", "gru_packed", "decoder_block", "decoder_block_bf16")
 VARIANTS = ("eager", "wfpass", "stock_static", "stock_while_loop")
 LENGTHS = (1, 16, 128)
 BATCHES = (1, 8)
@@ -52,7 +55,7 @@ def build(name: str):
 
         return LM().eval(), inputs, lambda T, B: {"tok": {0: T, 1: B}}
 
-    if name == "decoder_block":
+    if name.startswith("decoder_block"):
         class Block(nn.Module):
             """LLaMA-like: RMSNorm, Q/K/V/O, causal SDPA, SiLU-gated MLP
             (gate/up/down): 7 linears, two sibling groups (Q/K/V, gate/up)."""
@@ -74,10 +77,12 @@ def build(name: str):
                 h = self.n2(x)
                 return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
-        def inputs(t, b):
-            return (torch.randn(b, t, 512, generator=torch.Generator().manual_seed(t * 100 + b)),)
+        dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
 
-        return Block().eval(), inputs, lambda T, B: {"x": {0: B, 1: T}}
+        def inputs(t, b):
+            return (torch.randn(b, t, 512, generator=torch.Generator().manual_seed(t * 100 + b)).to(dtype),)
+
+        return Block().to(dtype).eval(), inputs, lambda T, B: {"x": {0: B, 1: T}}
 
     class Enc(nn.Module):
         def __init__(self):
@@ -135,6 +140,8 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
         t0 = time.perf_counter()
         if variant == "wfpass":
             ep = wfpass.export(model, ex, dynamic_shapes=dyn(Dim("T", min=1, max=512), Dim("B", min=1, max=64)))
+            out["linear_ops"] = [f"{r.detail['members']} linear(s), direct kernel up to {r.detail['direct_rows']} rows"
+                                 for r in wfpass.last_report().find("linear", "rewritten")]
         elif variant == "stock_static":
             shapes = [(16, b) for b in BATCHES]
             try:
@@ -155,7 +162,7 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
         out["export_s"] = time.perf_counter() - t0
         out["nodes"] = len(ep.graph.nodes)
         out["gemms"] = sum(1 for n in ep.graph.nodes if n.op == "call_function" and
-                           str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1] in ("linear", "mm", "addmm", "bmm"))
+                           str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1] in ("linear", "mm", "addmm", "bmm", "linear_group"))
         packages = {}
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
@@ -231,6 +238,8 @@ def main(argv=None) -> int:
         if v == "eager":
             continue
         note = r.get("skipped", "dynamic T and B" if v in ("wfpass", "stock_while_loop") else "T 16, one package per batch")
+        if r.get("linear_ops"):
+            note += "; wfpass::linear_group: " + ", ".join(r["linear_ops"])
         fmt = (lambda k: f"{r[k]:.1f}" if k in r else "-")
         lines.append(f"| {m} | {v} | {fmt('export_s')} | {fmt('compile_s')} | {r.get('nodes', '-')} | "
                      f"{r.get('gemms', '-')} | {note} |")

@@ -145,9 +145,12 @@ def test_the_op_equals_separate_linears_on_both_paths(dtype, bias):
         want = torch.cat([F.linear(x.float(), w.float(), None if b is None else b.float())
                           for w, b in zip(ws, bs)], -1)
         for direct in (0, 16):
-            got = wfpass_group.linear_group(x, ws, bs, direct)
-            assert got.dtype == dtype and got.shape == (rows, 1, sum(sizes))
-            assert _rel(got.float(), want) <= tol, (rows, direct, _rel(got.float(), want))
+            outs = wfpass_group.linear_group(x, ws, bs, direct)
+            # One output per member, contiguous, as each linear gives it.
+            assert [o.shape for o in outs] == [(rows, 1, n) for n in sizes]
+            assert all(o.dtype == dtype and o.is_contiguous() for o in outs)
+            got = torch.cat(outs, -1).float()
+            assert _rel(got, want) <= tol, (rows, direct, _rel(got, want))
 
 
 def test_the_op_gives_every_member_its_gradient():
@@ -156,15 +159,19 @@ def test_the_op_gives_every_member_its_gradient():
     bs = [torch.randn(16, generator=g, requires_grad=True), None, torch.randn(5, generator=g, requires_grad=True)]
     x = torch.randn(3, 4, 24, generator=g, requires_grad=True)
     r = torch.randn(3, 4, 29, generator=g)
-    (wfpass_group.linear_group(x, ws, bs, 4) * r).sum().backward()
-    got = [t.grad for t in (x, *ws, bs[0], bs[2])]
-    for t in (x, *ws, bs[0], bs[2]):
-        t.grad = None
-    (torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1) * r).sum().backward()
-    want = [t.grad for t in (x, *ws, bs[0], bs[2])]
-    top = max(w.abs().max().item() for w in want)
-    for a, b in zip(got, want):
-        assert (a - b).abs().max().item() / top <= 1e-6
+    for used in (3, 2):  # every output in the loss; then the last one in none (its gradient is None)
+        loss = lambda outs: (torch.cat(outs[:used], -1) * r[..., :sum((16, 8, 5)[:used])]).sum()  # noqa: E731
+        loss(wfpass_group.linear_group(x, ws, bs, 4)).backward()
+        got = [t.grad for t in (x, *ws, bs[0], bs[2])]
+        for t in (x, *ws, bs[0], bs[2]):
+            t.grad = None
+        loss([F.linear(x, w, b) for w, b in zip(ws, bs)]).backward()
+        want = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (x, *ws, bs[0], bs[2])]
+        for t in (x, *ws, bs[0], bs[2]):
+            t.grad = None
+        top = max(w.abs().max().item() for w in want)
+        for a, b in zip(got, want):
+            assert a is not None and (a - b).abs().max().item() / top <= 1e-6
 
 
 def test_the_op_says_what_does_not_fit():

@@ -3,12 +3,12 @@ exported program.
 
 Run on the program ``torch.export`` traced (``program.py``). Linears that
 read the same input and whose weights are the program's own parameters,
-read by nothing else, become one ``wfpass::linear_group`` (``linear/group.py``)
-followed by views of its output::
+read by nothing else, become one ``wfpass::linear_group`` (``linear/group.py``),
+which gives each member its own output, as its linear did::
 
     before: q = aten.linear(x, q_w, q_b); k = aten.linear(x, k_w, k_b); v = aten.linear(x, v_w, v_b)
-    after:  y = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 8)
-            q, k, v = aten.split_with_sizes(y, [512, 128, 128], -1)
+    after:  qkv = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
 
 The op reads each weight where the program holds it: no block, no copy, no
 concatenation. Up to ``direct_rows`` rows a call is one pass of wfpass's
@@ -147,30 +147,23 @@ def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) 
     first = min(members, key=lambda m: list(gm.graph.nodes).index(m))
     weights = [m.args[1] for m in members]
     biases = [m.args[2] if len(m.args) > 2 else None for m in members]
-    sizes = [int(w.meta["val"].shape[0]) for w in weights]
     xv = x.meta["val"]
     fake = getattr(xv, "fake_mode", None)
     with gm.graph.inserting_before(first):
         y = gm.graph.call_function(torch.ops.wfpass.linear_group.default,
                                    (x, weights + [b for b in biases if b is not None], [b is not None for b in biases],
                                     rows))
-        parts = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (y, sizes, -1)) \
-            if len(members) > 1 else None
-        outs = [gm.graph.call_function(operator.getitem, (parts, i)) for i in range(len(members))] \
-            if parts is not None else [y]
-    for new in [y] + ([parts] if parts is not None else []) + (outs if parts is not None else []):
+        outs = [gm.graph.call_function(operator.getitem, (y, i)) for i in range(len(members))]
+    for new in [y] + outs:
         new.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack",
                                                                      "torch_fn")})
     vals = [a.meta["val"] for a in weights]
     bvals = [b.meta["val"] for b in biases if b is not None]
     with (fake if fake is not None else contextlib.nullcontext()):
         yv = torch.ops.wfpass.linear_group.default(xv, vals + bvals, [b is not None for b in biases], rows)
-        y.meta["val"] = yv
-        if parts is not None:
-            pv = torch.ops.aten.split_with_sizes.default(yv, sizes, -1)
-            parts.meta["val"] = list(pv)
-            for o, v in zip(outs, pv):
-                o.meta["val"] = v
+    y.meta["val"] = list(yv)
+    for o, v in zip(outs, yv):
+        o.meta["val"] = v
     for m, o in zip(members, outs):
         m.replace_all_uses_with(o)
         gm.graph.erase_node(m)

@@ -6,24 +6,29 @@ become views of (``kernel.py``). An exported program cannot rest on that:
 AOTInductor packages each weight as a constant of its own (and
 ``deploy/program.py`` gives each its own storage so that it is packaged
 once), so the members are apart at run time. This op reads them where they
-are. Graph of an exported program before and after (q: 512 rows, k and v:
-128, input 512)::
+are, and gives each member its own contiguous output, as its linear did.
+Graph of an exported program before and after (q: 512 rows, k and v: 128,
+input 512)::
 
     q = aten.linear(x, q_w, q_b);  k = aten.linear(x, k_w, k_b);  v = aten.linear(x, v_w, v_b)
 
-    y = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 8)   # (.., 768)
-    q, k, v = aten.split_with_sizes(y, [512, 128, 128], -1)              # views
+    qkv = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]                 # (.., 512), (.., 128), (.., 128)
 
 Per call, up to ``direct_rows`` rows (decided at export from timings on the
 exporting machine, ``deploy/linear.py``), the CPU kernel is one pass of the
 copy-free direct kernel over all members' rows (``native/linear/direct.cpp``,
 one GEMM over the group as a block would be, without the block); above it,
-or where the direct kernel does not run, one GEMM per member writing its
-columns of one output: no copy of a weight and no concatenation, ever.
+or where the direct kernel does not run, one GEMM per member: no copy of a
+weight and no concatenation, ever.
 
-The Python kernel below serves every other device and a machine without the
-C++ build, with the same output; the gradient formula (``_backward``) makes
-a training-mode program differentiate as eager does.
+``params`` holds every member's weight, then the biases present, in member
+order (``has_bias``: one entry per member): one list of tensors, not of
+optional ones, so that autograd routes each its gradient, and never an
+empty one, as AOTInductor's extern call passes an empty list as None
+(torch 2.13). The Python kernel below serves every other device and a
+machine without the C++ build, with the same outputs; the gradient formula
+(``_backward``) makes a training-mode program differentiate as eager does.
 """
 from __future__ import annotations
 
@@ -38,10 +43,7 @@ __all__ = ["linear_group"]
 
 
 def _members(params: Sequence[torch.Tensor], has_bias: Sequence[bool]):
-    """Each member's weight and its bias or None. ``params``: every weight,
-    then the biases present, in member order: one list of tensors (not of
-    optional ones, so that autograd routes each its gradient; never empty,
-    as AOTInductor's extern call passes an empty list as None, torch 2.13)."""
+    """Each member's weight and its bias or None (see the module docstring)."""
     m = len(has_bias)
     if m == 0 or len(params) != m + sum(map(bool, has_bias)):
         raise RuntimeError(f"wfpass::linear_group: expected every member's weight, then its bias where has_bias says "
@@ -51,9 +53,9 @@ def _members(params: Sequence[torch.Tensor], has_bias: Sequence[bool]):
 
 
 def _group(x: torch.Tensor, params: Sequence[torch.Tensor], has_bias: Sequence[bool],
-           direct_rows: int) -> torch.Tensor:
-    """The Python kernel: one linear per member, written into its columns
-    (the C++ kernel's checks and words)."""
+           direct_rows: int) -> List[torch.Tensor]:
+    """The Python kernel: one linear per member (the C++ kernel's checks and
+    words)."""
     weights, each = _members(params, has_bias)
     k = x.shape[-1]
     for i, (w, b) in enumerate(zip(weights, each)):
@@ -63,41 +65,37 @@ def _group(x: torch.Tensor, params: Sequence[torch.Tensor], has_bias: Sequence[b
         if b is not None and (b.dim() != 1 or b.shape[0] != w.shape[0] or b.dtype != x.dtype or b.device != x.device):
             raise RuntimeError(f"wfpass::linear_group: bias {i} of shape {list(b.shape)} for a weight of shape "
                                f"{list(w.shape)}")
-    total = sum(int(w.shape[0]) for w in weights)
-    x2 = x.reshape(-1, x.shape[-1])
-    out = x2.new_empty((x2.shape[0], total))
-    off = 0
-    for w, b in zip(weights, each):
-        n = int(w.shape[0])
-        out[:, off:off + n] = F.linear(x2, w, b)
-        off += n
-    return out.view(*x.shape[:-1], total)
+    x2 = x.reshape(-1, k)
+    return [F.linear(x2, w, b).view(*x.shape[:-1], w.shape[0]) for w, b in zip(weights, each)]
 
 
 def _fake(x, params, has_bias, direct_rows):
     weights, _ = _members(params, has_bias)
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
 def _setup(ctx, inputs, output):
     x, params, has_bias, _ = inputs
     weights = params[:len(has_bias)]
     ctx.save_for_backward(x, *weights)
-    ctx.sizes = [int(w.shape[0]) for w in weights]
     ctx.has_bias = list(has_bias)
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grads):
     x, *weights = ctx.saved_tensors
-    g2 = grad.reshape(-1, grad.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
-    gs = g2.split(ctx.sizes, -1)
+    # An output no loss reads has no gradient: it adds nothing.
+    gs = [g.reshape(-1, g.shape[-1]) if g is not None else None for g in grads]
     # Every gradient, as eager's linear gives them (autograd drops those of
     # inputs that need none).
-    grad_x = sum(g @ w for g, w in zip(gs, weights)).view(x.shape)
-    grad_w = [g.t() @ x2 for g in gs]
-    grad_b = [g.sum(0) for g, has in zip(gs, ctx.has_bias) if has]
-    return grad_x, grad_w + grad_b, None, None
+    grad_x = torch.zeros_like(x2)
+    for g, w in zip(gs, weights):
+        if g is not None:
+            grad_x = grad_x + g @ w
+    grad_w = [g.t() @ x2 if g is not None else torch.zeros_like(w) for g, w in zip(gs, weights)]
+    grad_b = [g.sum(0) if g is not None else x2.new_zeros(w.shape[0])
+              for g, w, has in zip(gs, weights, ctx.has_bias) if has]
+    return grad_x.view(x.shape), grad_w + grad_b, None, None
 
 
 _LIB = torch.library.Library("wfpass", "FRAGMENT")
@@ -110,9 +108,9 @@ torch.library.register_autograd("wfpass::linear_group", _backward, setup_context
 
 
 def linear_group(x: torch.Tensor, weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
-                 direct_rows: int) -> torch.Tensor:
-    """``torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)``
-    as one op that reads each weight where it is (see the module docstring);
-    ``biases``: one entry per weight, a tensor or None."""
+                 direct_rows: int) -> List[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` as one op that
+    reads each weight where it is (see the module docstring); ``biases``: one
+    entry per weight, a tensor or None."""
     return torch.ops.wfpass.linear_group(x, list(weights) + [b for b in biases if b is not None],
                                          [b is not None for b in biases], int(direct_rows))

@@ -35,7 +35,7 @@ SCHEMAS: Dict[str, str] = {
     '_panel_linear': '(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor',
     # linear
     'linear_by_rows': '(Tensor x, Tensor w_block, Tensor? b_block, int[] sizes, int max_rows) -> Tensor',
-    'linear_group': '(Tensor x, Tensor[] params, bool[] has_bias, int direct_rows) -> Tensor',
+    'linear_group': '(Tensor x, Tensor[] params, bool[] has_bias, int direct_rows) -> Tensor[]',
     '_direct_linear': '(Tensor x, Tensor w, Tensor? bias) -> Tensor',
     'native_direct': '() -> bool',
     'native_direct_isa': '() -> str',

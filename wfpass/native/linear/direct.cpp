@@ -246,14 +246,13 @@ void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t*
 }
 
 // One pass over several weights that read the same input (a Q/K/V or
-// gate/up group as the model holds it, each weight where it is): member i's
-// rows write columns off_i .. off_i + n_i - 1 of y (leading dim ldy). The
-// members' blocks of 16 rows are split over threads as one weight's would
-// be, so the group streams as one [sum n_i, K] weight does: one call, one
-// parallel region, the input rows widened once.
+// gate/up group as the model holds it, each weight where it is), member i's
+// outputs into its own rows y_i (leading dim n_i). The members' blocks of
+// 16 weight rows are split over threads as one weight's would be, so the
+// group streams as one [sum n_i, K] weight does: one call, one parallel
+// region, the input rows widened once.
 template <class WT>
-void run_group(int64_t M, int64_t K, const float* x, int64_t ldx, const std::vector<GroupMember>& ms, float* y,
-               int64_t ldy) {
+void run_group(int64_t M, int64_t K, const float* x, int64_t ldx, const std::vector<GroupMember>& ms) {
 #ifdef WFPASS_DIRECT_X86
   TORCH_CHECK(available(), "wfpass::linear_group: the direct kernel is not available on this CPU");
   const bool wide = kind() == Kind::avx512;
@@ -268,29 +267,36 @@ void run_group(int64_t M, int64_t K, const float* x, int64_t ldx, const std::vec
       const int64_t r0 = (lo - first[i]) * 16, r1 = std::min(m.n, (hi - first[i]) * 16);
       const WT* w = static_cast<const WT*>(m.w);
       if (wide)
-        avx512::rows_of<WT>(M, m.n, K, x, ldx, w, m.ldw, m.bias, y + m.off, ldy, r0, r1);
+        avx512::rows_of<WT>(M, m.n, K, x, ldx, w, m.ldw, m.bias, m.y, m.n, r0, r1);
       else
-        avx2::rows_of<WT>(M, m.n, K, x, ldx, w, m.ldw, m.bias, y + m.off, ldy, r0, r1);
+        avx2::rows_of<WT>(M, m.n, K, x, ldx, w, m.ldw, m.bias, m.y, m.n, r0, r1);
     }
   });
 #else
-  (void)M, (void)K, (void)x, (void)ldx, (void)ms, (void)y, (void)ldy;
+  (void)M, (void)K, (void)x, (void)ldx, (void)ms;
   TORCH_CHECK(false, "wfpass::linear_group: the direct kernel is not built for this CPU");
 #endif
 }
 
 }  // namespace
 
-at::Tensor group_op(const at::Tensor& x2, at::TensorList weights, const std::vector<at::Tensor>& biases,
-                    int64_t total) {
+std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, const std::vector<at::Tensor>& biases) {
   const at::ScalarType dt = x2.scalar_type();
   const int64_t M = x2.size(0), K = x2.size(1);
-  at::Tensor y = at::empty({M, total}, x2.options());
-  if (M == 0 || total == 0) return y;
+  std::vector<at::Tensor> ys, sums;  // each member's output, and its float32 sums for a half-precision group
+  for (const at::Tensor& w : weights) {
+    ys.push_back(at::empty({M, w.size(0)}, x2.options()));
+    sums.push_back(dt == at::kFloat ? ys.back() : at::empty({M, w.size(0)}, x2.options().dtype(at::kFloat)));
+  }
+  if (M == 0) return ys;
+  if (K == 0) {
+    for (size_t i = 0; i < weights.size(); ++i)
+      if (biases[i].defined()) ys[i].copy_(biases[i].expand_as(ys[i])); else ys[i].zero_();
+    return ys;
+  }
   const at::Tensor xf = x2.to(at::kFloat).contiguous();  // M x K values: a few KB at decode row counts
   std::vector<at::Tensor> keep;  // the float32 biases and any weight made row-contiguous, alive for the call
   std::vector<GroupMember> ms;
-  int64_t off = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
     const at::Tensor wc = (w.stride(1) == 1 && w.stride(0) >= K) ? w : w.contiguous();
@@ -300,27 +306,17 @@ at::Tensor group_op(const at::Tensor& x2, at::TensorList weights, const std::vec
       keep.push_back(biases[i].to(at::kFloat).contiguous());  // summed in float32
       bp = keep.back().const_data_ptr<float>();
     }
-    ms.push_back({wc.const_data_ptr(), wc.stride(0), w.size(0), bp, off});
-    off += w.size(0);
+    ms.push_back({wc.const_data_ptr(), wc.stride(0), w.size(0), bp, sums[i].data_ptr<float>()});
   }
-  if (K == 0) {
-    for (size_t i = 0; i < weights.size(); ++i) {
-      at::Tensor o = y.narrow(1, ms[i].off, ms[i].n);
-      if (biases[i].defined()) o.copy_(biases[i].expand_as(o)); else o.zero_();
-    }
-    return y;
-  }
-  if (dt == at::kFloat) {
-    run_group<float>(M, K, xf.const_data_ptr<float>(), K, ms, y.data_ptr<float>(), total);
-    return y;
-  }
-  at::Tensor y32 = at::empty({M, total}, x2.options().dtype(at::kFloat));
-  if (dt == at::kBFloat16)
-    run_group<Bf16>(M, K, xf.const_data_ptr<float>(), K, ms, y32.data_ptr<float>(), total);
+  if (dt == at::kFloat)
+    run_group<float>(M, K, xf.const_data_ptr<float>(), K, ms);
+  else if (dt == at::kBFloat16)
+    run_group<Bf16>(M, K, xf.const_data_ptr<float>(), K, ms);
   else
-    run_group<F16>(M, K, xf.const_data_ptr<float>(), K, ms, y32.data_ptr<float>(), total);
-  y.copy_(y32);  // rounded once, as the plain GEMM rounds its float32 sums
-  return y;
+    run_group<F16>(M, K, xf.const_data_ptr<float>(), K, ms);
+  if (dt != at::kFloat)
+    for (size_t i = 0; i < ys.size(); ++i) ys[i].copy_(sums[i]);  // rounded once, as the plain GEMM rounds
+  return ys;
 }
 
 void direct_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* w, int64_t ldw,

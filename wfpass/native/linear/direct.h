@@ -29,21 +29,19 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
 
 // A member of a group of weights that read the same input: its rows (n of
 // them, leading dim ldw, elements of the group's dtype), its float32 bias
-// or null, and its first column in the group's output.
+// or null, and where its float32 outputs go ([M, n], row-major).
 struct GroupMember {
   const void* w;
   int64_t ldw;
   int64_t n;
   const float* bias;
-  int64_t off;
+  float* y;
 };
 
-// wfpass::linear_group's direct path: y [M, total] = x2 [M, K] times every
-// weight, member i into its columns, in one pass over all of them. The
-// caller (linear.cpp) has checked shapes, dtypes and devices; total is the
-// members' rows summed; biases[i] undefined for a member without one.
-// Only where available() is true.
-at::Tensor group_op(const at::Tensor& x2, at::TensorList weights, const std::vector<at::Tensor>& biases,
-                    int64_t total);
+// wfpass::linear_group's direct path: x2 [M, K] times every weight, one
+// contiguous [M, n_i] output per member, in one pass over all of them. The
+// caller (linear.cpp) has checked shapes, dtypes and devices; biases[i] is
+// undefined for a member without one. Only where available() is true.
+std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, const std::vector<at::Tensor>& biases);
 
 }  // namespace wfpass_direct

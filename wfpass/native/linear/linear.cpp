@@ -9,9 +9,10 @@
 // wfpass::linear_group's CPU kernel: the sibling linears of an exported
 // program (wfpass/deploy/linear.py), each weight where the program holds it
 // (AOTInductor packages each constant on its own, so the members are not one
-// block there). Up to direct_rows rows: one pass of the direct kernel over
-// all of them (direct.cpp, group_op); more rows, or a CPU without it: one
-// GEMM per member writing its columns of one output, as linear_by_rows does.
+// block there), one contiguous output per member (what each linear gives:
+// the views after it stay as cheap as they were). Up to direct_rows rows:
+// one pass of the direct kernel over all of them (direct.cpp, group_op);
+// more rows, or a CPU without it: one GEMM per member.
 //
 // Built and loaded by wfpass/native/__init__.py. Checked on torch 2.11.0,
 // 2.13.0 and 2.15.0.
@@ -61,8 +62,8 @@ at::Tensor linear_by_rows(const at::Tensor& x, const at::Tensor& w, const std::o
 // optional ones, so that autograd routes each its gradient, and never an
 // empty one (AOTInductor's extern call passes an empty list as None,
 // torch 2.13).
-at::Tensor linear_group(const at::Tensor& x, at::TensorList params, const c10::List<bool>& has_bias,
-                        int64_t direct_rows) {
+std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList params, const c10::List<bool>& has_bias,
+                                     int64_t direct_rows) {
   const size_t members = has_bias.size();
   TORCH_CHECK(members > 0 && params.size() >= members,
               "wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
@@ -70,7 +71,6 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList params, const c10::L
   const at::TensorList weights = params.slice(0, members), biases = params.slice(members);
   TORCH_CHECK(x.dim() >= 1, "wfpass::linear_group: the input needs a feature dimension, got shape ", x.sizes());
   const int64_t K = x.size(-1);
-  int64_t total = 0;
   size_t next = 0;
   std::vector<at::Tensor> bs;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -90,31 +90,27 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList params, const c10::L
     } else {
       bs.emplace_back();
     }
-    total += w.size(0);
   }
   TORCH_CHECK(next == biases.size(),
               "wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
               params.size(), " tensors for ", members, " members");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = total;
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t rows = x2.size(0);
   const at::ScalarType dt = x.scalar_type();
+  std::vector<at::Tensor> ys;
   if (rows <= direct_rows && wfpass_direct::available() &&
-      (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf))
-    return wfpass_direct::group_op(x2, weights, bs, total).view(shape);
-  at::Tensor out = at::empty({rows, total}, x.options());
-  int64_t off = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const int64_t n = weights[i].size(0);
-    at::Tensor o = out.narrow(1, off, n);
-    if (bs[i].defined())
-      at::addmm_out(o, bs[i], x2, weights[i].t());
-    else
-      at::mm_out(o, x2, weights[i].t());
-    off += n;
+      (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
+    ys = wfpass_direct::group_op(x2, weights, bs);
+  } else {
+    for (size_t i = 0; i < weights.size(); ++i)
+      ys.push_back(at::linear(x2, weights[i], bs[i].defined() ? std::optional<at::Tensor>(bs[i]) : std::nullopt));
   }
-  return out.view(shape);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (size_t i = 0; i < ys.size(); ++i) {
+    shape.back() = weights[i].size(0);
+    ys[i] = ys[i].view(shape);
+  }
+  return ys;
 }
 
 }  // namespace
