@@ -15,10 +15,13 @@ concatenation. Up to ``direct_rows`` rows a call is one pass of wfpass's
 copy-free direct kernel over all the members, above it one GEMM per member;
 ``direct_rows`` is what the prepacked-linear format would choose among its
 copy-free kernels (``prepack/rule.copy_free``) on the exporting machine for
-a weight of the group's size, from the same timings and ``choices.json``. A
-lone linear becomes the op too where that choice is the direct kernel at
-some row count (else it stays ``aten.linear``). Prepacked copies are not
-made: a program holds each weight once.
+a weight of the group's size, from the same timings and ``choices.json``.
+Where the direct kernel wins at no row count (float32 on an Intel Xeon with
+MKL), the linears stay ``aten.linear``: the op would run the same GEMMs and
+add its call (an extern call in AOTInductor, measured 13-20% slower for the
+bf16 decoder block at 16-128 rows). A lone linear becomes the op where the
+direct kernel wins. Prepacked copies are not made: a program holds each
+weight once.
 
 Left as ``torch.export`` traced them, with the reason in the report: a
 weight or bias that is not a parameter of the program, or that another node
@@ -55,16 +58,16 @@ def direct_rows(dtype: torch.dtype, k: int, n: int, config: Config) -> Tuple[int
     of ``n`` x ``k`` (every count up to it measured faster than the plain
     GEMM by the prepack rule's margin), and the words saying why."""
     if not config.runs("prepack_linears") or config.prepack.mode == "off":
-        return 0, "the prepacked-linear format is off: one GEMM per member"
+        return 0, "the prepacked-linear format is off (it chooses the direct kernel)"
     if not _nops.direct_runs(dtype):
-        return 0, "the direct kernel does not run here (CPU, build or dtype): one GEMM per member"
+        return 0, "the direct kernel does not run here (CPU, build or dtype)"
     rows = 0
     for m in _ROWS:
         if _copy_free(_choose.decide(dtype, k, n, m)) != "direct":
             break
         rows = m
     if rows == 0:
-        return 0, f"the direct kernel was not faster than the plain GEMM at 1 row for {n}x{k}: one GEMM per member"
+        return 0, f"the direct kernel was not faster than the plain GEMM at 1 row for {n}x{k} on this machine"
     return rows, f"direct kernel up to {rows} row(s) (measured faster on this machine for {n}x{k}), one GEMM per member above"
 
 
@@ -103,8 +106,15 @@ def into_program(program: "torch.export.ExportedProgram", config: Config, report
         n = sum(int(m.args[1].meta["val"].shape[0]) for m in members)
         rows, words = direct_rows(w.dtype, int(w.shape[1]), n, config)
         fqns = [f for m in members for f in (_param(a, params) for a in m.args[1:3]) if f]
-        if len(members) == 1 and rows == 0:
-            continue  # a lone linear the plain GEMM serves: nothing to change, as a compiled graph would leave it
+        if rows == 0:
+            # The op's per-call cost in an AOTInductor package (its extern
+            # call) is only repaid by the direct kernel: without it, the
+            # members' own GEMMs, as stock traced them, are as fast or faster.
+            if len(members) > 1:
+                report.add("linear", "skipped", f"{len(members)} sibling linears reading {x.name}: {words}; left as "
+                           "torch.export traced them (one GEMM each is what the op would run, at the cost of its "
+                           "call)", fqns)
+            continue
         _rewrite(gm, x, members, rows)
         done += 1
         kind = f"{len(members)} sibling linears as one op" if len(members) > 1 else "a lone linear on the direct kernel"
