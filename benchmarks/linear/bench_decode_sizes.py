@@ -46,7 +46,8 @@ MODELS = {
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("eager", "inductor", "freezing", "wformat")
 #: Beside them on request: wformat with no prepacked copies (prepack.max_bytes=0),
-#: and wformat with the direct kernel's AMX body on (WFPASS_DIRECT_AMX=1).
+#: and wformat with the direct kernel's AMX body (its default where the CPU
+#: has AMX; "wformat" runs without it, WFPASS_DIRECT_AMX=0, for the comparison).
 EXTRA = ("wformat_nocopy", "wformat_amx")
 PROMPT, SHORT, LONG = 16, 4, 24
 
@@ -244,8 +245,9 @@ def _md(runs: list, lin: list, command: str) -> str:
     lines += ["", "x freezing: `freezing=True`'s ms/token over this backend's (above 1: faster than freezing). "
               "wformat's linears: the calls of its linear kernels during the last `generate()` pair and the "
               "bytes of the packed copies it holds. wformat_nocopy: wformat with `prepack={\"max_bytes\": 0}` "
-              "(no prepacked copy; the direct kernel or the plain GEMM). wformat_amx: wformat with `WFPASS_DIRECT_AMX=1` "
-              "(bf16 prompt rows on the direct kernel's AMX body, no copy for them)."]
+              "(no prepacked copy; the direct kernel or the plain GEMM). wformat: with `WFPASS_DIRECT_AMX=0` "
+              "(the direct kernel's widening body only); wformat_amx: with its AMX body for bf16 prompt rows (the "
+              "default on a CPU with AMX)."]
     if lin:
         lines += ["", "## Per linear, bf16, one row, 1 thread", "",
                   "Each weight of the 1GB model's shapes cycling through copies that fill 512 MiB; share: "

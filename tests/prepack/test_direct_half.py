@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from wfpass import native
 from wfpass.native import ops as _nops
 from wfpass.tools.doctor import cpu_words
 
@@ -93,14 +94,16 @@ def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(mon
         [(r.action, r.reason) for r in rows]
 
 
-@pytest.mark.skipif(not _nops.direct_amx(), reason="the AMX body runs only with WFPASS_DIRECT_AMX=1 on a CPU with "
-                    "AMX-BF16 (the next test asks for it)")
+@pytest.mark.skipif("amx_bf16" not in cpu_words(), reason="no AMX-BF16 on this CPU")
 def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
     """At 4 or more rows a bf16 weight whose shape fits the tiles (K a
     multiple of 32, N of 16) goes through AMX tiles (direct_amx.h); each
     row's result is the widening body's for that row alone (1 row) within
     one rounding, whatever the row count (4 to 70: one and two tile halves,
     a 32-row pass and its rest), the weight's row stride and the bias."""
+    native.load()
+    if not _nops.direct_amx():
+        pytest.skip("the AMX body is off here (WFPASS_DIRECT_AMX=0, the kernel refused the tiles, or no AVX-512 build)")
     torch.manual_seed(0)
     for n, k, ld in ((64, 2048, 2048), (48, 96, 96), (32, 64, 80)):
         w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
@@ -115,11 +118,15 @@ def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
 
 
 @pytest.mark.skipif("amx_bf16" not in cpu_words() or _nops.direct_isa() != "avx512f", reason="no AMX-BF16 on this CPU")
-def test_the_amx_body_when_asked_passes_the_same_checks():
-    """WFPASS_DIRECT_AMX=1 in a fresh process (the switch is read once):
-    the tiles run, the rounding checks above hold with them."""
+def test_the_amx_body_is_on_by_default_and_wfpass_direct_amx_0_turns_it_off():
+    """In fresh processes (the switch is read once): without the variable
+    the tiles run; with WFPASS_DIRECT_AMX=0 they do not, and the rounding
+    checks hold on the widening body alone."""
     from wftest import pytest_in_a_process
 
-    pytest_in_a_process({"WFPASS_DIRECT_AMX": "1"}, "from wfpass import native; from wfpass.native import ops as _nops; "
+    pytest_in_a_process({"WFPASS_DIRECT_AMX": ""}, "from wfpass import native; from wfpass.native import ops as _nops; "
                         "native.load(); assert _nops.direct_amx()",
-                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once or agree_with"])
+                        ["tests/prepack/test_direct_half.py", "-k", "agree_with"])
+    pytest_in_a_process({"WFPASS_DIRECT_AMX": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
+                        "native.load(); assert not _nops.direct_amx()",
+                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])

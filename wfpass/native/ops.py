@@ -32,8 +32,8 @@ def direct_isa() -> str:
 
 def direct_amx() -> bool:
     """Does the ``"direct"`` kernel take bfloat16 weights at 4 or more input
-    rows through AMX tiles here (asked for with ``WFPASS_DIRECT_AMX=1``, on a
-    CPU with AMX-BF16, with the AVX-512 build)?"""
+    rows through AMX tiles here (on a CPU with AMX-BF16 whose kernel grants
+    the tiles, with the AVX-512 build, unless ``WFPASS_DIRECT_AMX=0``)?"""
     if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_amx"):
         return False
     return bool(torch.ops.wfpass.native_direct_amx())

@@ -178,18 +178,21 @@ bool available() { return kind() != Kind::none; }
 
 const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::avx2 ? "avx2" : ""; }
 
-// The AMX body (direct_amx.h), when asked (WFPASS_DIRECT_AMX=1), on a CPU
-// with AMX-BF16 whose kernel grants the tile state, with the AVX-512 build.
-// Asked for only: with it the 1.06 GB bf16 LLaMA holds no copy (RSS +0.17 GB
-// instead of +1.16) but its one-row decode steps, which never run it, came
-// out 8-13% slower (83 ms/token against 73-77), for a reason not found yet
+// The AMX body (direct_amx.h), on a CPU with AMX-BF16 whose kernel grants
+// the tile state, with the AVX-512 build, unless WFPASS_DIRECT_AMX is 0 /
+// false / no / off. Measured on the 1.06 GB bf16 LLaMA, each variant in its
+// own process, interleaved over two passes: the same decode speed with it
+// as without (80.7 ms/token both) and 0.51 GB less memory (RSS +0.31 GB
+// against +0.82: its prompt rows need fewer prepacked copies)
 // (docs/results/decode_sizes_amx_1thread.md).
 bool amx_on() {
 #ifdef WFPASS_DIRECT_AMX
   static const bool on = [] {
     const char* env = std::getenv("WFPASS_DIRECT_AMX");
-    const std::string v(env != nullptr ? env : "");
-    return kind() == Kind::avx512 && (v == "1" || v == "on" || v == "true" || v == "yes") && amx::probe();
+    std::string v(env != nullptr ? env : "");
+    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    const bool off = v == "0" || v == "false" || v == "no" || v == "off";
+    return kind() == Kind::avx512 && !off && amx::probe();
   }();
   return on;
 #else
