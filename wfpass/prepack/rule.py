@@ -47,7 +47,9 @@ def copy_free(d) -> str:
 def best(d, pick: Callable[[List[float]], float] = statistics.median,
          vs_plain: Optional[float] = None, only: Optional[Tuple[str, ...]] = None) -> str:
     """The plain GEMM, unless a packed kernel's gain is clear (see ``choose``'s
-    docstring). Against the plain GEMM, ``pick`` reads the rounds (the
+    docstring); a copy's kernel, only where it is clearly faster than the
+    direct kernel too wherever that one is at least level with the plain
+    GEMM. Against the plain GEMM, ``pick`` reads the rounds (the
     median; a quartile for ``settled``) and ``vs_plain`` replaces the
     margins; a later packed kernel must beat the one taken so far, round by
     round, in the median by its margin and in the upper quartile at least
@@ -66,6 +68,20 @@ def best(d, pick: Callable[[List[float]], float] = statistics.median,
         rel = [x / y for x, y in zip(rs, d.ratios[out])]
         if _clear(rel, margin) and _clear(rel, 1.0, _quartile(3)):
             out = name
+    if vs_plain is None and out not in COPY_FREE and (only is None or "direct" in only):
+        # A copy is made only where its kernel is clearly faster than what
+        # runs without one: where the direct kernel is at least level with
+        # the plain GEMM in three rounds of four (its gain under the margin,
+        # so it was not taken above), the copy's kernel must also gain the
+        # margin over the direct kernel, else the direct kernel runs. On the
+        # 1 GB bf16 LLaMA's Q/K/V block at 16 rows oneDNN's copy took 1126
+        # us, the direct kernel 1154, the plain GEMM 1357: 132 MiB of copies
+        # for 2.4% (docs/results/decode_sizes_amx_1thread.md).
+        rd = d.ratios.get("direct")
+        if rd and _clear(rd, 1.0, _quartile(3)):
+            rel = [x / y for x, y in zip(d.ratios[out], rd)]
+            if not _clear(rel, dict(_CHALLENGERS)[out]):
+                out = "direct"
     return out
 
 
