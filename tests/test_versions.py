@@ -118,7 +118,9 @@ def test_doctor_says_which_torch_kernels_and_build(capsys):
         from wfpass._torch import kernels
 
         isa = _nops.direct_isa()
-        assert line.rsplit("): ", 1)[1].startswith({"avx512f": "yes (AVX-512F)", "avx2": "yes (AVX2"}.get(isa, "no")), line
+        said = line.split("no copy): ", 1)[1]
+        assert said.startswith({"avx512f": "yes (AVX-512F", "avx2": "yes (AVX2"}.get(isa, "no")), line
+        assert ("AMX tiles" in said) == _nops.direct_amx(), line
         line = next(ln for ln in out.splitlines() if ln.startswith("packed copies, default bound"))
         assert "GiB more copies now" in line or "not known here" in line, line
         line = next(ln for ln in out.splitlines() if ln.startswith("bidirectional packed layers, both directions"))
