@@ -46,9 +46,9 @@ MODELS = {
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("eager", "inductor", "freezing", "wformat")
 #: Beside them on request: wformat with no prepacked copies (prepack.max_bytes=0),
-#: and wformat with the direct kernel's AMX body (its default where the CPU
-#: has AMX; "wformat" runs without it, WFPASS_DIRECT_AMX=0, for the comparison).
-EXTRA = ("wformat_nocopy", "wformat_amx")
+#: and wformat without the direct kernel's AMX body (WFPASS_DIRECT_AMX=0; the
+#: body is on by default where the CPU has AMX).
+EXTRA = ("wformat_nocopy", "wformat_noamx")
 PROMPT, SHORT, LONG = 16, 4, 24
 
 
@@ -126,7 +126,7 @@ def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) 
         ic.freezing = True
     if backend == "wformat_nocopy":
         model.forward = torch.compile(model.forward, backend=wfpass.backend(prepack={"max_bytes": 0}))
-    elif backend == "wformat_amx":  # the worker's environment asks for the AMX body (main)
+    elif backend == "wformat_noamx":  # the worker's environment turns the AMX body off (main)
         model.forward = torch.compile(model.forward, backend="wformat")
     elif backend != "eager":
         model.forward = torch.compile(model.forward, backend="inductor" if backend == "freezing" else backend)
@@ -245,9 +245,9 @@ def _md(runs: list, lin: list, command: str) -> str:
     lines += ["", "x freezing: `freezing=True`'s ms/token over this backend's (above 1: faster than freezing). "
               "wformat's linears: the calls of its linear kernels during the last `generate()` pair and the "
               "bytes of the packed copies it holds. wformat_nocopy: wformat with `prepack={\"max_bytes\": 0}` "
-              "(no prepacked copy; the direct kernel or the plain GEMM). wformat: with `WFPASS_DIRECT_AMX=0` "
-              "(the direct kernel's widening body only); wformat_amx: with its AMX body for bf16 prompt rows (the "
-              "default on a CPU with AMX)."]
+              "(no prepacked copy; the direct kernel or the plain GEMM). wformat_noamx: wformat with "
+              "`WFPASS_DIRECT_AMX=0` (the direct kernel without its AMX body for bf16 prompt rows, which is on by "
+              "default where the CPU has AMX)."]
     if lin:
         lines += ["", "## Per linear, bf16, one row, 1 thread", "",
                   "Each weight of the 1GB model's shapes cycling through copies that fill 512 MiB; share: "
@@ -287,7 +287,8 @@ def main(argv=None) -> int:
                 for d in a.dtypes:
                     for b in a.backends:
                         env = dict(os.environ, OMP_NUM_THREADS=str(t))
-                        env["WFPASS_DIRECT_AMX"] = "1" if b == "wformat_amx" else "0"
+                        if b == "wformat_noamx":
+                            env["WFPASS_DIRECT_AMX"] = "0"
                         p = subprocess.run([sys.executable, __file__, "--worker", m, d, b, str(t), "--rounds",
                                             str(a.rounds)], capture_output=True, text=True, env=env)
                         if p.returncode != 0:
