@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from ..config import Config
 from ..core.records import Report
-from ..linear import group as _group
+from ..linear import group as _group  # noqa: F401 - defines wfpass::linear_group, the op the rewrite calls
 from ..native import ops as _nops
 from ..prepack import choose as _choose
 from ..prepack.rule import copy_free as _copy_free
