@@ -182,8 +182,8 @@ const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::
 // the tile state, with the AVX-512 build, unless WFPASS_DIRECT_AMX is 0 /
 // false / no / off. Measured on the 1.06 GB bf16 LLaMA, each variant in its
 // own process, interleaved over two passes: the same decode speed with it
-// as without (80.7 ms/token both) and 0.51 GB less memory (RSS +0.31 GB
-// against +0.82: its prompt rows need fewer prepacked copies)
+// as without (86.8 ms/token both) and no prepacked copy (RSS +0.17 GB
+// against +0.82: its prompt rows need none)
 // (docs/results/decode_sizes_amx_1thread.md).
 bool amx_on() {
 #ifdef WFPASS_DIRECT_AMX
