@@ -220,6 +220,37 @@ def test_tied_and_reused_weights_are_left_with_their_reason(direct_rows):
             assert _rel(ep.module()(x), model(x)) <= 1e-5
 
 
+class Heads(nn.Module):
+    """Linears whose outputs are the program's outputs: two siblings and a
+    lone one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 16), nn.Linear(32, 8, bias=False), nn.Linear(16, 4)
+
+    def forward(self, x):
+        a = self.a(x)
+        return a, self.b(x), self.c(a)
+
+
+def test_linears_whose_outputs_are_the_programs_outputs(direct_rows, tmp_path):
+    """The graph signature names each output by its node: after the rewrite
+    those are the op's outputs (torch.export's verifier and
+    ``torch.export.save`` check it)."""
+    direct_rows(4)
+    model = Heads().eval()
+    ep = wfpass.export(model, (torch.randn(2, 5, 32),), dynamic_shapes={"x": {1: Dim("T", min=1, max=64)}})
+    groups, plain = _ops(ep)
+    assert sorted(len(g.args[2]) for g in groups) == [1, 2] and not plain, ep.graph
+    torch.export.save(ep, str(tmp_path / "heads.pt2"))
+    for run in (ep.module(), torch.export.load(str(tmp_path / "heads.pt2")).module()):
+        for t in (1, 9):
+            x = torch.randn(2, t, 32)
+            with torch.no_grad():
+                for got, want in zip(run(x), model(x)):
+                    assert _rel(got, want) <= 1e-5
+
+
 def test_options_turn_it_off(direct_rows):
     direct_rows(4)
     model = Block().eval()

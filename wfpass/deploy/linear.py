@@ -86,7 +86,10 @@ def into_program(program: "torch.export.ExportedProgram", config: Config, report
         if node.op == "call_function" and node.target is torch.ops.aten.linear.default:
             by_input[node.args[0]].append(node)
     done = 0
-    for x, nodes in by_input.items():
+    for nodes in by_input.values():
+        # The input as the graph has it now: an earlier group's rewrite may
+        # have replaced it (one linear reading another's output).
+        x = nodes[0].args[0]
         members, left = [], []
         for node in nodes:
             why = _member_problem(node, params, mutated)
@@ -115,7 +118,7 @@ def into_program(program: "torch.export.ExportedProgram", config: Config, report
                            "torch.export traced them (one GEMM each is what the op would run, at the cost of its "
                            "call)", fqns)
             continue
-        _rewrite(gm, x, members, rows)
+        _outputs_renamed(program, _rewrite(gm, x, members, rows))
         done += 1
         kind = f"{len(members)} sibling linears as one op" if len(members) > 1 else "a lone linear on the direct kernel"
         report.add("linear", "rewritten", f"exported program: {kind} over each weight where the program holds it (no "
@@ -153,7 +156,7 @@ def _member_problem(node: fx.Node, params: Dict[str, str], mutated: set) -> str:
     return ""
 
 
-def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> None:
+def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> Dict[str, str]:
     first = min(members, key=lambda m: list(gm.graph.nodes).index(m))
     weights = [m.args[1] for m in members]
     biases = [m.args[2] if len(m.args) > 2 else None for m in members]
@@ -177,3 +180,16 @@ def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) 
     for m, o in zip(members, outs):
         m.replace_all_uses_with(o)
         gm.graph.erase_node(m)
+    return {m.name: o.name for m, o in zip(members, outs)}
+
+
+def _outputs_renamed(program: "torch.export.ExportedProgram", renamed: Dict[str, str]) -> None:
+    """A member whose output is the program's output: the graph signature
+    names that output by its node, which is now the op's ``getitem``
+    (torch.export's verifier refuses a signature naming a node that is gone,
+    torch 2.11-2.15)."""
+    from torch.export.graph_signature import TensorArgument
+
+    for spec in program.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+            spec.arg = TensorArgument(name=renamed[spec.arg.name])
