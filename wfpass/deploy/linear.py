@@ -157,7 +157,8 @@ def _member_problem(node: fx.Node, params: Dict[str, str], mutated: set) -> str:
 
 
 def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> Dict[str, str]:
-    first = min(members, key=lambda m: list(gm.graph.nodes).index(m))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = min(members, key=order.__getitem__)
     weights = [m.args[1] for m in members]
     biases = [m.args[2] if len(m.args) > 2 else None for m in members]
     xv = x.meta["val"]

@@ -60,11 +60,20 @@ struct F16 {
 
 enum class Kind { none, avx2, avx512 };
 
-Kind probe() {
-  const char* env = std::getenv("WFPASS_DIRECT");
+// An environment switch as its words, lowercased ("" where unset), and
+// whether those words turn it off: the two switches below read the same.
+std::string switch_words(const char* name) {
+  const char* env = std::getenv(name);
   std::string v(env != nullptr ? env : "");
   for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (v == "0" || v == "false" || v == "no" || v == "off") return Kind::none;
+  return v;
+}
+
+bool says_off(const std::string& v) { return v == "0" || v == "false" || v == "no" || v == "off"; }
+
+Kind probe() {
+  const std::string v = switch_words("WFPASS_DIRECT");
+  if (says_off(v)) return Kind::none;
 #ifdef WFPASS_DIRECT_X86
   // WFPASS_DIRECT=avx2 runs the AVX2 kernel on an AVX-512 CPU too: how the
   // tests check both on one machine.
@@ -187,13 +196,8 @@ const char* isa() { return kind() == Kind::avx512 ? "avx512f" : kind() == Kind::
 // (docs/results/decode_sizes_amx_1thread.md).
 bool amx_on() {
 #ifdef WFPASS_DIRECT_AMX
-  static const bool on = [] {
-    const char* env = std::getenv("WFPASS_DIRECT_AMX");
-    std::string v(env != nullptr ? env : "");
-    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    const bool off = v == "0" || v == "false" || v == "no" || v == "off";
-    return kind() == Kind::avx512 && !off && amx::probe();
-  }();
+  static const bool on =
+      kind() == Kind::avx512 && !says_off(switch_words("WFPASS_DIRECT_AMX")) && amx::probe();
   return on;
 #else
   return false;

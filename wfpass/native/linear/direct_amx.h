@@ -8,8 +8,8 @@
 // are, and only the input rows (a few KB) are re-laid into pairs per call.
 // Measured at 16 rows, bf16, 1 thread, each weight cycling through 512 MiB
 // (Intel Xeon with AMX): 5632x2048 1.87 ms (oneDNN's packed copy 2.60,
-// plain 2.33, widening body 4.30; the read-bandwidth floor 1.58). Taken only
-// with WFPASS_DIRECT_AMX=1 (direct.cpp, amx_on, says why).
+// plain 2.33, widening body 4.30; the read-bandwidth floor 1.58). On by
+// default; WFPASS_DIRECT_AMX=0 turns it off (direct.cpp, amx_on).
 //
 // One block of 16 weight rows at a time over the whole of K (16 streams the
 // hardware prefetcher follows): up to 16 rows, four accumulator tiles on the

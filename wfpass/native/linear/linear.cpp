@@ -65,9 +65,11 @@ at::Tensor linear_by_rows(const at::Tensor& x, const at::Tensor& w, const std::o
 std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList params, const c10::List<bool>& has_bias,
                                      int64_t direct_rows) {
   const size_t members = has_bias.size();
-  TORCH_CHECK(members > 0 && params.size() >= members,
-              "wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
-              params.size(), " tensors for ", members, " members");
+  const auto bad_count = [&] {
+    return c10::str("wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
+                    params.size(), " tensors for ", members, " members");
+  };
+  TORCH_CHECK(members > 0 && params.size() >= members, bad_count());
   const at::TensorList weights = params.slice(0, members), biases = params.slice(members);
   TORCH_CHECK(x.dim() >= 1, "wfpass::linear_group: the input needs a feature dimension, got shape ", x.sizes());
   const int64_t K = x.size(-1);
@@ -79,9 +81,7 @@ std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList params,
                 "wfpass::linear_group: weight ", i, " of shape ", w.sizes(), ", ", w.scalar_type(), " on ",
                 w.device(), " for an input of shape ", x.sizes(), ", ", x.scalar_type(), " on ", x.device());
     if (has_bias.get(i)) {
-      TORCH_CHECK(next < biases.size(),
-                  "wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
-                  params.size(), " tensors for ", members, " members");
+      TORCH_CHECK(next < biases.size(), bad_count());
       const at::Tensor& b = biases[next++];
       TORCH_CHECK(b.dim() == 1 && b.size(0) == w.size(0) && b.scalar_type() == x.scalar_type() &&
                       b.device() == x.device(),
@@ -91,9 +91,7 @@ std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList params,
       bs.emplace_back();
     }
   }
-  TORCH_CHECK(next == biases.size(),
-              "wfpass::linear_group: expected every member's weight, then its bias where has_bias says so; got ",
-              params.size(), " tensors for ", members, " members");
+  TORCH_CHECK(next == biases.size(), bad_count());
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t rows = x2.size(0);
   const at::ScalarType dt = x.scalar_type();
