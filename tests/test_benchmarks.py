@@ -65,6 +65,17 @@ def test_the_readme_lists_every_script_with_its_command_and_page(script):
         assert (ROOT / "docs" / "results" / page).is_file(), f"{rel}: docs/results/{page} does not exist"
 
 
+@pytest.mark.parametrize("script", [p for p in _scripts() if p.parent.name != "gpu" and '"--out"' in p.read_text()],
+                         ids=lambda p: p.relative_to(BENCHMARKS).as_posix())
+def test_every_cpu_script_that_writes_a_page_names_the_cpu(script):
+    # Figures differ by CPU vendor and instruction set (an MKL sgemm on an
+    # AMD EPYC against an Intel Xeon's AMX): a page that says only "x86_64"
+    # cannot be read. The GPU scripts name the GPU instead.
+    src = script.read_text()
+    assert "cpu_words()" in src, f"{script.name} writes a page (--out) without wfpass.tools.doctor.cpu_words()"
+    assert "platform.machine()" not in src, f"{script.name} still names the machine by platform.machine()"
+
+
 def test_every_readme_line_names_a_script_and_links_pages_that_exist():
     readme = (BENCHMARKS / "README.md").read_text()
     for folder, section in _readme_sections().items():

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ import torch
 import wfpass
 from wfpass.batchnorm.kernels import folded_params
 from wfpass.tools.tables import markdown_table
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 DT = torch.bfloat16
 
@@ -193,7 +193,7 @@ def main(argv=None):
     lines = ["# Folded eval BatchNorm under Inductor: what it saves, what it costs\n",
              "Command (from the repository root):\n",
              "```\n.venv/bin/python benchmarks/batchnorm/bench_fold.py " + " ".join(sys.argv[1:] if argv is None else argv) + "\n```\n",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, torch {torch.__version__} "
+             f"Machine: {cpu_words()}, {os.cpu_count()} CPUs visible, torch {torch.__version__} "
              f"({torch.get_num_threads()} thread(s)), shared with other jobs. Model: transformers `ResNetModel` "
              f"(basic blocks, depth {args.depth} per stage), bf16, eval, `no_grad`. {args.reps} interleaved rounds; "
              "ms per call is the median. **x faster** (in brackets) = Inductor's time / the variant's time, the median "

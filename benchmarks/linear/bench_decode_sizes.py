@@ -211,7 +211,7 @@ def _md(runs: list, lin: list, command: str) -> str:
     import torch
 
     lines = ["# Decode at real sizes: distance to the memory-bandwidth floor", "",
-             f"Machine: {_cpu()}; {platform.machine()}, torch {torch.__version__}. Command: `{command}`.", "",
+             f"Machine: {_cpu()}; torch {torch.__version__}. Command: `{command}`.", "",
              "HF `LlamaForCausalLM` built from a config (untied head, vocab 8000): 40MB is hidden 512, FF 1408, "
              "4 layers (8 heads, 2 KV heads); 1GB is hidden 2048, FF 5632, 11 layers (16 heads, 4 KV heads); the "
              "name is its size in bf16. `generate()` greedy, batch 1, 16-token prompt; ms/token is the decode "

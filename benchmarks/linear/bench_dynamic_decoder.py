@@ -60,6 +60,7 @@ import torch
 
 import wfpass
 from wfpass.tools import bench_models
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _out.py
 from _out import emit  # noqa: E402
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     what = "training step (forward, (out * R).sum() backward)" if args.train else "forward under no_grad"
     lines = [
         f"Command: `python benchmarks/linear/bench_dynamic_decoder.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
-        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} torch thread(s), "
+        f"torch {torch.__version__}, {cpu_words()}, {torch.get_num_threads()} torch thread(s), "
         f"Python {platform.python_version()}. Decoder {shape}, batch 1, {what}, after calls at "
         f"{', '.join(map(str, WARM))} tokens. ms per call: median over {args.rounds} interleaved rounds of the "
         f"per-call median of {args.calls} calls, ± half the interquartile range over rounds; inductor / variant: "

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import wfpass
 from wfpass.tools.tables import markdown_table
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 D = 768
 
@@ -143,7 +144,7 @@ def main(argv=None):
     lines = [
         "# Sibling-linear fusion: measured results\n",
         f"Command: `python benchmarks/linear/bench_linear.py --rounds {args.rounds} --calls {args.calls}" + (f" --threads {args.threads}" if args.threads else "") + "`  ",
-        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, Python {platform.python_version()}. "
+        f"torch {torch.__version__}, {cpu_words()}, {torch.get_num_threads()} threads, Python {platform.python_version()}. "
         "Model: three Linear(768, 768) with bias reading one input (Q/K/V-like). "
         f"Each cell: median over {args.rounds} interleaved rounds of the per-call median of {args.calls} calls, in ms. "
         "The machine is shared and noisy: read the ratios.\n",

@@ -136,9 +136,10 @@ def main(argv=None) -> int:
             samples[(t, m)].append(res["per_compile"])
             rewrites[(t, m)] = res["rewritten"]
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     lines = [f"Command: `python benchmarks/overall/bench_pass_time.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
              f"{a.rounds} interleaved rounds, each sample the median of {a.reps} compiles in one process; "
-             f"1 torch thread; {time.perf_counter() - t0:.0f} s in all.", "",
+             f"{cpu_words()}, 1 torch thread; {time.perf_counter() - t0:.0f} s in all.", "",
              "Milliseconds of the wformat backend per compile (inner compiler `eager`), median over rounds "
              "± half the interquartile range; *rows rewritten*: the report's rewritten rows.", "",
              _table(a.trees, a.models, samples, rewrites), ""]

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import wfpass
 from wfpass.tools.tables import markdown_table
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 
 class Block(nn.Module):
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         ("check cost per member (us)", f"{per_call * 1e6 / members:.3f}"),
     ]
     table = markdown_table(["quantity", "value"], rows)
-    text = (f"Per-call layout check, {a.layers} blocks, torch {torch.__version__}, 1 thread.\n\n"
+    text = (f"Per-call layout check, {a.layers} blocks, torch {torch.__version__}, {cpu_words()}, 1 thread.\n\n"
             f"Command: `python benchmarks/overall/bench_runtime.py {' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
     print(text)
     if a.out:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import torch.nn as nn
 import wfpass
 from wfpass.tools.bench import own_code
 from wfpass.tools.bench_models import Decoder, RnnLM, hand_fused_decoder
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 torch._dynamo.config.recompile_limit = 512
 torch._dynamo.config.accumulated_recompile_limit = 8192
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         rnn = rnn_rows([int(t) for t in a.lengths.split(",")], [int(b) for b in a.batches.split(",")], a.rounds, log)
 
     cmd = "python benchmarks/overall/bench_targets.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines.append(f"Command: `{cmd}`  \ntorch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
+    lines.append(f"Command: `{cmd}`  \ntorch {torch.__version__}, {cpu_words()}, {torch.get_num_threads()} threads, "
                  f"{a.rounds} interleaved rounds per cell, {time.time() - t0:.0f} s in all. Times in ms per call.\n")
     if dec:
         lines.append("### LLaMA-like decoder (4 layers, batch 1, forward without grad)\n")

@@ -35,10 +35,11 @@ def run_one(python: str, threads: int, rounds: int, out_dir: str) -> dict:
 
 
 def table(runs: list, command: str) -> str:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     cells = [(r["model"], r["step"], r["size"]) for r in runs[0]["rows"]]
     head = ["torch"] + [f"{m}, {s} ({z})" for m, s, z in cells] + ["all outputs checked", "wall time"]
     lines = [f"Command: `{command}`  ",
-             f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, {runs[0]['threads']} torch thread(s); "
+             f"{cpu_words()}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, {runs[0]['threads']} torch thread(s); "
              "each release in its own process, one after the other.",
              "",
              "Each cell: **x faster than Inductor** = Inductor's median time / wformat's median time on that "

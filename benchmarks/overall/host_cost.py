@@ -385,10 +385,11 @@ def row_figures(r: dict, step: str) -> dict:
 
 
 def tables(results: List[dict], command: str) -> List[str]:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     import torch
 
     lines = [f"Command: `{command}`", "",
-             f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs visible, a shared machine "
+             f"torch {torch.__version__}, {cpu_words()}, {os.cpu_count()} CPUs visible, a shared machine "
              "(other processes ran beside these), Python " + platform.python_version() + ". Times: us per step, the "
              "median over interleaved rounds. x = baseline time / wformat time, the median of the per-round "
              "ratios, ± its spread (half the interquartile range over rounds). *floor*: one Linear(32, 64) on a "

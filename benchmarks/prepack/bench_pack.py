@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -266,10 +265,11 @@ def run_train(config: str, threads: int, rounds: int) -> dict:
 
 
 def _md(results, train_results, command: str) -> str:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     import torch
 
     lines = [f"<!-- made by: {command} -->", "", "# Packed weights: measured", "",
-             f"`{command}`, on {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}.", ""]
+             f"`{command}`, on {cpu_words()} ({os.cpu_count()} cores), torch {torch.__version__}.", ""]
     if results:
         lines += _generate_md(results)
     if train_results:

@@ -31,6 +31,7 @@ import torch
 
 from wfpass.tools.bench import run
 from wfpass.tools.bench_cases import FULL, QUICK
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 
 def main() -> int:
@@ -77,7 +78,7 @@ def main() -> int:
     lines = [f"# Decoder rows over {args.processes} fresh runs", "",
              f"`python benchmarks/prepack/bench_spread.py --processes {args.processes} --threads {args.threads}"
              f"{' --quick' if args.quick else ''}{' --shared-decisions' if args.shared_decisions else ''}`; "
-             f"torch {torch.__version__}, {args.threads} thread(s), {sizes.rounds} interleaved rounds per run, "
+             f"torch {torch.__version__}, {cpu_words()}, {args.threads} thread(s), {sizes.rounds} interleaved rounds per run, "
              f"every variant in a fresh process each run; decisions {'shared' if args.shared_decisions else 'measured afresh in each run'}. "
              f"x faster = the other's time / wformat's (above 1: wformat is faster); min / median / max over runs.", "",
              "| model | step | size | x faster than Inductor | x faster than the third | third | checked |",

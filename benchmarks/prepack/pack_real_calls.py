@@ -43,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import wfpass
 from wfpass.prepack import kernel as _pk
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 _BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_BENCHMARKS, os.path.join(_BENCHMARKS, "linear")]  # _out.py; the decoder of linear/bench_dynamic_decoder.py
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     kernels = ran_kernels(variants["chosen"][0])
     lines = [
         f"Command: `python benchmarks/prepack/pack_real_calls.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), decoder {shape}, batch 1, forward under "
+        f"torch {torch.__version__}, {cpu_words()}, {torch.get_num_threads()} thread(s), decoder {shape}, batch 1, forward under "
         f"no_grad after calls at {', '.join(map(str, WARM))} tokens; {args.rounds} rounds of {args.calls} profiled "
         "calls per variant and length. us: per decoder call, the 4 layers' ops of that shape summed (median "
         "round); chosen / plain: the median of the per-round ratios, min-max over rounds.\n",

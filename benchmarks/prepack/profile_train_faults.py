@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ def one(variant: str) -> None:
 
 
 def main(argv=None) -> int:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=int, default=2)
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                 rows.setdefault((setting, v), []).append((float(out[-2]), float(out[-1])))
                 print(setting, v, out[-2:], flush=True)
     lines = [f"Command: `python benchmarks/prepack/profile_train_faults.py --runs {a.runs}" + (f" --out {a.out}`" if a.out else "`"),
-             "", f"torch {__import__('torch').__version__}, {platform.machine()}, {os.cpu_count()} CPUs visible, 1 thread. "
+             "", f"torch {__import__('torch').__version__}, {cpu_words()}, {os.cpu_count()} CPUs visible, 1 thread. "
              "The decoder training step of `python -m wfpass bench` (4 layers, d_model 256, fp32, 8 tokens, "
              "forward + backward + SGD step), each variant in a fresh process per run (a cold compile); ms per "
              "step (median of 7 rounds of 20 steps) and minor page faults per step, one entry per run. "

@@ -174,6 +174,7 @@ def _fmt(v, unit=""):
 
 
 def main() -> None:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="markdown file to write (default: print)")
     ap.add_argument("--rounds", type=int, default=7)
@@ -238,7 +239,7 @@ def main() -> None:
         "",
         f"Command: `python benchmarks/rnn/bench_cells.py {' '.join(sys.argv[1:])}`",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores ({a.threads} intra-op thread(s)), torch {torch.__version__}, "
+        f"Machine: {cpu_words()}, {os.cpu_count()} CPU cores ({a.threads} intra-op thread(s)), torch {torch.__version__}, "
         f"{platform.python_version()}; {a.rounds} interleaved rounds of {a.reps} calls, medians. "
         f"Model: `{CELLS[a.cell][0]}({IN}, {HID})` per layer looped over T steps, batch {BATCH}.",
         "",

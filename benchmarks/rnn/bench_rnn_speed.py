@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -198,13 +197,14 @@ def _med(xs):
 
 
 def _md(results, command: str) -> str:
+    from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     import torch
 
     out = [
         "# RNN models on the CPU: measured",
         "",
         f"Command: `{command}`  ",
-        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores. Each variant in its own process, "
+        f"torch {torch.__version__}, {cpu_words()}, {os.cpu_count()} cores. Each variant in its own process, "
         "rounds interleaved; a cell is the median over rounds of a per-call median, in ms. "
         "**x faster = baseline time / wformat time** (above 1: wformat is faster).",
         "",

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 import sys
 from typing import List, Optional
 
 import torch
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 #: (mode, T, B, I, H): the small sizes the rule takes the loop for, the
 #: edges of its LSTM bound, larger ones where oneDNN's layer wins, and
@@ -117,7 +117,7 @@ def run(sizes, rounds: int, sample_s: float) -> List[str]:
         why = "neither AVX-512 nor AVX2 with FMA" if native.load() is None else native.status()
         raise SystemExit(f"the C++ loop's fast steps do not run here ({why}): "
                          "cpu_kernel='auto' keeps eager's kernels, nothing to compare")
-    lines = [f"torch {torch.__version__}, {platform.machine()} ({native.fast_isa_words()} gate math), "
+    lines = [f"torch {torch.__version__}, {cpu_words()} ({native.fast_isa_words()} gate math), "
              f"{torch.get_num_threads()} thread(s), {rounds} interleaved rounds, median us per layer call; "
              "x = eager's time / the loop's",
              "",

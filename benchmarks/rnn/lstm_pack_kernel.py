@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _out.py
 from _out import emit  # noqa: E402
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     if args.packed:
         head = [f"Command: `python benchmarks/rnn/lstm_pack_kernel.py --packed --threads {args.threads}"
                 + (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + "`  ",
-                f"torch {torch.__version__}, {platform.machine()}, {args.dtype}, {args.threads} thread(s), "
+                f"torch {torch.__version__}, {cpu_words()}, {args.dtype}, {args.threads} thread(s), "
                 f"{args.rounds} interleaved rounds; us per layer call over a packed batch, inference (median over "
                 "rounds); runs: runs of equal batch size (one oneDNN call each); x = plain / copy, the median of "
                 "per-round ratios (above 1: the copy is faster)", ""]
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         return 0
     if args.against_loop:
         head = [f"Command: `python benchmarks/rnn/lstm_pack_kernel.py --against-loop --threads {args.threads}`  ",
-                f"torch {torch.__version__}, {platform.machine()}, {args.threads} thread(s), {args.rounds} interleaved "
+                f"torch {torch.__version__}, {cpu_words()}, {args.threads} thread(s), {args.rounds} interleaved "
                 "rounds; us per layer call, inference (median over rounds); loop / copy: the median of per-round "
                 "ratios (above 1: oneDNN from the copy is faster)", ""]
         emit("\n".join(head + against_loop(args.rounds, args.sample_s)), args.out)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     dt = getattr(torch, args.dtype)
     lines = [f"Command: `python benchmarks/rnn/lstm_pack_kernel.py --threads {args.threads}"
              + (f" --dtype {args.dtype}" if args.dtype != "float32" else "") + "`  ",
-             f"torch {torch.__version__}, {platform.machine()}, {args.dtype}, {args.threads} thread(s), {args.rounds} interleaved "
+             f"torch {torch.__version__}, {cpu_words()}, {args.dtype}, {args.threads} thread(s), {args.rounds} interleaved "
              "rounds; us per layer call (median over rounds); x = plain weights / copy in oneDNN's layout", "",
              "| input | hidden | T | batch | plain weights | copy | x | max abs diff |", "|---|---|---|---|---|---|---|---|"]
     with torch.no_grad():

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _out.py
 from _out import emit  # noqa: E402
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 
 def main(argv=None) -> int:
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
             print(T, train, {k: round(v, 1) for k, v in med.items()}, flush=True)
     names = list(rows[0][2])
     lines = [f"Command: `python benchmarks/rnn/profile_cell_floor.py" + (f" --out {a.out}`" if a.out else "`"), "",
-             f"torch {torch.__version__}, 1 thread. nn.LSTMCell(64, 128) stepped over T steps, batch 4; times in us "
+             f"torch {torch.__version__}, {cpu_words()}, 1 thread. nn.LSTMCell(64, 128) stepped over T steps, batch 4; times in us "
              "per call (median of 9 interleaved rounds, a sample of at least 0.1 s each). *floor*: Inductor's one-Linear call minus the "
              "eager one, the cost of a compiled call with nothing to gain in it; *gap*: the folded loop minus the "
              "eager nn.LSTM.", "",

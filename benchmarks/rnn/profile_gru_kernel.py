@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _out.py
 from _out import emit  # noqa: E402
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
 
 
 def main(argv=None) -> int:
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         print((T, B, I, H), {k: round(v) for k, v in med.items()}, flush=True)
     names = list(rows[0][1])
     lines = ["Command: `python benchmarks/rnn/profile_gru_kernel.py" + (f" --out {a.out}`" if a.out else "`"), "",
-             f"torch {torch.__version__}, 1 thread, no grad; us per call (median of 9 interleaved rounds, a sample "
+             f"torch {torch.__version__}, {cpu_words()}, 1 thread, no grad; us per call (median of 9 interleaved rounds, a sample "
              "of at least 0.1 s each); x faster = nn.GRU's time / the C++ loop's.", "",
              "| T, batch, input, hidden | " + " | ".join(names) + " | x faster than nn.GRU |",
              "|---|" + "---|" * (len(names) + 1)]
