@@ -30,7 +30,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
