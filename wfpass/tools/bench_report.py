@@ -18,10 +18,10 @@ VARIANTS = ("eager", "inductor", "hand-fused", "wformat")
 
 
 def _machine() -> str:
-    cpu = platform.processor()
-    arch = platform.machine() + (f" ({cpu})" if cpu and cpu != platform.machine() else "")
+    from .doctor import cpu_words  # the CPU's model, vendor and instruction sets: figures differ by vendor
+
     n = torch.get_num_threads()
-    return (f"torch {torch.__version__}, Python {platform.python_version()}, {arch}, {os.cpu_count()} CPUs visible, "
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {cpu_words()}, {os.cpu_count()} CPUs visible, "
             f"{n} torch thread{'s' if n != 1 else ''}; every model on the CPU")
 
 
