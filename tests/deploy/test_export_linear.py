@@ -53,8 +53,20 @@ def _x(b, t, dtype=torch.float32):
 
 
 def _ops(ep):
-    nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+    """The program's ``wfpass::linear_group`` nodes and its top-level
+    ``aten.linear`` nodes. Where the program's row count is symbolic the op
+    sits in a ``torch.cond`` on it, whose other branch holds one
+    ``aten.linear`` per member (checked here) for the rows above the op's."""
+    gm = ep.graph_module
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     groups = [n for n in nodes if n.target is torch.ops.wfpass.linear_group.default]
+    for n in nodes:
+        if n.target is torch.ops.higher_order.cond:
+            small, large = (getattr(gm, a.target).graph.nodes for a in n.args[1:3])
+            (group,) = [m for m in small if m.target is torch.ops.wfpass.linear_group.default]
+            linears = [m for m in large if m.target is torch.ops.aten.linear.default]
+            assert len(linears) == len(group.args[2]) and len(n.args[3]) == 1 + len(group.args[1]), gm.graph
+            groups.append(group)
     plain = [n for n in nodes if n.target is torch.ops.aten.linear.default]
     return groups, plain
 
@@ -103,6 +115,32 @@ def test_decoder_block_program_has_four_gemms_and_equals_eager_at_every_shape(di
             got, want = run(x), model(x)
         assert got.shape == want.shape
         assert _rel(got, want) <= 1e-5, (b, t, _rel(got, want))
+
+
+def test_the_op_sits_behind_a_cond_on_the_row_count_only_where_the_rows_vary(direct_rows):
+    """A dynamic program branches on batch x T: the op up to its rows, the
+    linears as traced above; a static one takes one side at export."""
+    direct_rows(4)
+    torch.manual_seed(0)
+    model = Block().eval()
+    dyn = wfpass.export(model, (_x(2, 16),), dynamic_shapes=_dyn())
+    conds = [n for n in dyn.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == 4 and len(_ops(dyn)[0]) == 4, dyn.graph
+    assert all(str(n.args[0].meta["val"]).endswith("<= 4") for n in conds), [n.args[0].meta["val"] for n in conds]
+    rows = wfpass.last_report().find("linear", "rewritten")
+    assert all("torch.cond on the row count" in r.reason for r in rows), [r.reason for r in rows]
+    small = wfpass.export(model, (_x(1, 3),))  # 3 rows: the op, no branch
+    groups, plain = _ops(small)
+    assert len(groups) == 4 and not plain
+    assert not [n for n in small.graph.nodes if n.target is torch.ops.higher_order.cond]
+    large = wfpass.export(model, (_x(2, 16),))  # 32 rows: the linears as traced
+    groups, plain = _ops(large)
+    assert not groups and len(plain) == 7
+    skipped = wfpass.last_report().find("linear", "skipped")
+    assert skipped and all("row count is 32, above the 4" in r.reason for r in skipped), [r.reason for r in skipped]
+    with torch.no_grad():
+        for ep, x in ((small, _x(1, 3)), (large, _x(2, 16))):
+            assert _rel(ep.module()(x), model(x)) <= 1e-5
 
 
 def test_a_training_mode_program_gives_eagers_gradients(direct_rows):
@@ -154,6 +192,30 @@ def test_the_op_equals_separate_linears_on_both_paths(dtype, bias):
             assert all(o.dtype == dtype and o.is_contiguous() for o in outs)
             got = torch.cat(outs, -1).float()
             assert _rel(got, want) <= tol, (rows, direct, _rel(got, want))
+
+
+def test_bf16_prompt_rows_of_the_op_take_the_amx_body_as_the_one_weight_kernel_does():
+    """The export decides a group's direct rows from the one-weight direct
+    kernel's timings, which take AMX tiles for bf16 at 4+ rows: the group
+    runs the same body (before, it ran the widening body there, up to 2.8x
+    slower at 16 rows), and gives the one-weight kernel's values."""
+    from wfpass.native import ops as _nops
+
+    if not _nops.direct_amx():
+        pytest.skip("the AMX body is off here (no AMX-BF16, WFPASS_DIRECT_AMX=0, or no AVX-512 build)")
+    g = torch.Generator().manual_seed(3)
+    k = 96  # a multiple of 32; members of 16-row multiples, one with its rows apart
+    ws = [torch.randn(48, k, generator=g).bfloat16(), torch.randn(32, k + 16, generator=g).bfloat16()[:, :k],
+          torch.randn(16, k, generator=g).bfloat16()]
+    bs = [torch.randn(48, generator=g).bfloat16(), None, torch.randn(16, generator=g).bfloat16()]
+    for rows in (4, 16, 33, 40):  # one tile of rows, two halves, a partial second pass
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        outs = wfpass_group.linear_group(x, ws, bs, 64)
+        for o, w, b in zip(outs, ws, bs):
+            one = torch.ops.wfpass._direct_linear(x, w, b)
+            assert torch.equal(o, one), rows
+            want = F.linear(x.float(), w.float(), None if b is None else b.float())
+            assert _rel(o.float(), want) <= 1e-2, rows
 
 
 def test_the_op_gives_every_member_its_gradient():

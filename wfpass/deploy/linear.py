@@ -7,21 +7,26 @@ read by nothing else, become one ``wfpass::linear_group`` (``linear/group.py``),
 which gives each member its own output, as its linear did::
 
     before: q = aten.linear(x, q_w, q_b); k = aten.linear(x, k_w, k_b); v = aten.linear(x, v_w, v_b)
-    after:  qkv = wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 4)
+    after:  small = sym_size(x, 0) * sym_size(x, 1) <= 4
+            qkv = cond(small, group, linears, (x, q_w, k_w, v_w, q_b, k_b, v_b))
             q, k, v = qkv[0], qkv[1], qkv[2]
+      group:   wfpass.linear_group(x, [q_w, k_w, v_w, q_b, k_b, v_b], [True, True, True], 4)
+      linears: aten.linear(x, q_w, q_b), aten.linear(x, k_w, k_b), aten.linear(x, v_w, v_b)
 
 The op reads each weight where the program holds it: no block, no copy, no
 concatenation. Up to ``direct_rows`` rows a call is one pass of wfpass's
-copy-free direct kernel over all the members, above it one GEMM per member;
-``direct_rows`` is what the prepacked-linear format would choose among its
-copy-free kernels (``prepack/rule.copy_free``) on the exporting machine for
-a weight of the group's size, from the same timings and ``choices.json``.
-Where the direct kernel wins at no row count (float32 on an Intel Xeon with
-MKL), the linears stay ``aten.linear``: the op would run the same GEMMs and
-add its call (an extern call in AOTInductor, measured 13-20% slower for the
-bf16 decoder block at 16-128 rows). A lone linear becomes the op where the
-direct kernel wins. Prepacked copies are not made: a program holds each
-weight once.
+copy-free direct kernel over all the members; ``direct_rows`` is what the
+prepacked-linear format would choose among its copy-free kernels
+(``prepack/rule.copy_free``) on the exporting machine for a weight of the
+group's size, from the same timings and ``choices.json``. Above it the
+program takes the members' own linears, as ``torch.export`` traced them,
+through a ``torch.cond`` on the row count (AOTInductor compiles it into an
+``if``): the op would run the same GEMMs behind its extern call, measured
+13-20% slower for the bf16 decoder block at 16-128 rows. A program whose
+row count is fixed takes one side at export. Where the direct kernel wins
+at no row count (float32 on an Intel Xeon with MKL), the linears stay
+``aten.linear``. A lone linear becomes the op where the direct kernel wins.
+Prepacked copies are not made: a program holds each weight once.
 
 Left as ``torch.export`` traced them, with the reason in the report: a
 weight or bias that is not a parameter of the program, or that another node
@@ -68,7 +73,7 @@ def direct_rows(dtype: torch.dtype, k: int, n: int, config: Config) -> Tuple[int
         rows = m
     if rows == 0:
         return 0, f"the direct kernel was not faster than the plain GEMM at 1 row for {n}x{k} on this machine"
-    return rows, f"direct kernel up to {rows} row(s) (measured faster on this machine for {n}x{k}), one GEMM per member above"
+    return rows, f"direct kernel up to {rows} row(s) (measured faster on this machine for {n}x{k})"
 
 
 def _param(node: fx.Node, params: Dict[str, str]) -> Optional[str]:
@@ -118,11 +123,18 @@ def into_program(program: "torch.export.ExportedProgram", config: Config, report
                            "torch.export traced them (one GEMM each is what the op would run, at the cost of its "
                            "call)", fqns)
             continue
+        static = _static_rows(x.meta["val"])
+        if static is not None and static > rows:
+            report.add("linear", "skipped", f"{len(members)} linear(s) reading {x.name}: the program's row count is "
+                       f"{static}, above the {rows} the direct kernel serves; left as torch.export traced them", fqns)
+            continue
         _outputs_renamed(program, _rewrite(gm, x, members, rows))
         done += 1
         kind = f"{len(members)} sibling linears as one op" if len(members) > 1 else "a lone linear on the direct kernel"
+        above = (f"; the program's {static} row(s) are within it" if static is not None else
+                 "; above it the linears as traced (a torch.cond on the row count)")
         report.add("linear", "rewritten", f"exported program: {kind} over each weight where the program holds it (no "
-                   f"block, no copy, no concatenation); {words}", fqns, members=len(members), direct_rows=rows,
+                   f"block, no copy, no concatenation); {words}{above}", fqns, members=len(members), direct_rows=rows,
                    out_features=n)
     if done:
         gm.graph.lint()
@@ -157,31 +169,130 @@ def _member_problem(node: fx.Node, params: Dict[str, str], mutated: set) -> str:
 
 
 def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> Dict[str, str]:
+    """Replace ``members`` by the op, behind a ``torch.cond`` on the row
+    count where the program's rows are symbolic (``_rows_branch``); returns
+    the new output names by the old ones."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = min(members, key=order.__getitem__)
     weights = [m.args[1] for m in members]
     biases = [m.args[2] if len(m.args) > 2 else None for m in members]
+    operands = [x] + weights + [b for b in biases if b is not None]
+    has_bias = [b is not None for b in biases]
     xv = x.meta["val"]
     fake = getattr(xv, "fake_mode", None)
+    vals = [a.meta["val"] for a in operands]
+    with (fake if fake is not None else contextlib.nullcontext()):
+        yv = list(torch.ops.wfpass.linear_group.default(vals[0], vals[1:], has_bias, rows))
     with gm.graph.inserting_before(first):
-        y = gm.graph.call_function(torch.ops.wfpass.linear_group.default,
-                                   (x, weights + [b for b in biases if b is not None], [b is not None for b in biases],
-                                    rows))
+        if _static_rows(xv) is None:
+            y = _rows_branch(gm, operands, has_bias, rows, yv)
+        else:
+            y = gm.graph.call_function(torch.ops.wfpass.linear_group.default, (x, operands[1:], has_bias, rows))
         outs = [gm.graph.call_function(operator.getitem, (y, i)) for i in range(len(members))]
     for new in [y] + outs:
         new.meta.update({k: v for k, v in first.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack",
                                                                      "torch_fn")})
-    vals = [a.meta["val"] for a in weights]
-    bvals = [b.meta["val"] for b in biases if b is not None]
-    with (fake if fake is not None else contextlib.nullcontext()):
-        yv = torch.ops.wfpass.linear_group.default(xv, vals + bvals, [b is not None for b in biases], rows)
-    y.meta["val"] = list(yv)
+    # A higher-order op's outputs are a tuple (torch.export's serializer
+    # reads no other for it); the op's schema says Tensor[].
+    y.meta["val"] = tuple(yv) if y.target is torch.ops.higher_order.cond else yv
     for o, v in zip(outs, yv):
         o.meta["val"] = v
     for m, o in zip(members, outs):
         m.replace_all_uses_with(o)
         gm.graph.erase_node(m)
     return {m.name: o.name for m, o in zip(members, outs)}
+
+
+def _static_rows(xv: torch.Tensor) -> Optional[int]:
+    """The input's row count (every dimension but the last), or None where
+    the program's shapes leave it symbolic."""
+    m = 1
+    for d in xv.shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        m *= d
+    return m
+
+
+def _rows_branch(gm: fx.GraphModule, operands: List[fx.Node], has_bias: List[bool], rows: int,
+                 yv: List[torch.Tensor]) -> fx.Node:
+    """``torch.cond(rows_of(x) <= rows, the op, the members' own linears)``.
+
+    Above ``rows`` the op would run one GEMM per member behind its extern
+    call; the linears as traced run the same GEMMs as AOTInductor's own
+    calls, and that measured faster (the bf16 decoder block at 16 rows,
+    ``deploy/linear.py``'s docstring). The program branches once per call
+    on its row count, which AOTInductor compiles into an ``if``::
+
+        pred = sym_size(x, 0) * sym_size(x, 1) <= 4
+        qkv = cond(pred, group_op, linears, (x, q_w, k_w, v_w))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+    """
+    g = gm.graph
+    x = operands[0]
+    xv = x.meta["val"]
+    m, mv = None, 1
+    for i, d in enumerate(xv.shape[:-1]):
+        if isinstance(d, int):
+            node = d
+        else:
+            node = g.call_function(torch.ops.aten.sym_size.int, (x, i))
+            node.meta["val"] = d
+        mv = mv * d
+        if m is None:
+            m = node
+        else:
+            m = g.call_function(operator.mul, (m, node))
+            m.meta["val"] = mv
+    pred = g.call_function(operator.le, (m, rows))
+    pred.meta["val"] = mv <= rows
+    branches = []
+    for kind in ("group", "linears"):
+        name = _free_name(gm, f"wfpass_{kind}_{x.name}")
+        gm.add_submodule(name, _branch(kind, operands, has_bias, rows))
+        branches.append(g.get_attr(name))
+    return g.call_function(torch.ops.higher_order.cond, (pred, branches[0], branches[1], tuple(operands)))
+
+
+def _branch(kind: str, operands: List[fx.Node], has_bias: List[bool], rows: int) -> fx.GraphModule:
+    """One side of ``_rows_branch``: the op (``group``) or one
+    ``aten.linear`` per member (``linears``), over ``(x, *weights,
+    *biases)``."""
+    g = fx.Graph()
+    ins = []
+    for a in operands:
+        p = g.placeholder(a.name)
+        p.meta["val"] = a.meta["val"]
+        ins.append(p)
+    x, params = ins[0], ins[1:]
+    n = len(has_bias)
+    fake = getattr(x.meta["val"], "fake_mode", None)
+    with (fake if fake is not None else contextlib.nullcontext()):
+        if kind == "group":
+            y = g.call_function(torch.ops.wfpass.linear_group.default, (x, params, has_bias, rows))
+            y.meta["val"] = list(torch.ops.wfpass.linear_group.default(x.meta["val"], [p.meta["val"] for p in params],
+                                                                       has_bias, rows))
+            outs = [g.call_function(operator.getitem, (y, i)) for i in range(n)]
+            for i, o in enumerate(outs):
+                o.meta["val"] = y.meta["val"][i]
+        else:
+            it = iter(params[n:])
+            outs = []
+            for w, has in zip(params[:n], has_bias):
+                args = (x, w, next(it)) if has else (x, w)
+                o = g.call_function(torch.ops.aten.linear.default, args)
+                o.meta["val"] = torch.ops.aten.linear.default(*(a.meta["val"] for a in args))
+                outs.append(o)
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _free_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
 
 
 def _outputs_renamed(program: "torch.export.ExportedProgram", renamed: Dict[str, str]) -> None:

@@ -301,7 +301,13 @@ std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, c
       if (biases[i].defined()) ys[i].copy_(biases[i].expand_as(ys[i])); else ys[i].zero_();
     return ys;
   }
-  const at::Tensor xf = x2.to(at::kFloat).contiguous();  // M x K values: a few KB at decode row counts
+  // A prompt's bf16 rows take AMX tiles, as the one-weight op does (linear_op
+  // below): the export decides the group's direct rows from that op's
+  // timings, so the group must run the body those timings measured.
+  bool tiles = dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && amx_on();
+  for (const at::Tensor& w : weights) tiles = tiles && w.size(0) % 16 == 0;
+  // Otherwise the input rows in float32 (M x K values: a few KB at decode row counts).
+  const at::Tensor xf = tiles ? x2.contiguous() : x2.to(at::kFloat).contiguous();
   std::vector<at::Tensor> keep;  // the float32 biases and any weight made row-contiguous, alive for the call
   std::vector<GroupMember> ms;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -315,7 +321,11 @@ std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, c
     }
     ms.push_back({wc.const_data_ptr(), wc.stride(0), w.size(0), bp, sums[i].data_ptr<float>()});
   }
-  if (dt == at::kFloat)
+  if (tiles)
+    for (const GroupMember& m : ms)
+      run_amx(M, m.n, K, reinterpret_cast<const uint16_t*>(xf.const_data_ptr<at::BFloat16>()),
+              static_cast<const uint16_t*>(m.w), m.ldw, m.bias, m.y);
+  else if (dt == at::kFloat)
     run_group<float>(M, K, xf.const_data_ptr<float>(), K, ms);
   else if (dt == at::kBFloat16)
     run_group<Bf16>(M, K, xf.const_data_ptr<float>(), K, ms);
