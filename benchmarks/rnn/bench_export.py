@@ -30,7 +30,9 @@ import tempfile
 import time
 
 MODELS = ("lstm_lm", "gru_packed", "decoder_block", "decoder_block_bf16")
-VARIANTS = ("eager", "wfpass", "stock_static", "stock_while_loop")
+#: ``wfpass_cxx``: ``rnn={"cpu_kernel": "cxx"}``, the LSTM on wfpass's C++ loop
+#: instead of oneDNN's layer (the GRU takes the loop by default).
+VARIANTS = ("eager", "wfpass", "wfpass_cxx", "stock_static", "stock_while_loop")
 LENGTHS = (1, 16, 128)
 BATCHES = (1, 8)
 
@@ -158,6 +160,8 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
     disable_compile_caches()
     model, inputs, dyn = build(model_name)
     out = {"model": model_name, "variant": variant, "runs": {}}
+    if variant == "wfpass_cxx" and model_name != "lstm_lm":
+        return {**out, "skipped": "for the LSTM: the GRU takes the C++ loop by default, the block has no RNN"}
     if variant != "eager":
         # Inductor finds the vector ISA its C++ compiler can build by
         # compiling a test program per ISA, once per process and cache folder
@@ -178,8 +182,10 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
             return out
         ex = inputs(16, 2)
         t0 = time.perf_counter()
-        if variant == "wfpass":
-            ep = wfpass.export(model, ex, dynamic_shapes=dyn(Dim("T", min=1, max=512), Dim("B", min=1, max=64)))
+        if variant in ("wfpass", "wfpass_cxx"):
+            opts = {"rnn": {"cpu_kernel": "cxx"}} if variant == "wfpass_cxx" else {}
+            ep = wfpass.export(model, ex, dynamic_shapes=dyn(Dim("T", min=1, max=512), Dim("B", min=1, max=64)),
+                               **opts)
             out["linear_ops"] = [f"{r.detail['members']} linear(s), direct kernel up to {r.detail['direct_rows']} rows"
                                  for r in wfpass.last_report().find("linear", "rewritten")]
         elif variant == "stock_static":
@@ -304,7 +310,7 @@ def main(argv=None) -> int:
     for (m, v), r in results.items():
         if v == "eager":
             continue
-        note = r.get("skipped", "dynamic T and B" if v in ("wfpass", "stock_while_loop") else "T 16, one package per batch")
+        note = r.get("skipped", "dynamic T and B" if v in ("wfpass", "wfpass_cxx", "stock_while_loop") else "T 16, one package per batch")
         if r.get("linear_ops"):
             note += "; wfpass::linear_group: " + ", ".join(r["linear_ops"])
         fmt = (lambda k: f"{r[k]:.1f}" if k in r else "-")
