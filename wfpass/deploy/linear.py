@@ -128,7 +128,7 @@ def into_program(program: "torch.export.ExportedProgram", config: Config, report
             report.add("linear", "skipped", f"{len(members)} linear(s) reading {x.name}: the program's row count is "
                        f"{static}, above the {rows} the direct kernel serves; left as torch.export traced them", fqns)
             continue
-        _outputs_renamed(program, _rewrite(gm, x, members, rows))
+        _outputs_renamed(program, _rewrite(gm, x, members, rows, branch=static is None))
         done += 1
         kind = f"{len(members)} sibling linears as one op" if len(members) > 1 else "a lone linear on the direct kernel"
         above = (f"; the program's {static} row(s) are within it" if static is not None else
@@ -168,10 +168,10 @@ def _member_problem(node: fx.Node, params: Dict[str, str], mutated: set) -> str:
     return ""
 
 
-def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) -> Dict[str, str]:
+def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int, branch: bool) -> Dict[str, str]:
     """Replace ``members`` by the op, behind a ``torch.cond`` on the row
-    count where the program's rows are symbolic (``_rows_branch``); returns
-    the new output names by the old ones."""
+    count where ``branch`` (the program's rows are symbolic:
+    ``_rows_branch``); returns the new output names by the old ones."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = min(members, key=order.__getitem__)
     weights = [m.args[1] for m in members]
@@ -184,7 +184,7 @@ def _rewrite(gm: fx.GraphModule, x: fx.Node, members: List[fx.Node], rows: int) 
     with (fake if fake is not None else contextlib.nullcontext()):
         yv = list(torch.ops.wfpass.linear_group.default(vals[0], vals[1:], has_bias, rows))
     with gm.graph.inserting_before(first):
-        if _static_rows(xv) is None:
+        if branch:
             y = _rows_branch(gm, operands, has_bias, rows, yv)
         else:
             y = gm.graph.call_function(torch.ops.wfpass.linear_group.default, (x, operands[1:], has_bias, rows))
@@ -249,15 +249,19 @@ def _rows_branch(gm: fx.GraphModule, operands: List[fx.Node], has_bias: List[boo
     branches = []
     for kind in ("group", "linears"):
         name = _free_name(gm, f"wfpass_{kind}_{x.name}")
-        gm.add_submodule(name, _branch(kind, operands, has_bias, rows))
+        gm.add_submodule(name, _branch(kind, operands, has_bias, rows, yv))
         branches.append(g.get_attr(name))
     return g.call_function(torch.ops.higher_order.cond, (pred, branches[0], branches[1], tuple(operands)))
 
 
-def _branch(kind: str, operands: List[fx.Node], has_bias: List[bool], rows: int) -> fx.GraphModule:
+def _branch(kind: str, operands: List[fx.Node], has_bias: List[bool], rows: int,
+            yv: List[torch.Tensor]) -> fx.GraphModule:
     """One side of ``_rows_branch``: the op (``group``) or one
     ``aten.linear`` per member (``linears``), over ``(x, *weights,
-    *biases)``."""
+    *biases)``. Both sides' outputs take the op's fake values ``yv`` (each
+    member's ``(..., n_i)``, what its linear gives), not values from
+    running ``aten.linear`` on the fakes: its decomposition would add shape
+    guards to the program (torch 2.11 then guards T to the example's)."""
     g = fx.Graph()
     ins = []
     for a in operands:
@@ -266,27 +270,16 @@ def _branch(kind: str, operands: List[fx.Node], has_bias: List[bool], rows: int)
         ins.append(p)
     x, params = ins[0], ins[1:]
     n = len(has_bias)
-    fake = getattr(x.meta["val"], "fake_mode", None)
-    with (fake if fake is not None else contextlib.nullcontext()):
-        if kind == "group":
-            y = g.call_function(torch.ops.wfpass.linear_group.default, (x, params, has_bias, rows))
-            y.meta["val"] = list(torch.ops.wfpass.linear_group.default(x.meta["val"], [p.meta["val"] for p in params],
-                                                                       has_bias, rows))
-            outs = [g.call_function(operator.getitem, (y, i)) for i in range(n)]
-            for i, o in enumerate(outs):
-                o.meta["val"] = y.meta["val"][i]
-        else:
-            it = iter(params[n:])
-            outs = []
-            for w, has in zip(params[:n], has_bias):
-                args = (x, w, next(it)) if has else (x, w)
-                o = g.call_function(torch.ops.aten.linear.default, args)
-                # The output's value as the op's fake gives it, not by running
-                # aten.linear on the fakes: its decomposition would add shape
-                # guards to the program (torch 2.11 then guards T to the example's).
-                xv = x.meta["val"]
-                o.meta["val"] = xv.new_empty((*xv.shape[:-1], w.meta["val"].shape[0]))
-                outs.append(o)
+    if kind == "group":
+        y = g.call_function(torch.ops.wfpass.linear_group.default, (x, params, has_bias, rows))
+        y.meta["val"] = list(yv)
+        outs = [g.call_function(operator.getitem, (y, i)) for i in range(n)]
+    else:
+        it = iter(params[n:])
+        outs = [g.call_function(torch.ops.aten.linear.default, (x, w, next(it)) if has else (x, w))
+                for w, has in zip(params[:n], has_bias)]
+    for o, v in zip(outs, yv):
+        o.meta["val"] = v
     g.output(tuple(outs))
     return fx.GraphModule(torch.nn.Module(), g)
 
