@@ -231,6 +231,15 @@ void run(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const WT*
 #endif
 }
 
+// Whether a call's bf16 rows take AMX tiles (run_amx): a prompt's rows, 4 or
+// more (at 1-3 the widening body streams the weight faster), over K in
+// steps of 32 and N in blocks of 16. One rule for the one-weight op and the
+// group: the export decides a group's direct rows from the one-weight op's
+// timings, so both must run the body those timings measured.
+bool amx_takes(at::ScalarType dt, int64_t M, int64_t N, int64_t K) {
+  return dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && N % 16 == 0 && amx_on();
+}
+
 // bf16 rows by AMX tiles, 32 input rows at a time (two halves of 16),
 // blocks of 16 weight rows split over threads as run() splits them.
 void run_amx(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w, int64_t ldw, const float* bias,
@@ -301,11 +310,9 @@ std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, c
       if (biases[i].defined()) ys[i].copy_(biases[i].expand_as(ys[i])); else ys[i].zero_();
     return ys;
   }
-  // A prompt's bf16 rows take AMX tiles, as the one-weight op does (linear_op
-  // below): the export decides the group's direct rows from that op's
-  // timings, so the group must run the body those timings measured.
-  bool tiles = dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && amx_on();
-  for (const at::Tensor& w : weights) tiles = tiles && w.size(0) % 16 == 0;
+  // AMX tiles where they take every member's rows, as the one-weight op's.
+  bool tiles = true;
+  for (const at::Tensor& w : weights) tiles = tiles && amx_takes(dt, M, w.size(0), K);
   // Otherwise the input rows in float32 (M x K values: a few KB at decode row counts).
   const at::Tensor xf = tiles ? x2.contiguous() : x2.to(at::kFloat).contiguous();
   std::vector<at::Tensor> keep;  // the float32 biases and any weight made row-contiguous, alive for the call
@@ -370,9 +377,8 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
   // The weight's rows may be apart (a leading dim past K); its elements in a row must be adjacent.
   const at::Tensor wc = (w.stride(1) == 1 && w.stride(0) >= K) ? w : w.contiguous();
   // A prompt's bf16 rows take AMX tiles over the weight as it is
-  // (direct_amx.h), reading the input as it is; at 1-3 rows the widening
-  // body streams the weight faster.
-  const bool tiles = dt == at::kBFloat16 && M >= 4 && K % 32 == 0 && N % 16 == 0 && wfpass_direct::amx_on();
+  // (direct_amx.h), reading the input as it is (amx_takes).
+  const bool tiles = wfpass_direct::amx_takes(dt, M, N, K);
   // Otherwise the input rows in float32 (M x K values: a few KB at decode row counts).
   const at::Tensor x2 = tiles ? at::Tensor() : x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
