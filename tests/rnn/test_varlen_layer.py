@@ -484,3 +484,82 @@ def test_strided_arguments_give_the_values_of_their_contiguous_copies(cell, kern
     tail = (case.Rh, case.Rc, case.mode, False)
     for a, b in zip(bw(*args[:9], *ref, case.R, *tail), bw(*s_args[:9], *got, g_out, *tail)):
         _same_or_close(a, b, exact)
+
+
+# Calls inside the rule that reads the weights as they are (varlen_rnn.cpp,
+# reads_weights_as_is: T <= H / 16 steps, T x batch <= H^2 / 512 rows; or
+# H >= 512 and batch <= 16), at hidden 64 (8 rows), 128 (32 rows) and 512
+# (40 steps: past H / 16): (input, hidden, projection), lengths.
+AS_IS = {"h64": ((48, 64, 16), [4, 2, 1, 1]), "h128": ((96, 128, 32), [8, 6, 5, 3, 1]),
+         "h512": ((80, 512, 64), [40, 7])}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("shape", list(AS_IS))
+def test_short_calls_read_the_weights_as_they_are_and_equal_eager(shape, reverse, cell):
+    """Short calls over few rows read W_ih and W_hh through the direct linear
+    kernel, with no per-call transpose: forward and every gradient against
+    eager, with and without biases and states (a projection keeps the
+    transposes: its case checks that the two mix)."""
+    sizes, lengths = AS_IS[shape]
+    for bias, states in ((True, True), (False, False)):
+        case = Case(cell, lengths, bias, states, reverse, sizes=sizes)
+        case.check(*case.run_op())
+
+
+_AS_IS_RUN = """
+import sys, torch
+from tests.rnn import test_varlen_layer as t
+out = {}
+for shape, (sizes, lengths) in t.AS_IS.items():
+    for cell in ("lstm", "gru", "rnn_tanh"):
+        case = t.Case(cell, lengths, True, True, True, sizes=sizes)
+        out[shape + cell] = torch.ops.wfpass.packed_layer_fw(*case.op_args(train=False, detach=True))[:3]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_rule_takes_the_weights_as_they_are_inside_its_bound(tmp_path):
+    """The two ways of reading the weights sum in different orders, so their
+    bits differ: inside the bound this process's outputs are the bits of a
+    process where every call reads the weights as they are
+    (``WFPASS_RNN_AS_IS=all``), not those of one where none does (``=0``)."""
+    if not (native.loaded() and native.fast_loop()):
+        pytest.skip("the raw-pointer loop is not in use here")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    got = {}
+    for setting in ("", "all", "0"):
+        path = tmp_path / f"as_is_{setting or 'rule'}.pt"
+        env = dict(os.environ, WFPASS_RNN_AS_IS=setting, OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-c", _AS_IS_RUN, str(path)], env=env, cwd=root, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[setting] = torch.load(path)
+    for key, outs in got[""].items():
+        assert all(torch.equal(a, b) for a, b in zip(outs, got["all"][key])), key
+        assert not all(torch.equal(a, b) for a, b in zip(outs, got["0"][key])), key
+        for a, b in zip(outs, got["0"][key]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_every_call_reading_the_weights_as_they_are_equals_eager():
+    """With ``WFPASS_RNN_AS_IS=all`` (in a fresh process: read once) every
+    call reads the weights as they are, outside the bound too: this file's
+    float32 cases (every cell, length pattern, direction, bias and state)
+    still equal eager's, forward and backward."""
+    if not (native.loaded() and native.fast_loop()):
+        pytest.skip("the raw-pointer loop is not in use here")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WFPASS_RNN_AS_IS="all")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "packed_layer_equals_eager and op or wider_layers or saturated"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0 and " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:]

@@ -165,7 +165,7 @@ WF_F void rnn_step_backward(int64_t n, int64_t H, const float* dh, int64_t lddh,
 // The step loops: the same for every ISA but for the gate math they call.
 
 void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
-                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
+                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const Recurrent& whh, const float* whr_t,
                   float* hbuf, float* cbuf, float* hpre) {
   const int64_t G = 4 * H, L = 6 * H;
   for (const Step& st : steps) {
@@ -174,7 +174,7 @@ void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float
     const float* cp = prev_rows(ws + 4 * H, L, c0, ldc, cbuf, H, st, lc);
     float* w = ws + st.r0 * L;
     float* h = out + st.r0 * ldo;
-    gemm(st.n, G, Hout, hp, lh, whh_t, G, w, L, true);
+    step_gemm(st.n, G, Hout, hp, lh, whh, w, L);
     if (whr_t != nullptr) {
       lstm_step(st.n, H, w, cp, lc, hpre, H);
       gemm(st.n, Hout, H, hpre, H, whr_t, Hout, h, ldo, false);
@@ -185,23 +185,23 @@ void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float
 }
 
 void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
-                 int64_t ldh, const float* whh_t, float* hbuf) {
+                 int64_t ldh, const Recurrent& whh, float* hbuf) {
   for (const Step& st : steps) {
     int64_t lh = 0;
     const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
     float* w = ws + st.r0 * 4 * H;
-    gemm(st.n, 3 * H, H, hp, lh, whh_t, 3 * H, w, 4 * H, true);  // into r | z | hn
+    step_gemm(st.n, 3 * H, H, hp, lh, whh, w, 4 * H);  // into r | z | hn
     gru_step(st.n, H, w, hp, lh, out + st.r0 * ldo, ldo);
   }
 }
 
 void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
-                 const float* whh_t, float* hbuf, bool relu) {
+                 const Recurrent& whh, float* hbuf, bool relu) {
   for (const Step& st : steps) {
     int64_t lh = 0;
     const float* hp = prev_rows(out, ldo, h0, ldh, hbuf, H, st, lh);
     float* h = out + st.r0 * ldo;
-    gemm(st.n, H, H, hp, lh, whh_t, H, h, ldo, true);
+    step_gemm(st.n, H, H, hp, lh, whh, h, ldo);
     rnn_step(st.n, H, h, ldo, relu);
   }
 }

@@ -17,6 +17,8 @@
 // bit for bit, on this path.
 #include "fast_rnn.h"
 
+#include "../linear/direct.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
@@ -198,6 +200,26 @@ void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float*
   for (int64_t i = 0; i < r8; ++i)
     for (int64_t j = c8; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
 }
+
+// C[n, G] += h[n, K] . W_hh^T, the recurrent GEMM of one step: on the
+// ukernel from the transposed copy, or on the direct kernel from the
+// weight as it is (Recurrent). The direct kernel writes, it does not add,
+// so its rows go to tmp and are added here (n x G floats, in L1).
+namespace {
+void step_gemm(int64_t n, int64_t G, int64_t K, const float* h, int64_t ldh, const Recurrent& r, float* c,
+               int64_t ldc) {
+  if (r.t != nullptr) {
+    gemm(n, G, K, h, ldh, r.t, G, c, ldc, true);
+    return;
+  }
+  wfpass_direct::direct_linear(n, G, K, h, ldh, r.w, r.ldw, nullptr, r.tmp, G);
+  for (int64_t i = 0; i < n; ++i) {
+    float* ci = c + i * ldc;
+    const float* ti = r.tmp + i * G;
+    for (int64_t j = 0; j < G; ++j) ci[j] += ti[j];
+  }
+}
+}  // namespace
 
 // Blocks of 64 rows: what a reduction over R rows hands the ukernel. Why
 // blocks: ATen keeps one JIT kernel per shape (M, N, K, lda, ldb, ldc, ...)
@@ -392,17 +414,17 @@ WF_T V keep_nan(V r, V x) { return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _C
   (isa() == Isa::avx512 ? avx512::fn(__VA_ARGS__) : avx2::fn(__VA_ARGS__))
 
 void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
-                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
+                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const Recurrent& whh, const float* whr_t,
                   float* hbuf, float* cbuf, float* hpre) {
-  WF_ISA_CALL(lstm_forward, steps, H, Hout, ws, out, ldo, h0, ldh, c0, ldc, whh_t, whr_t, hbuf, cbuf, hpre);
+  WF_ISA_CALL(lstm_forward, steps, H, Hout, ws, out, ldo, h0, ldh, c0, ldc, whh, whr_t, hbuf, cbuf, hpre);
 }
 void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
-                 int64_t ldh, const float* whh_t, float* hbuf) {
-  WF_ISA_CALL(gru_forward, steps, H, ws, out, ldo, h0, ldh, whh_t, hbuf);
+                 int64_t ldh, const Recurrent& whh, float* hbuf) {
+  WF_ISA_CALL(gru_forward, steps, H, ws, out, ldo, h0, ldh, whh, hbuf);
 }
 void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
-                 const float* whh_t, float* hbuf, bool relu) {
-  WF_ISA_CALL(rnn_forward, steps, H, out, ldo, h0, ldh, whh_t, hbuf, relu);
+                 const Recurrent& whh, float* hbuf, bool relu) {
+  WF_ISA_CALL(rnn_forward, steps, H, out, ldo, h0, ldh, whh, hbuf, relu);
 }
 void lstm_backward(const std::vector<Step>& steps, int64_t H, int64_t Hout, const float* g, float* hcar, float* ccar,
                    const float* ws, const float* c0, int64_t ldc, float* cbuf, float* dg, const float* w_hh,
@@ -422,13 +444,13 @@ void rnn_backward(const Rows& rows, int64_t H, const float* g, float* hcar, floa
 #else  // not x86-64 with GCC/Clang: fast_loop() is false and these are never called.
 
 void lstm_forward(const std::vector<Step>&, int64_t, int64_t, float*, float*, const float*, int64_t, const float*,
-                  int64_t, const float*, const float*, float*, float*, float*) {
+                  int64_t, const Recurrent&, const float*, float*, float*, float*) {
   TORCH_CHECK(false, "wfpass: no fast loop on this CPU");
 }
-void gru_forward(const std::vector<Step>&, int64_t, float*, float*, const float*, int64_t, const float*, float*) {
+void gru_forward(const std::vector<Step>&, int64_t, float*, float*, const float*, int64_t, const Recurrent&, float*) {
   TORCH_CHECK(false, "wfpass: no fast loop on this CPU");
 }
-void rnn_forward(const std::vector<Step>&, int64_t, float*, const float*, int64_t, const float*, float*, bool) {
+void rnn_forward(const std::vector<Step>&, int64_t, float*, const float*, int64_t, const Recurrent&, float*, bool) {
   TORCH_CHECK(false, "wfpass: no fast loop on this CPU");
 }
 void lstm_backward(const std::vector<Step>&, int64_t, int64_t, const float*, float*, float*, const float*,

@@ -55,6 +55,20 @@ void panel_pack(int64_t N, int64_t K, const float* w, int64_t ldw, float* out);
 void panel_linear(int64_t M, int64_t N, int64_t K, const float* x, int64_t ldx, const float* panels,
                   const float* bias, float* y, int64_t ldy);
 
+// The recurrent weight a forward step's GEMM reads: either W_hh^T ([Hout,
+// G], leading dim G: the per-call transpose oneDNN's ukernel takes B in),
+// or W_hh as it is ([G, Hout], leading dim ldw) through the direct linear
+// kernel (linear/direct.h), its [n, G] product written to tmp (B x G floats)
+// and added into the step's rows. The second reads no copy of the weight:
+// at a few rows a step the transposes cost more than the loop (see
+// varlen_rnn.cpp, lean_forward).
+struct Recurrent {
+  const float* t = nullptr;
+  const float* w = nullptr;
+  int64_t ldw = 0;
+  float* tmp = nullptr;
+};
+
 // One step in processing order (packed_rnn.cpp, schedule): its rows
 // r0 : r0 + n; the first m rows of the state it reads are rows p0 : p0 + m
 // of the step before it, the rest rows m : n of the initial state.
@@ -66,16 +80,17 @@ struct Step {
 // projection (already in ws's gate columns, or in out for a plain RNN).
 // Row-major: ws [N, 6H] (LSTM) / [N, 4H] (GRU), contiguous; out [N, Hout]
 // with leading dim ldo (2 Hout: one direction's half of a bidirectional
-// layer's output); the initial states with leading dims ldh / ldc, whh_t = W_hh^T
-// [Hout, G*H], whr_t = W_hr^T [H, Hout] or null; hbuf, cbuf, hpre: [B, *]
+// layer's output); the initial states with leading dims ldh / ldc; whh
+// the recurrent weight (Recurrent), whr_t = W_hr^T [H, Hout] or null;
+// hbuf, cbuf, hpre: [B, *]
 // scratch rows.
 void lstm_forward(const std::vector<Step>& steps, int64_t H, int64_t Hout, float* ws, float* out, int64_t ldo,
-                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const float* whh_t, const float* whr_t,
+                  const float* h0, int64_t ldh, const float* c0, int64_t ldc, const Recurrent& whh, const float* whr_t,
                   float* hbuf, float* cbuf, float* hpre);
 void gru_forward(const std::vector<Step>& steps, int64_t H, float* ws, float* out, int64_t ldo, const float* h0,
-                 int64_t ldh, const float* whh_t, float* hbuf);
+                 int64_t ldh, const Recurrent& whh, float* hbuf);
 void rnn_forward(const std::vector<Step>& steps, int64_t H, float* out, int64_t ldo, const float* h0, int64_t ldh,
-                 const float* whh_t, float* hbuf, bool relu);
+                 const Recurrent& whh, float* hbuf, bool relu);
 
 // The backward loops. g: grad_out [N, Hout] or null; hcar [B, Hout] / ccar
 // [B, H]: the carried gradients (in: of the final states; out: of the

@@ -29,8 +29,12 @@
 #include <torch/library.h>
 
 #include "fast_rnn.h"
+#include "../linear/direct.h"
 
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 #include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
@@ -510,6 +514,40 @@ Tensor unit_cols(const Tensor& t) {
   return t.stride(-1) == 1 ? t : t.contiguous();
 }
 
+// Does a forward read its weights as they are, through the direct linear
+// kernel (linear/direct.h), rather than from the transposes oneDNN's
+// ukernel takes (W^T, made on every call)? The transposes cost a fixed
+// time that grows as H^2 (2 x [4H, H] floats for an LSTM: 55 us of a 56 us
+// call at H 128, T 1, batch 1; 365 us at H 256), while below H 512 the
+// ukernel's steps are faster than the direct kernel's once the weight sits
+// in cache. So the direct kernel takes short calls over few rows, T <= H /
+// 16 steps and T x batch <= H^2 / 512 rows, and every call of a batch up to
+// 16 at H >= 512, where its steps were faster too (its threads split each
+// step's GEMM; the ukernel's step runs on one). Measured on the layer op
+// alone (LSTM and GRU, H = I = 64 / 128 / 256 / 512, T 1-64, batch 1-16, 1
+// and 2 threads, Intel Xeon with AVX-512 and AMX:
+// benchmarks/rnn/bench_rnn_as_is.py, docs/results/rnn_as_is.md): inside
+// the bound 1.02-12x faster, outside it 0.56-1.42x (a few shapes just past
+// the bound win; none inside it loses). A projection (proj_size) keeps the
+// transposes.
+// transposes. WFPASS_RNN_AS_IS=0 (false, no, off) turns it off, =all takes
+// it for every call (the benchmark's two sides); read once per process.
+enum class AsIs { rule, off, all };
+AsIs as_is_setting() {
+  const char* env = std::getenv("WFPASS_RNN_AS_IS");
+  std::string v(env != nullptr ? env : "");
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "0" || v == "false" || v == "no" || v == "off") return AsIs::off;
+  if (v == "all") return AsIs::all;
+  return AsIs::rule;
+}
+
+bool reads_weights_as_is(int64_t T, int64_t B, int64_t N, int64_t H) {
+  static const AsIs setting = as_is_setting();
+  if (setting == AsIs::off || !wfpass_direct::available()) return false;
+  return setting == AsIs::all || (H >= 512 && B <= 16) || (T * 16 <= H && N * 512 <= H * H);
+}
+
 // One layer and direction's forward on the raw-pointer loop (fast(data)),
 // after layer_forward's checks: the same arithmetic, in the same order, as
 // the ATen path's projection and fast_rnn.cpp's steps, with the per-call
@@ -534,18 +572,38 @@ Fw lean_forward(Mode mode, const Steps& s, bool reverse, bool train, const Tenso
   const Tensor hs = h0.has_value() ? h0->select(0, 0).contiguous() : Tensor();
   const Tensor cs = lstm && c0.has_value() ? c0->select(0, 0).contiguous() : Tensor();
   const bool sum = bi.defined() && bh.defined();
-  Scratch sc((train ? 0 : N * K) + I * G + Hout * G + (proj ? H * Hout + B * H : 0) + (sum ? G : 0) +
+  const bool as_is = !proj && reads_weights_as_is(static_cast<int64_t>(steps.size()), B, N, H);
+  Scratch sc((train ? 0 : N * K) + (as_is ? 0 : I * G) + (as_is ? B * G : Hout * G) +
+                 (proj ? H * Hout + B * H : 0) + (sum ? G : 0) +
                  (hs.defined() ? 0 : B * Hout) + (lstm && !cs.defined() ? B * H : 0) +
                  (reverse ? B * Hout + (lstm ? B * H : 0) : 0),
              opts);
   const Tensor ws_out = train ? at::empty({N, K}, opts) : Tensor();
   float* ws = train ? ws_out.data_ptr<float>() : sc.floats(N * K);
-  float* wih_t = sc.floats(I * G);
-  float* whh_t = sc.floats(Hout * G);
+  float* wih_t = as_is ? nullptr : sc.floats(I * G);
+  wfpass_fast::Recurrent rec;
+  if (as_is) {
+    rec.w = fp(wh);
+    rec.ldw = wh.stride(0);
+    rec.tmp = sc.floats(B * G);
+  } else {
+    float* whh_t = sc.floats(Hout * G);
+    wfpass_fast::transpose(G, Hout, fp(wh), wh.stride(0), whh_t, G);
+    rec.t = whh_t;
+  }
   float* whr_t = proj ? sc.floats(H * Hout) : nullptr;
-  wfpass_fast::transpose(G, I, fp(wi), wi.stride(0), wih_t, G);
-  wfpass_fast::transpose(G, Hout, fp(wh), wh.stride(0), whh_t, G);
+  if (!as_is) wfpass_fast::transpose(G, I, fp(wi), wi.stride(0), wih_t, G);
   if (proj) wfpass_fast::transpose(Hout, H, fp(wr), wr.stride(0), whr_t, Hout);
+  // The input projection over all N rows: on the ukernel from W_ih^T, or
+  // on the direct kernel from W_ih as it is (cols columns from row g0 of
+  // W_ih, into `into` with leading dim ld).
+  const auto input_gemm = [&](int64_t g0, int64_t cols, const float* b, float* into, int64_t ld) {
+    if (as_is)
+      wfpass_direct::direct_linear(N, cols, I, fp(x), x.stride(0), fp(wi) + g0 * wi.stride(0), wi.stride(0), b,
+                                   into, ld);
+    else
+      wfpass_fast::gemm_rows(N, cols, I, fp(x), x.stride(0), wih_t + g0, G, b, into, ld, false);
+  };
   // The bias the input GEMM adds: b_ih + b_hh where both are given (the
   // same float adds as at::add), else the one given, else none.
   const float* bias = sum ? nullptr : bi.defined() ? fp(bi) : fp(bh);
@@ -565,15 +623,14 @@ Fw lean_forward(Mode mode, const Steps& s, bool reverse, bool train, const Tenso
   const int64_t ldo = out.stride(0);
   Tensor c_n;
   if (lstm) {
-    wfpass_fast::gemm_rows(N, G, I, fp(x), x.stride(0), wih_t, G, bias, ws, K, false);
-    wfpass_fast::lstm_forward(steps, H, Hout, ws, o, ldo, h_init, Hout, c_init, H, whh_t, whr_t, hbuf, cbuf, hpre);
+    input_gemm(0, G, bias, ws, K);
+    wfpass_fast::lstm_forward(steps, H, Hout, ws, o, ldo, h_init, Hout, c_init, H, rec, whr_t, hbuf, cbuf, hpre);
     c_n = final_rows(ws + 4 * H, K, H, s, reverse, opts);
   } else if (gru) {
     // r | z from the summed biases, n from b_ih's, and hn starts as b_hn
     // (zero without b_hh), so the step's GEMM leaves W_hn h + b_hn there.
-    wfpass_fast::gemm_rows(N, 2 * H, I, fp(x), x.stride(0), wih_t, G, bias, ws, K, false);
-    wfpass_fast::gemm_rows(N, H, I, fp(x), x.stride(0), wih_t + 2 * H, G, bi.defined() ? fp(bi) + 2 * H : nullptr,
-                           ws + 3 * H, K, false);
+    input_gemm(0, 2 * H, bias, ws, K);
+    input_gemm(2 * H, H, bi.defined() ? fp(bi) + 2 * H : nullptr, ws + 3 * H, K);
     for (int64_t r = 0; r < N; ++r) {
       float* hn = ws + r * K + 2 * H;
       if (bh.defined())
@@ -581,11 +638,11 @@ Fw lean_forward(Mode mode, const Steps& s, bool reverse, bool train, const Tenso
       else
         std::memset(hn, 0, H * sizeof(float));
     }
-    wfpass_fast::gru_forward(steps, H, ws, o, ldo, h_init, H, whh_t, hbuf);
+    wfpass_fast::gru_forward(steps, H, ws, o, ldo, h_init, H, rec, hbuf);
     c_n = at::empty({0}, opts);
   } else {
-    wfpass_fast::gemm_rows(N, H, I, fp(x), x.stride(0), wih_t, G, bias, o, ldo, false);
-    wfpass_fast::rnn_forward(steps, H, o, ldo, h_init, H, whh_t, hbuf, mode == Mode::RNN_RELU);
+    input_gemm(0, H, bias, o, ldo);
+    wfpass_fast::rnn_forward(steps, H, o, ldo, h_init, H, rec, hbuf, mode == Mode::RNN_RELU);
     c_n = at::empty({0}, opts);
   }
   Tensor h_n = final_rows(o, ldo, Hout, s, reverse, opts);

@@ -1,0 +1,142 @@
+"""One RNN layer on wfpass's C++ loop (``wfpass::packed_layer_fw``, no grad):
+the weights read as they are by the direct linear kernel, against the
+per-call transposes oneDNN's small-GEMM ukernel reads, and what the rule
+(``reads_weights_as_is`` in ``wfpass/native/rnn/varlen_rnn.cpp``) takes.
+
+    python benchmarks/rnn/bench_rnn_as_is.py --threads 1 2 --rounds 3 --out docs/results/rnn_as_is.md
+
+Each setting of ``WFPASS_RNN_AS_IS`` (``0``: every call transposes;
+``all``: every call reads the weights as they are) runs in a process of its
+own (the switch is read once), the two alternating round by round; each
+process times every shape (median of its calls) and the table gives the
+median over the rounds. LSTM and GRU layers with input size = hidden size,
+a dense batch (every sequence of length T).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _out.py
+from _out import emit  # noqa: E402
+from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
+
+HIDDEN = (64, 128, 256, 512)
+STEPS = (1, 4, 16, 64)
+BATCH = (1, 4, 16)
+CELLS = ("LSTM", "GRU")
+
+
+def takes_as_is(T: int, B: int, H: int) -> bool:
+    """The rule in varlen_rnn.cpp: T <= H / 16 and T x batch <= H^2 / 512,
+    or H >= 512 and batch <= 16."""
+    return (H >= 512 and B <= 16) or (T * 16 <= H and T * B * 512 <= H * H)
+
+
+def _median_us(fn, calls: int) -> float:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    ts = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def worker(threads: int) -> dict:
+    """Every shape's time per call, us, in this process's setting."""
+    torch.set_num_threads(threads)
+    from wfpass import native
+
+    native.load()
+    if not (native.loaded() and native.fast_loop()):
+        raise SystemExit(f"wfpass's C++ loop is not in use here: {native.status()}")
+    op = torch.ops.wfpass.packed_layer_fw.default
+    none = torch.empty(0, dtype=torch.int64)  # no batch_sizes: a dense batch
+    out = {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for H in HIDDEN:
+            mods = {"LSTM": torch.nn.LSTM(H, H), "GRU": torch.nn.GRU(H, H)}
+            for T in STEPS:
+                for B in BATCH:
+                    x = torch.randn(T, B, H)
+                    for cell, m in mods.items():
+                        args = (x, none, m.weight_ih_l0, m.weight_hh_l0, m.bias_ih_l0, m.bias_hh_l0, None, None,
+                                None, cell, False, False)
+                        # About 0.1-0.3 s a shape: more calls for the short ones.
+                        calls = max(15, min(400, int(2e5 / (T * B * H ** 1.3 / 64))))
+                        out[f"{cell} {H} {T} {B}"] = _median_us(lambda: op(*args), calls)
+    return out
+
+
+def run(setting: str, threads: int) -> dict:
+    env = dict(os.environ, WFPASS_RNN_AS_IS=setting)
+    r = subprocess.run([sys.executable, __file__, "--worker", str(threads)], env=env, capture_output=True,
+                       text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def table(threads: int, rounds: int) -> list:
+    got = {"0": [], "all": []}
+    for i in range(rounds):
+        for setting in (("0", "all") if i % 2 == 0 else ("all", "0")):
+            got[setting].append(run(setting, threads))
+            print(f"threads {threads}, round {i + 1}, WFPASS_RNN_AS_IS={setting}: done", file=sys.stderr, flush=True)
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in got.items()}
+    lines = [f"### {threads} thread(s)", "",
+             "| cell | hidden | T | batch | transposes, us | as they are, us | as they are: x faster | the rule takes |",
+             "|---|---|---|---|---|---|---|---|"]
+    inside, outside = [], []
+    for key in med["0"]:
+        cell, H, T, B = key.split()
+        H, T, B = int(H), int(T), int(B)
+        t0, t1 = med["0"][key], med["all"][key]
+        rule = takes_as_is(T, B, H)
+        (inside if rule else outside).append(t0 / t1)
+        lines.append(f"| {cell} | {H} | {T} | {B} | {t0:.1f} | {t1:.1f} | {t0 / t1:.2f} | "
+                     f"{'as they are' if rule else 'transposes'} |")
+    lines += ["", f"Inside the rule's bound ({len(inside)} shapes) reading the weights as they are ran "
+              f"{min(inside):.2f}-{max(inside):.2f}x the transposes' speed; outside it ({len(outside)} shapes) "
+              f"{min(outside):.2f}-{max(outside):.2f}x.", ""]
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker is not None:
+        print(json.dumps(worker(a.worker)))
+        return 0
+    cmd = "python benchmarks/rnn/bench_rnn_as_is.py --threads " + " ".join(map(str, a.threads)) + \
+        f" --rounds {a.rounds}" + (f" --out {a.out}" if a.out else "")
+    lines = ["# The C++ RNN loop: weights read as they are, or transposed on every call", "",
+             f"`{cmd}`", "",
+             f"Machine: {cpu_words()}; torch {torch.__version__}. One layer, input size = hidden size, no grad, "
+             "a dense batch; us per call: in each process the median of its calls, then the median over "
+             f"{a.rounds} rounds, the two settings in processes of their own, alternating. *transposes*: "
+             "`WFPASS_RNN_AS_IS=0`, W_ih and W_hh transposed on every call for oneDNN's small-GEMM ukernel; "
+             "*as they are*: `WFPASS_RNN_AS_IS=all`, both read by the direct linear kernel in their own "
+             "layout. *the rule takes*: what a call takes by default (as they are where T <= hidden / 16 "
+             "and T x batch <= hidden^2 / 512, or hidden >= 512 and batch <= 16).", ""]
+    for threads in a.threads:
+        lines += table(threads, a.rounds)
+    return emit(lines, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
