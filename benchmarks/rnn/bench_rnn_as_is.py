@@ -4,6 +4,12 @@ per-call transposes oneDNN's small-GEMM ukernel reads, and what the rule
 (``reads_weights_as_is`` in ``wfpass/native/rnn/varlen_rnn.cpp``) takes.
 
     python benchmarks/rnn/bench_rnn_as_is.py --threads 1 2 --rounds 3 --out docs/results/rnn_as_is.md
+    python benchmarks/rnn/bench_rnn_as_is.py --lstm-layer --threads 1 2 --rounds 3 --out docs/results/rnn_short_calls.md
+
+``--lstm-layer``: ``wfpass::lstm_layer_fw`` (the LSTM's oneDNN path, which
+gives calls of at most 16 rows, T x batch, to the C++ loop) with
+``WFPASS_RNN_AS_IS=0`` (oneDNN's layer for every call) against the default,
+at T x batch up to 32 and, for the table's other side, above.
 
 Each setting of ``WFPASS_RNN_AS_IS`` (``0``: every call transposes;
 ``all``: every call reads the weights as they are) runs in a process of its
@@ -51,6 +57,30 @@ def _median_us(fn, calls: int) -> float:
     return statistics.median(ts) * 1e6
 
 
+#: (T, batch) of the --lstm-layer table: up to 16 rows and a few above.
+SHORT = ((1, 1), (1, 4), (1, 16), (4, 1), (4, 4), (16, 1), (2, 8), (1, 32), (4, 8), (32, 1), (64, 1))
+
+
+def lstm_layer_worker(threads: int) -> dict:
+    """wfpass::lstm_layer_fw's time per call, us, in this process's setting."""
+    torch.set_num_threads(threads)
+    from wfpass import native
+
+    native.load()
+    op = torch.ops.wfpass.lstm_layer_fw.default
+    out = {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for H in HIDDEN:
+            m = torch.nn.LSTM(H, H)
+            for T, B in SHORT:
+                x = torch.randn(T, B, H)
+                args = (x, m.weight_ih_l0, m.weight_hh_l0, m.bias_ih_l0, m.bias_hh_l0, None, None, False, H, True, False)
+                calls = max(15, min(400, int(2e5 / (T * B * H ** 1.3 / 64))))
+                out[f"LSTM {H} {T} {B}"] = _median_us(lambda: op(*args), calls)
+    return out
+
+
 def worker(threads: int) -> dict:
     """Every shape's time per call, us, in this process's setting."""
     torch.set_num_threads(threads)
@@ -78,10 +108,10 @@ def worker(threads: int) -> dict:
     return out
 
 
-def run(setting: str, threads: int) -> dict:
+def run(setting: str, threads: int, layer: bool = False) -> dict:
     env = dict(os.environ, WFPASS_RNN_AS_IS=setting)
-    r = subprocess.run([sys.executable, __file__, "--worker", str(threads)], env=env, capture_output=True,
-                       text=True, check=False)
+    r = subprocess.run([sys.executable, __file__, "--worker", str(threads)] + (["--lstm-layer"] if layer else []),
+                       env=env, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SystemExit(r.stderr[-3000:])
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -112,16 +142,55 @@ def table(threads: int, rounds: int) -> list:
     return lines
 
 
+def layer_table(threads: int, rounds: int) -> list:
+    got = {"0": [], "": []}
+    for i in range(rounds):
+        for setting in (("0", "") if i % 2 == 0 else ("", "0")):
+            got[setting].append(run(setting, threads, layer=True))
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in got.items()}
+    lines = [f"### {threads} thread(s)", "",
+             "| hidden | T | batch | rows | oneDNN's layer, us | the op by default, us | x faster | kernel by default |",
+             "|---|---|---|---|---|---|---|---|"]
+    short, long_ = [], []
+    for key in med["0"]:
+        _, H, T, B = key.split()
+        rows = int(T) * int(B)
+        t0, t1 = med["0"][key], med[""][key]
+        (short if rows <= 16 else long_).append(t0 / t1)
+        lines.append(f"| {H} | {T} | {B} | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.2f} | "
+                     f"{'the C++ loop' if rows <= 16 else 'oneDNN'} |")
+    lines += ["", f"At most 16 rows ({len(short)} shapes) the op ran {min(short):.2f}-{max(short):.2f}x as fast as "
+              f"oneDNN's layer; above ({len(long_)} shapes, both oneDNN) {min(long_):.2f}-{max(long_):.2f}x "
+              "(noise between two processes running the same kernel).", ""]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--lstm-layer", action="store_true",
+                    help="wfpass::lstm_layer_fw by default against oneDNN's layer for every call")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker is not None:
-        print(json.dumps(worker(a.worker)))
+        print(json.dumps(lstm_layer_worker(a.worker) if a.lstm_layer else worker(a.worker)))
         return 0
+    if a.lstm_layer:
+        cmd = "python benchmarks/rnn/bench_rnn_as_is.py --lstm-layer --threads " + " ".join(map(str, a.threads)) + \
+            f" --rounds {a.rounds}" + (f" --out {a.out}" if a.out else "")
+        lines = ["# Short LSTM calls: wfpass's C++ loop inside the oneDNN path's op", "", f"`{cmd}`", "",
+                 f"Machine: {cpu_words()}; torch {torch.__version__}. `wfpass::lstm_layer_fw`, the op an LSTM "
+                 "takes for a symbolic T (under `torch.compile` and in `wfpass.export` programs): one layer, input "
+                 "size = hidden size, no grad, a dense batch. *oneDNN's layer*: `WFPASS_RNN_AS_IS=0`, every call "
+                 "on oneDNN's LSTM layer; *the op by default*: calls of at most 16 rows (T x batch) on wfpass's "
+                 "C++ loop, reading the weights as they are. us per call: in each process the median of its "
+                 f"calls, then the median over {a.rounds} rounds, the two settings alternating in processes of "
+                 "their own.", ""]
+        for threads in a.threads:
+            lines += layer_table(threads, a.rounds)
+        return emit(lines, a.out)
     cmd = "python benchmarks/rnn/bench_rnn_as_is.py --threads " + " ".join(map(str, a.threads)) + \
         f" --rounds {a.rounds}" + (f" --out {a.out}" if a.out else "")
     lines = ["# The C++ RNN loop: weights read as they are, or transposed on every call", "",

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 # oneDNN's layer op for every size ("eager": the C++ loop would take these small LSTMs).
 ONEDNN = {"cpu_kernel": "eager", "seq_threshold": 1}
+# Inputs here have more than 16 rows (T x batch): the op runs calls of at
+# most that many on wfpass's C++ loop, which reads the parameters, no copy
+# (native/rnn/short_lstm.h; test_short_calls_make_no_copy_and_equal_eager).
 
 
 class Tagger(nn.Module):
@@ -67,7 +70,7 @@ def test_an_inference_lstm_reads_a_copy_in_onednns_layout(bidirectional):
     gc.collect()  # earlier tests' models, and their copies
     before = pk.packed_bytes_alive()
     fn = _compiled(model)
-    x = torch.randn(5, 3, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         for _ in range(3):
             _close(fn(x), ref(x))
@@ -86,7 +89,7 @@ def test_a_weight_changed_in_place_or_through_data_makes_the_copy_again():
     model = Tagger().eval()
     ref = copy.deepcopy(model)
     fn = _compiled(model)
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         fn(x)
         for m in (model, ref):
@@ -107,8 +110,8 @@ def test_training_reads_the_parameters_and_inference_after_a_step_is_fresh():
     ref = copy.deepcopy(model)
     fn = _compiled(model)
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
-    x = torch.randn(4, 2, 8)
-    r = torch.randn(4, 2, 32)
+    x = torch.randn(6, 3, 8)
+    r = torch.randn(6, 3, 32)
     for _ in range(2):
         for f, o in ((fn, opt), (ref, opt_ref)):
             o.zero_grad()
@@ -134,7 +137,7 @@ def test_a_budget_of_zero_keeps_the_parameters_and_says_so():
     model = Tagger().eval()
     ref = copy.deepcopy(model)
     fn = _compiled(model, prepack={"max_bytes": 0})
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         for _ in range(2):
             _close(fn(x), ref(x))
@@ -149,7 +152,7 @@ def test_pack_mode_off_makes_no_copy():
     model = Tagger().eval()
     ref = copy.deepcopy(model)
     fn = _compiled(model, prepack={"mode": "off"})
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         _close(fn(x), ref(x))
     row = _rnn_row(model)
@@ -162,7 +165,7 @@ def test_copies_go_with_the_model_and_with_restore():
     before = pk.packed_bytes_alive()
     model = Tagger().eval()
     fn = _compiled(model)
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         fn(x)
     assert pk.packed_bytes_alive() > before
@@ -208,7 +211,7 @@ def test_a_model_made_where_a_dead_one_was_gets_its_own_answer():
     """The same seed, the freed weights' addresses, the same bits: the C++
     kernel's answer for the dead model's weights (no copy: packing off)
     must not be taken for the new model's."""
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     for options, packs in (({"prepack": {"mode": "off"}}, False), ({}, True)):
         torch.manual_seed(0)
         model = Tagger().eval()
@@ -242,7 +245,7 @@ def test_a_hook_that_changes_the_weights_every_call_and_inference_mode():
     for m in (model, ref):
         m.register_forward_pre_hook(shrink)
     fn = _compiled(model)
-    x = torch.randn(4, 2, 8)
+    x = torch.randn(6, 3, 8)
     with torch.no_grad():
         for _ in range(3):
             _close(fn(x), ref(x))
@@ -261,7 +264,7 @@ def test_one_copy_serves_every_length_and_batch_of_a_dynamic_graph():
     ref = copy.deepcopy(model)
     fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN), dynamic=True)
     with torch.no_grad():
-        for T, B in ((5, 2), (9, 3), (2, 1), (17, 4)):
+        for T, B in ((6, 3), (9, 3), (17, 1), (5, 4)):
             x = torch.randn(T, B, 8)
             _close(fn(x), ref(x))
     row = _rnn_row(model)
@@ -368,7 +371,7 @@ def test_regional_compilation_each_blocks_lstm_reads_its_own_copy():
     ref = copy.deepcopy(blocks)
     for b in blocks:
         b.compile(backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN))
-    x = torch.randn(5, 2, 32)
+    x = torch.randn(6, 3, 32)
     with torch.no_grad():
         for _ in range(2):
             _close(blocks(x), ref(x))
@@ -380,3 +383,99 @@ def test_regional_compilation_each_blocks_lstm_reads_its_own_copy():
     for r in rows:
         assert r.stats["packed_calls"] == 3 and r.stats.get("over_bound_calls", 0) == 0, (r.params, r.stats)
         assert r.stats.get("repacked", 0) == (1 if r.params[0].startswith("1.") else 0), (r.params, r.stats)
+
+
+class StatefulLstm(nn.Module):
+    """A 2-layer bidirectional LSTM given its states, with a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 32, num_layers=2, bidirectional=True)
+        self.out = nn.Linear(64, 32)
+
+    def forward(self, x, h, c):
+        y, (hn, cn) = self.rnn(x, (h, c))
+        return self.out(y) + x, hn, cn
+
+
+# (T, batch): at most 16 rows each, one past it (17 rows: oneDNN's layer
+# again). T >= 2: Dynamo specializes a size of 1, and a static T=1 is at the
+# threshold (seq_threshold 1: the unfused path).
+SHORT = ((2, 1), (2, 4), (4, 4), (16, 1), (2, 8), (17, 1))
+
+
+def _short_run(model, fn):
+    torch.manual_seed(1)
+    outs = []
+    with torch.no_grad():
+        for T, B in SHORT:
+            x, h, c = torch.randn(T, B, 32), torch.randn(4, B, 32), torch.randn(4, B, 32)
+            outs.append((fn(x, h, c), model(x, h, c)))
+    return outs
+
+
+def test_short_calls_make_no_copy_and_equal_eager():
+    """Calls of at most 16 rows (T x batch) of the oneDNN path's op run on
+    wfpass's C++ loop, reading the parameters (no copy in oneDNN's layout):
+    a graph with a symbolic T and batch gives eager's values at each size,
+    given states, both directions, and makes a copy only for the 17-row call."""
+    if wfpass.native.short_lstm_rows() != 16:
+        pytest.skip("the C++ loop or the direct linear kernel is not in use here")
+    torch.manual_seed(0)
+    model = StatefulLstm().eval()
+    ref = copy.deepcopy(model)
+    fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=ONEDNN), dynamic=True)
+    gc.collect()
+    before = pk.packed_bytes_alive()
+    with torch.no_grad():
+        for T, B in SHORT[:-1]:
+            x, h, c = torch.randn(T, B, 32), torch.randn(4, B, 32), torch.randn(4, B, 32)
+            for a, b in zip(fn(x, h, c), ref(x, h, c)):
+                _close(a, b)
+        row = _rnn_row(model)
+        assert row.stats["packed_calls"] == 0 and pk.packed_bytes_alive() == before, row.stats
+        assert "at most 16 rows, T x batch, on wfpass's C++ loop" in row.reason, row.reason
+        x, h, c = torch.randn(17, 1, 32), torch.randn(4, 1, 32), torch.randn(4, 1, 32)
+        for a, b in zip(fn(x, h, c), ref(x, h, c)):
+            _close(a, b)
+    row = _rnn_row(model)
+    assert row.stats["packed_calls"] == 4 and pk.packed_bytes_alive() > before, row.stats  # 2 layers x 2 directions
+
+
+_SHORT_BITS = """
+import sys, torch, wfpass
+from tests.rnn import test_lstm_prepack as t
+torch.manual_seed(0)
+model = t.StatefulLstm().eval()
+fn = torch.compile(model, backend=wfpass.backend(inner="aot_eager", rnn=t.ONEDNN), dynamic=True)
+torch.save([a for a, _ in t._short_run(model, fn)], sys.argv[1])
+"""
+
+
+def test_short_calls_take_the_loop_and_longer_ones_onednn(tmp_path):
+    """The loop and oneDNN's layer sum in different orders, so their bits
+    differ: at most 16 rows this process's outputs differ from a process
+    with the short path off (``WFPASS_RNN_AS_IS=0``), at 17 rows they are
+    its bits."""
+    if wfpass.native.short_lstm_rows() != 16:
+        pytest.skip("the C++ loop or the direct linear kernel is not in use here")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    got = {}
+    for setting in ("", "0"):
+        path = tmp_path / f"short_{setting or 'rule'}.pt"
+        env = dict(os.environ, WFPASS_RNN_AS_IS=setting, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-c", _SHORT_BITS, str(path)], env=env, cwd=root, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[setting] = torch.load(path)
+    sames = [[torch.equal(a, b) for a, b in zip(on, off)] for on, off in zip(got[""], got["0"])]
+    for (T, B), same in zip(SHORT, sames):
+        assert all(same) == (T * B > 16), ((T, B), same)
+    for on, off in zip(got[""], got["0"]):
+        for a, b in zip(on, off):
+            _close(a, b)

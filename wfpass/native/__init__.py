@@ -45,13 +45,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["build", "load", "load_if_built", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
+__all__ = ["build", "load", "load_if_built", "status", "loaded", "is_loaded", "fast_loop", "fast_isa", "fast_isa_words", "parallel_directions", "short_lstm_rows", "serves", "build_seconds", "cxx_standard", "library_path", "cudnn_cxx"]
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("prepack/prepack.cpp", "linear/direct.cpp", "rnn/rnn.cpp", "rnn/varlen_rnn.cpp", "rnn/fast_rnn.cpp",
             "rnn/varlen_sequence.cpp", "linear/linear.cpp", "rnn/cudnn.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
-_HEADERS = ("linear/direct.h", "linear/direct_kernel.h", "linear/direct_amx.h", "rnn/fast_rnn.h", "rnn/fast_gates.h", "common/weight_sample.h")
+_HEADERS = ("linear/direct.h", "linear/direct_kernel.h", "linear/direct_amx.h", "rnn/fast_rnn.h", "rnn/fast_gates.h", "rnn/short_lstm.h", "common/weight_sample.h")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]
@@ -109,6 +109,15 @@ def parallel_directions() -> bool:
     loop, one direction per OpenMP thread when torch has two or more)? True
     where the C++ kernels were built with OpenMP and the loop runs."""
     return fast_loop() and bool(torch.ops.wfpass.native_openmp())
+
+
+def short_lstm_rows() -> int:
+    """Up to how many rows (T x batch) an inference call of
+    ``wfpass::lstm_layer_fw`` (the oneDNN path's op) runs on the
+    raw-pointer loop instead of oneDNN's layer (``rnn/short_lstm.h``): 16
+    where the loop and the direct linear kernel are in use, 0 otherwise or
+    with ``WFPASS_RNN_AS_IS=0``."""
+    return int(torch.ops.wfpass.native_short_lstm_rows()) if fast_loop() else 0
 
 
 def serves(x: torch.Tensor) -> bool:

@@ -66,6 +66,7 @@ SCHEMAS: Dict[str, str] = {
     'native_fast_loop': '() -> bool',
     'native_fast_isa': '() -> str',
     'native_openmp': '() -> bool',
+    'native_short_lstm_rows': '() -> int',
     # cuda
     'cudnn_rnn': '(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, int mode, int hidden_size, int proj_size, int num_layers, bool train, bool bidirectional, int[] offsets, float dropout) -> (Tensor, Tensor, Tensor, Tensor)',
     'cudnn_rnn_backward': '(Tensor input, Tensor[] weights, Tensor? hx, Tensor? cx, Tensor output, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, Tensor reserve, int mode, int hidden_size, int proj_size, int num_layers, bool bidirectional, int[] offsets, bool[4] output_mask, float dropout) -> (Tensor, Tensor, Tensor, Tensor)',
@@ -80,7 +81,7 @@ SCHEMAS: Dict[str, str] = {
 #: every other op is defined by Python (:func:`define`).
 CXX_DEFINED = ("_pack_put", "_pack_take_counts", "_pack_forget", "_panel_pack", "_panel_linear", "_direct_linear",
                "native_direct", "native_direct_isa", "native_direct_amx", "_lstm_pack_put", "_lstm_pack_take_calls", "_lstm_pack_forget",
-               "_gru_grad_loop", "native_fast_loop", "native_fast_isa", "native_openmp", "_cudnn_flat_buffer",
+               "_gru_grad_loop", "native_fast_loop", "native_fast_isa", "native_openmp", "native_short_lstm_rows", "_cudnn_flat_buffer",
                "_cudnn_grad_buffer", "_cudnn_python_bodies")
 
 

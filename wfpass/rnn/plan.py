@@ -139,6 +139,14 @@ def kernel_words(spec: RnnSpec, path: str, x: torch.Tensor):
     """The kernel a path runs, in words a user knows, and the counter its
     calls are counted in: ``("oneDNN LSTM", "onednn_lstm_calls")``."""
     if path == "mkldnn":
+        from .. import native as _native
+
+        rows = _native.short_lstm_rows() if x.device.type == "cpu" and x.dtype == torch.float32 else 0
+        if rows:
+            # The op's C++ kernel takes the loop for such calls on their real
+            # sizes (native/rnn/short_lstm.h): a symbolic T gets it too.
+            return (f"oneDNN LSTM (an inference call of at most {rows} rows, T x batch, on wfpass's C++ loop "
+                    "reading the weights as they are)"), "onednn_lstm_calls"
         return "oneDNN LSTM", "onednn_lstm_calls"
     if path == "cxx":
         from .. import native as _native

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/weight_sample.h"
+#include "short_lstm.h"
 #include "wfpass_schemas.h"  // the ops' schemas, written by the build from wfpass/native/schemas.py
 
 namespace {
@@ -199,6 +200,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lstm_layer(const Tensor& input, const
                                                       const Tensor& b_ih, const Tensor& b_hh, const Opt& hx,
                                                       const Opt& cx, bool reverse, int64_t hidden_size,
                                                       bool has_biases, bool train) {
+  // A short inference call (T x batch <= 16 rows) runs wfpass's C++ loop
+  // (short_lstm.h says why and what was measured).
+  if (!train && wfpass_varlen::takes_short_lstm(input, w_hh, hidden_size)) {
+    auto r = wfpass_varlen::short_lstm(input, w_ih, w_hh, has_biases ? Opt(b_ih) : Opt(), has_biases ? Opt(b_hh) : Opt(),
+                                       hx, cx, reverse);
+    return {std::get<0>(r), std::get<1>(r), std::get<2>(r), at::empty({0}, input.options().dtype(at::kByte))};
+  }
   // Inference: from the pair's copy in oneDNN's layout where it has one.
   // Training reads the parameters (the backward differentiates them, and
   // an optimizer step would make every copy stale).

@@ -30,6 +30,7 @@
 
 #include "fast_rnn.h"
 #include "../linear/direct.h"
+#include "short_lstm.h"
 
 #include <cctype>
 #include <cstdlib>
@@ -1320,6 +1321,26 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
 
 }  // namespace
 
+namespace wfpass_varlen {
+
+bool takes_short_lstm(const Tensor& input, const Tensor& w_hh, int64_t hidden_size) {
+  static const bool on = as_is_setting() != AsIs::off;  // WFPASS_RNN_AS_IS=0 turns this off too
+  return on && input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 3 &&
+         input.size(0) * input.size(1) <= kShortLstmRows && input.size(0) * input.size(1) > 0 &&
+         w_hh.size(1) == hidden_size && fast(input) && wfpass_direct::available();
+}
+
+std::tuple<Tensor, Tensor, Tensor> short_lstm(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
+                                              const Opt& b_ih, const Opt& b_hh, const Opt& hx, const Opt& cx,
+                                              bool reverse) {
+  const int64_t T = input.size(0), B = input.size(1);
+  Fw r = packed_layer(input, at::empty({0}, input.options().dtype(at::kLong)), w_ih, w_hh, b_ih, b_hh,
+                      std::nullopt, hx, cx, "LSTM", reverse, false);
+  return {std::get<0>(r).view({T, B, std::get<0>(r).size(-1)}), std::get<1>(r), std::get<2>(r)};
+}
+
+}  // namespace wfpass_varlen
+
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
   m.impl("packed_layer", packed_layer);
   m.impl("packed_layer_fw", packed_layer);
@@ -1332,9 +1353,15 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
 // Whether the raw-pointer loop (fast_rnn.cpp) serves fp32 calls in this
 // process: for the report and the tests (wfpass/native, fast_loop).
 // And whether packed_bilayer_fw can run its two directions at once (built
-// with OpenMP: wfpass/native, parallel_directions).
+// with OpenMP: wfpass/native, parallel_directions). And the rows up to
+// which an inference lstm_layer_fw call runs on the loop (short_lstm.h;
+// 0: never here), for the report's words (wfpass/native, short_lstm_rows).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def(WFPASS_SCHEMA_native_fast_loop, []() { return wfpass_fast::fast_loop(); });
+  m.def(WFPASS_SCHEMA_native_short_lstm_rows, []() -> int64_t {
+    const bool on = as_is_setting() != AsIs::off && wfpass_fast::fast_loop() && wfpass_direct::available();
+    return on ? wfpass_varlen::kShortLstmRows : 0;
+  });
   m.def(WFPASS_SCHEMA_native_fast_isa, []() { return std::string(wfpass_fast::fast_isa()); });
   m.def(WFPASS_SCHEMA_native_openmp, []() {
 #ifdef _OPENMP
