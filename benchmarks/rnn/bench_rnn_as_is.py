@@ -161,7 +161,7 @@ def layer_table(threads: int, rounds: int) -> list:
                      f"{'the C++ loop' if rows <= 16 else 'oneDNN'} |")
     lines += ["", f"At most 16 rows ({len(short)} shapes) the op ran {min(short):.2f}-{max(short):.2f}x as fast as "
               f"oneDNN's layer; above ({len(long_)} shapes, both oneDNN) {min(long_):.2f}-{max(long_):.2f}x "
-              "(noise between two processes running the same kernel).", ""]
+              "(both processes run oneDNN's layer there: that spread is between processes, not kernels; at 2 threads oneDNN's layer ran slower in the processes with the short path off, not explained here).", ""]
     return lines
 
 

@@ -6,7 +6,8 @@
 // oneDNN's layer: LSTM, hidden = input = 64 / 128 / 256 / 512, T 1-16,
 // batch 1-16, no grad, 1 and 2 threads, Intel Xeon with AVX-512 and AMX
 // (benchmarks/rnn/bench_rnn_as_is.py --lstm-layer,
-// docs/results/rnn_short_calls.md); at 32 rows and more it lost at some
+// docs/results/rnn_short_calls.md), and 1.27-43x on an AMD EPYC with
+// AVX-512, no AMX (rnn_short_calls_amd.md); at 32 rows and more it lost at some
 // sizes in an earlier sweep (0.73x at hidden 256, T 64, batch 1, 2 threads). The decision is
 // taken on each call's real sizes, so a graph or program whose T is
 // symbolic gets it for every T that comes; the op's fake and outputs are
