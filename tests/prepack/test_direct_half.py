@@ -26,7 +26,8 @@ def _want(x, w, b, dtype):
 @pytest.mark.parametrize("dtype", HALF or [torch.bfloat16])
 def test_half_weights_give_the_float32_sums_rounded_once(dtype):
     """Any shape (output features not a multiple of the 16-row block, input
-    features not a multiple of the vector width: the row's tail), 1 to 70
+    features not a multiple of the vector width: the row's tail; 53 = a
+    whole cache line of a half row, one vector, a tail), 1 to 70
     input rows, batched and strided inputs, a weight whose rows are apart
     or transposed, with and without a bias, at 1 and 2 threads: within one
     rounding of the exact result (the plain GEMM is held to the same)."""
@@ -36,7 +37,7 @@ def test_half_weights_give_the_float32_sums_rounded_once(dtype):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (48, 1), (35, 1030), (64, 2048)):
+            for n, k in ((384, 256), (100, 37), (1, 5), (17, 16), (48, 1), (35, 1030), (64, 2048), (33, 53)):
                 w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
                 wide = torch.randn(n, k + 3).to(dtype)[:, 1:k + 1]
                 for x in (*(torch.randn(m, k).to(dtype) for m in (1, 2, 3, 5, 7, 70)),
