@@ -131,3 +131,50 @@ def test_the_amx_body_is_on_by_default_and_wfpass_direct_amx_0_turns_it_off():
     pytest_in_a_process({"WFPASS_DIRECT_AMX": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
                         "native.load(); assert not _nops.direct_amx()",
                         ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words(),
+                    reason="needs AVX-512 BF16 without AMX (with AMX the tiles take these rows)")
+def test_bf16_dot_products_take_prompt_rows_and_agree_with_the_widening_body():
+    """At 8 or more rows (K a multiple of 32) a bf16 weight goes through
+    vdpbf16ps (direct_bf16dot.h): each row's result is the widening body's
+    for that row alone (1 row) within one rounding, at 8 to 70 rows (tiles
+    of 4 input rows and their rest), weight rows apart, N not a multiple of
+    4, with a bias; and its bits are not the widening body's (the path is
+    taken: a sum whose float32 rounding depends on which products meet
+    first)."""
+    native.load()
+    if not _nops.direct_bf16dot():
+        pytest.skip("the bf16 dot body is off here (WFPASS_DIRECT_BF16DOT=0 or no AVX-512 build)")
+    torch.manual_seed(0)
+    for n, k, ld in ((64, 2048, 2048), (45, 96, 96), (33, 64, 80)):
+        w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
+        b = torch.randn(n).to(torch.bfloat16)
+        for m in (8, 9, 16, 17, 70):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            got = _nops.direct_linear(x, w, b)
+            rows = torch.cat([_nops.direct_linear(x[i:i + 1], w, b) for i in range(m)])
+            scale = rows.abs().max().item()
+            assert (got.double() - rows.double()).abs().max().item() <= 2 ** -7 * scale, (n, k, m)
+            assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
+    # 2^24 + 1 - 2^24 over 32 inputs: the widening body sums inputs 0 and 16
+    # in one lane (2^24 - 2^24) and input 1 in another: 1. The dot body adds
+    # input 1 to input 0's lane first, 2^24 + 1, which float32 rounds to 2^24: 0.
+    x = torch.zeros(8, 32, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1], x[:, 16] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    w = torch.ones(16, 32, dtype=torch.bfloat16)
+    assert _nops.direct_linear(x[:1], w, None).eq(1).all()
+    assert _nops.direct_linear(x, w, None).eq(0).all()
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words() or _nops.direct_isa() != "avx512f",
+                    reason="needs AVX-512 BF16 without AMX")
+def test_wfpass_direct_bf16dot_0_turns_the_dot_body_off():
+    """In fresh processes (the switch is read once): on by default; with
+    WFPASS_DIRECT_BF16DOT=0 off, and the rounding checks hold on the
+    widening body alone."""
+    from wftest import pytest_in_a_process
+
+    pytest_in_a_process({"WFPASS_DIRECT_BF16DOT": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
+                        "native.load(); assert not _nops.direct_bf16dot()",
+                        ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])

@@ -51,7 +51,7 @@ _HERE = Path(__file__).resolve().parent
 _SOURCES = ("prepack/prepack.cpp", "linear/direct.cpp", "rnn/rnn.cpp", "rnn/varlen_rnn.cpp", "rnn/fast_rnn.cpp",
             "rnn/varlen_sequence.cpp", "linear/linear.cpp", "rnn/cudnn.cpp")
 #: Included by the sources: part of the cache key, not compiled alone.
-_HEADERS = ("linear/direct.h", "linear/direct_kernel.h", "linear/direct_amx.h", "rnn/fast_rnn.h", "rnn/fast_gates.h", "rnn/short_lstm.h", "common/weight_sample.h")
+_HEADERS = ("linear/direct.h", "linear/direct_kernel.h", "linear/direct_amx.h", "linear/direct_bf16dot.h", "rnn/fast_rnn.h", "rnn/fast_gates.h", "rnn/short_lstm.h", "common/weight_sample.h")
 
 # None: not tried yet; "": loaded; else why not.
 _STATE: list = [None]

@@ -9,7 +9,7 @@ import torch
 
 from . import fast_loop, loaded
 
-__all__ = ["direct_runs", "direct_isa", "direct_amx", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
+__all__ = ["direct_runs", "direct_isa", "direct_amx", "direct_bf16dot", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
 
 
 def direct_runs(dtype: torch.dtype) -> bool:
@@ -37,6 +37,15 @@ def direct_amx() -> bool:
     if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_amx"):
         return False
     return bool(torch.ops.wfpass.native_direct_amx())
+
+
+def direct_bf16dot() -> bool:
+    """Does the ``"direct"`` kernel take bfloat16 weights at 8 or more input
+    rows through AVX-512 BF16 dot products here (a CPU with AVX-512 BF16
+    where AMX is not in use, unless ``WFPASS_DIRECT_BF16DOT=0``)?"""
+    if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_bf16dot"):
+        return False
+    return bool(torch.ops.wfpass.native_direct_bf16dot())
 
 
 def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:

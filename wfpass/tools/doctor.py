@@ -59,7 +59,9 @@ def _native_lines() -> List[str]:
         isa = _nops.direct_isa()
         out.append(f"direct linear (float32, bfloat16, float16: dot products over the weight as it is, no copy): "
                    + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'}"
-                      f"{'; bfloat16 at 4+ rows on AMX tiles (WFPASS_DIRECT_AMX=0: off)' if _nops.direct_amx() else ''})" if isa else
+                      f"{'; bfloat16 at 4+ rows on AMX tiles (WFPASS_DIRECT_AMX=0: off)' if _nops.direct_amx() else ''}"
+                      f"{'; bfloat16 at 8+ rows by AVX-512 BF16 dot products (WFPASS_DIRECT_BF16DOT=0: off)' if _nops.direct_bf16dot() else ''})"
+                      if isa else
                       "no (a CPU with neither AVX-512F nor AVX2 with FMA and F16C, or WFPASS_DIRECT=0)"))
         out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "
                    f"{_yes(_nops.panel_packs(torch.float32))}")

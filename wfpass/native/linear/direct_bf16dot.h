@@ -1,0 +1,91 @@
+// The direct kernel's body for a prompt's bf16 rows on a CPU with AVX-512
+// BF16 and no AMX (direct.cpp, dot_takes): vdpbf16ps multiplies 32 bf16
+// pairs of an input row and a weight row and adds them, pair by pair, into
+// 16 float32 sums, reading the input and the weight as they are (no
+// widening of either). A tile of R input rows x 4 weight rows (R <= 4),
+// over K in steps of 32 (one 64-byte line of each row), the sums reduced
+// once at the end. Every product of two bf16 values is exact in float32, so
+// the sums are float32 sums of the exact products, as the widening body's
+// are, in another order; the output is rounded once, as there.
+// Why: without it, 16 prompt rows of a bf16 model on an AMD EPYC (AVX-512
+// BF16, no AMX) ran faster from oneDNN's packed copies, and the decision
+// rule kept a copy of most of the model (946 MiB for 1.06 GB of weights).
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define WFPASS_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+namespace wfpass_direct {
+namespace bf16dot {
+
+// Does this CPU run vdpbf16ps (and the OS keep AVX-512 state)?
+inline bool probe() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
+
+// y[i * ldy + j] = x_i . w_j (+ bias[j]), R input rows (leading dim K) x C
+// weight rows (leading dim ldw), K % 32 == 0. With PF, the C rows at pf
+// are fetched into L2 meanwhile.
+template <int R, int C, bool PF>
+WFPASS_DOT_TARGET inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ldw, const float* bias,
+                                   float* y, int64_t ldy, const uint16_t* pf) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[R];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+}
+
+// Every input row (M of them) against weight rows r0 .. r1 - 1 of N: 4 at a
+// time, the 4 rows' lines read from memory by the first tile of input rows
+// (which fetches the lines of the rows kAhead further on, as the widening
+// body does) and from cache by the others.
+constexpr int64_t kAhead = 16;
+template <int C>
+WFPASS_DOT_TARGET inline void panel(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w,
+                                    int64_t ldw, const float* bias, float* y, int64_t n, bool pf_ok) {
+  const uint16_t* pf = pf_ok ? w + kAhead * ldw : w;
+  int64_t i = 0;
+  if (i + 4 <= M) {
+    tile<4, C, true>(x, K, w, ldw, bias, y, N, pf);
+    i += 4;
+  }
+  for (; i + 4 <= M; i += 4) tile<4, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr);
+  switch (M - i) {
+    case 3: tile<3, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
+    case 2: tile<2, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
+    case 1: tile<1, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
+    default: break;
+  }
+  (void)n;
+}
+
+WFPASS_DOT_TARGET inline void rows(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w, int64_t ldw,
+                                   const float* bias, float* y, int64_t r0, int64_t r1) {
+  int64_t n = r0;
+  for (; n + 4 <= r1; n += 4)
+    panel<4>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n, n + kAhead + 4 <= N);
+  for (; n < r1; ++n) panel<1>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n, false);
+}
+
+}  // namespace bf16dot
+}  // namespace wfpass_direct
+#endif
