@@ -264,8 +264,7 @@ def _machine() -> str:
     threads, and the copy-free kernel's body (AMX tiles or AVX-512 BF16 dot
     products or neither: a decision measured with another body is measured
     again)."""
-    direct = (_nops.direct_isa() + ("+amx" if _nops.direct_amx() else "")
-              + ("+bf16dot" if _nops.direct_bf16dot() else ""))
+    direct = _nops.direct_isa() + ("+amx" if _nops.direct_amx() else "") + ("+bf16dot" if _nops.direct_bf16dot() else "")
     return (f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | rule {RULE} | "
             f"direct {direct or 'none'}")
 
