@@ -95,6 +95,23 @@ def test_fp16_linears_where_onednn_has_no_fp16_kernel_take_the_direct_kernel(mon
         [(r.action, r.reason) for r in rows]
 
 
+def _prompt_rows_agree_with_single_rows(shapes, row_counts):
+    """For each (n, k, leading dim) bf16 weight with a bias and each row
+    count m: the call over m rows equals the m one-row calls (the widening
+    body) and the exact sums within one rounding."""
+    torch.manual_seed(0)
+    for n, k, ld in shapes:
+        w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
+        b = torch.randn(n).to(torch.bfloat16)
+        for m in row_counts:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            got = _nops.direct_linear(x, w, b)
+            rows = torch.cat([_nops.direct_linear(x[i:i + 1], w, b) for i in range(m)])
+            scale = rows.abs().max().item()
+            assert (got.double() - rows.double()).abs().max().item() <= 2 ** -7 * scale, (n, k, m)
+            assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
+
+
 @pytest.mark.skipif("amx_bf16" not in cpu_words(), reason="no AMX-BF16 on this CPU")
 def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
     """At 4 or more rows a bf16 weight whose shape fits the tiles (K a
@@ -105,17 +122,7 @@ def test_amx_tiles_take_bf16_prompt_rows_and_agree_with_the_widening_body():
     native.load()
     if not _nops.direct_amx():
         pytest.skip("the AMX body is off here (WFPASS_DIRECT_AMX=0, the kernel refused the tiles, or no AVX-512 build)")
-    torch.manual_seed(0)
-    for n, k, ld in ((64, 2048, 2048), (48, 96, 96), (32, 64, 80)):
-        w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
-        b = torch.randn(n).to(torch.bfloat16)
-        for m in (4, 16, 17, 32, 33, 70):
-            x = torch.randn(m, k).to(torch.bfloat16)
-            got = _nops.direct_linear(x, w, b)
-            rows = torch.cat([_nops.direct_linear(x[i:i + 1], w, b) for i in range(m)])
-            scale = rows.abs().max().item()
-            assert (got.double() - rows.double()).abs().max().item() <= 2 ** -7 * scale, (n, k, m)
-            assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
+    _prompt_rows_agree_with_single_rows(((64, 2048, 2048), (48, 96, 96), (32, 64, 80)), (4, 16, 17, 32, 33, 70))
 
 
 @pytest.mark.skipif("amx_bf16" not in cpu_words() or _nops.direct_isa() != "avx512f", reason="no AMX-BF16 on this CPU")
@@ -146,17 +153,7 @@ def test_bf16_dot_products_take_prompt_rows_and_agree_with_the_widening_body():
     native.load()
     if not _nops.direct_bf16dot():
         pytest.skip("the bf16 dot body is off here (WFPASS_DIRECT_BF16DOT=0 or no AVX-512 build)")
-    torch.manual_seed(0)
-    for n, k, ld in ((64, 2048, 2048), (45, 96, 96), (33, 64, 80)):
-        w = torch.randn(n, ld).to(torch.bfloat16)[:, :k]
-        b = torch.randn(n).to(torch.bfloat16)
-        for m in (8, 9, 16, 17, 70):
-            x = torch.randn(m, k).to(torch.bfloat16)
-            got = _nops.direct_linear(x, w, b)
-            rows = torch.cat([_nops.direct_linear(x[i:i + 1], w, b) for i in range(m)])
-            scale = rows.abs().max().item()
-            assert (got.double() - rows.double()).abs().max().item() <= 2 ** -7 * scale, (n, k, m)
-            assert (got.double() - _want(x, w, b, torch.bfloat16).double()).abs().max().item() <= 2 ** -7 * scale
+    _prompt_rows_agree_with_single_rows(((64, 2048, 2048), (45, 96, 96), (33, 64, 80)), (8, 9, 16, 17, 70))
     # 2^24 + 1 - 2^24 over 32 inputs: the widening body sums inputs 0 and 16
     # in one lane (2^24 - 2^24) and input 1 in another: 1. The dot body adds
     # input 1 to input 0's lane first, 2^24 + 1, which float32 rounds to 2^24: 0.
