@@ -117,13 +117,20 @@ def run(setting: str, threads: int, layer: bool = False) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def table(threads: int, rounds: int) -> list:
-    got = {"0": [], "all": []}
+def _medians(settings: tuple, threads: int, rounds: int, layer: bool = False) -> dict:
+    """Each WFPASS_RNN_AS_IS setting's per-shape median over the rounds, the
+    two settings alternating which runs first, each in processes of its own."""
+    a, b = settings
+    got = {a: [], b: []}
     for i in range(rounds):
-        for setting in (("0", "all") if i % 2 == 0 else ("all", "0")):
-            got[setting].append(run(setting, threads))
+        for setting in ((a, b) if i % 2 == 0 else (b, a)):
+            got[setting].append(run(setting, threads, layer))
             print(f"threads {threads}, round {i + 1}, WFPASS_RNN_AS_IS={setting}: done", file=sys.stderr, flush=True)
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in got.items()}
+    return {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in got.items()}
+
+
+def table(threads: int, rounds: int) -> list:
+    med = _medians(("0", "all"), threads, rounds)
     lines = [f"### {threads} thread(s)", "",
              "| cell | hidden | T | batch | transposes, us | as they are, us | as they are: x faster | the rule takes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -143,11 +150,7 @@ def table(threads: int, rounds: int) -> list:
 
 
 def layer_table(threads: int, rounds: int) -> list:
-    got = {"0": [], "": []}
-    for i in range(rounds):
-        for setting in (("0", "") if i % 2 == 0 else ("", "0")):
-            got[setting].append(run(setting, threads, layer=True))
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in got.items()}
+    med = _medians(("0", ""), threads, rounds, layer=True)
     lines = [f"### {threads} thread(s)", "",
              "| hidden | T | batch | rows | oneDNN's layer, us | the op by default, us | x faster | kernel by default |",
              "|---|---|---|---|---|---|---|---|"]

@@ -353,7 +353,7 @@ std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, c
   // AMX tiles where they take every member's rows, as the one-weight op's.
   bool tiles = true, dots = true;
   for (const at::Tensor& w : weights) tiles = tiles && amx_takes(dt, M, w.size(0), K);
-  for (const at::Tensor& w : weights) dots = dots && !tiles && dot_takes(dt, M, w.size(0), K);
+  for (const at::Tensor& w : weights) dots = dots && dot_takes(dt, M, w.size(0), K);  // never with tiles
   // Otherwise the input rows in float32 (M x K values: a few KB at decode row counts).
   const at::Tensor xf = (tiles || dots) ? x2.contiguous() : x2.to(at::kFloat).contiguous();
   std::vector<at::Tensor> keep;  // the float32 biases and any weight made row-contiguous, alive for the call
@@ -369,14 +369,10 @@ std::vector<at::Tensor> group_op(const at::Tensor& x2, at::TensorList weights, c
     }
     ms.push_back({wc.const_data_ptr(), wc.stride(0), w.size(0), bp, sums[i].data_ptr<float>()});
   }
-  if (tiles)
+  if (tiles || dots)
     for (const GroupMember& m : ms)
-      run_amx(M, m.n, K, reinterpret_cast<const uint16_t*>(xf.const_data_ptr<at::BFloat16>()),
-              static_cast<const uint16_t*>(m.w), m.ldw, m.bias, m.y);
-  else if (dots)
-    for (const GroupMember& m : ms)
-      run_dot(M, m.n, K, reinterpret_cast<const uint16_t*>(xf.const_data_ptr<at::BFloat16>()),
-              static_cast<const uint16_t*>(m.w), m.ldw, m.bias, m.y);
+      (tiles ? run_amx : run_dot)(M, m.n, K, reinterpret_cast<const uint16_t*>(xf.const_data_ptr<at::BFloat16>()),
+                                  static_cast<const uint16_t*>(m.w), m.ldw, m.bias, m.y);
   else if (dt == at::kFloat)
     run_group<float>(M, K, xf.const_data_ptr<float>(), K, ms);
   else if (dt == at::kBFloat16)
@@ -435,16 +431,11 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& w, const std::option
     return y;
   }
   at::Tensor y32 = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (tiles) {
+  if (tiles || dots) {  // the input's bf16 rows as they are
     const at::Tensor xb = x.reshape({M, K}).contiguous();
-    wfpass_direct::run_amx(M, N, K, reinterpret_cast<const uint16_t*>(xb.const_data_ptr<at::BFloat16>()),
-                           reinterpret_cast<const uint16_t*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
-                           y32.data_ptr<float>());
-  } else if (dots) {
-    const at::Tensor xb = x.reshape({M, K}).contiguous();
-    wfpass_direct::run_dot(M, N, K, reinterpret_cast<const uint16_t*>(xb.const_data_ptr<at::BFloat16>()),
-                           reinterpret_cast<const uint16_t*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,
-                           y32.data_ptr<float>());
+    (tiles ? wfpass_direct::run_amx : wfpass_direct::run_dot)(
+        M, N, K, reinterpret_cast<const uint16_t*>(xb.const_data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp, y32.data_ptr<float>());
   } else if (dt == at::kBFloat16)
     wfpass_direct::run<Bf16>(M, N, K, x2.const_data_ptr<float>(), K,
                              reinterpret_cast<const Bf16*>(wc.const_data_ptr<at::BFloat16>()), wc.stride(0), bp,

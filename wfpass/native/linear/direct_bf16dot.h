@@ -61,7 +61,7 @@ WFPASS_DOT_TARGET inline void tile(const uint16_t* x, int64_t K, const uint16_t*
 constexpr int64_t kAhead = 16;
 template <int C>
 WFPASS_DOT_TARGET inline void panel(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w,
-                                    int64_t ldw, const float* bias, float* y, int64_t n, bool pf_ok) {
+                                    int64_t ldw, const float* bias, float* y, bool pf_ok) {
   const uint16_t* pf = pf_ok ? w + kAhead * ldw : w;
   int64_t i = 0;
   if (i + 4 <= M) {
@@ -75,15 +75,14 @@ WFPASS_DOT_TARGET inline void panel(int64_t M, int64_t N, int64_t K, const uint1
     case 1: tile<1, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
     default: break;
   }
-  (void)n;
 }
 
 WFPASS_DOT_TARGET inline void rows(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w, int64_t ldw,
                                    const float* bias, float* y, int64_t r0, int64_t r1) {
   int64_t n = r0;
   for (; n + 4 <= r1; n += 4)
-    panel<4>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n, n + kAhead + 4 <= N);
-  for (; n < r1; ++n) panel<1>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n, false);
+    panel<4>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n + kAhead + 4 <= N);
+  for (; n < r1; ++n) panel<1>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, false);
 }
 
 }  // namespace bf16dot

@@ -23,9 +23,12 @@ namespace wfpass_varlen {
 
 constexpr int64_t kShortLstmRows = 16;
 
+// Is the short path in use in this process: the loop and the direct
+// kernel, WFPASS_RNN_AS_IS not 0 / false / no / off (read once).
+bool short_lstm_on();
+
 // Does this call take short_lstm? float32 on the CPU, [T, B, I] with T x B
-// in 1..kShortLstmRows, no projection, the loop and the direct kernel in use,
-// WFPASS_RNN_AS_IS not 0 / false / no / off.
+// in 1..kShortLstmRows, no projection, short_lstm_on().
 bool takes_short_lstm(const at::Tensor& input, const at::Tensor& w_hh, int64_t hidden_size);
 
 // The layer on the loop: (output [T, B, H], h_n [1, B, H], c_n [1, B, H]),

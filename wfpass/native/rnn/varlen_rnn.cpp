@@ -1323,11 +1323,16 @@ std::tuple<Tensor, std::vector<Tensor>, Tensor, Tensor> packed_bilayer_backward(
 
 namespace wfpass_varlen {
 
+bool short_lstm_on() {
+  // WFPASS_RNN_AS_IS=0 turns this off too.
+  static const bool on = as_is_setting() != AsIs::off && wfpass_fast::fast_loop() && wfpass_direct::available();
+  return on;
+}
+
 bool takes_short_lstm(const Tensor& input, const Tensor& w_hh, int64_t hidden_size) {
-  static const bool on = as_is_setting() != AsIs::off;  // WFPASS_RNN_AS_IS=0 turns this off too
-  return on && input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 3 &&
+  return short_lstm_on() && input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 3 &&
          input.size(0) * input.size(1) <= kShortLstmRows && input.size(0) * input.size(1) > 0 &&
-         w_hh.size(1) == hidden_size && fast(input) && wfpass_direct::available();
+         w_hh.size(1) == hidden_size && fast(input);
 }
 
 std::tuple<Tensor, Tensor, Tensor> short_lstm(const Tensor& input, const Tensor& w_ih, const Tensor& w_hh,
@@ -1358,10 +1363,8 @@ TORCH_LIBRARY_IMPL(wfpass, CPU, m) {
 // 0: never here), for the report's words (wfpass/native, short_lstm_rows).
 TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def(WFPASS_SCHEMA_native_fast_loop, []() { return wfpass_fast::fast_loop(); });
-  m.def(WFPASS_SCHEMA_native_short_lstm_rows, []() -> int64_t {
-    const bool on = as_is_setting() != AsIs::off && wfpass_fast::fast_loop() && wfpass_direct::available();
-    return on ? wfpass_varlen::kShortLstmRows : 0;
-  });
+  m.def(WFPASS_SCHEMA_native_short_lstm_rows,
+        []() -> int64_t { return wfpass_varlen::short_lstm_on() ? wfpass_varlen::kShortLstmRows : 0; });
   m.def(WFPASS_SCHEMA_native_fast_isa, []() { return std::string(wfpass_fast::fast_isa()); });
   m.def(WFPASS_SCHEMA_native_openmp, []() {
 #ifdef _OPENMP
