@@ -352,10 +352,11 @@ def fresh_kernel_count(monkeypatch):
     none, as a fresh process does, not from the kernels earlier tests made."""
     monkeypatch.setattr(pstate, "_TOTAL", [0])
     monkeypatch.setattr(pstate, "_SEEN", set())
-    # Nor from the last kernel an earlier test measured: a new kernel is
-    # estimated from it before it is made (on torch 2.11's CUDA build a
+    # Nor from the kernels an earlier test measured: a new kernel is
+    # estimated from them before it is made (on torch 2.11's CUDA build a
     # shape's later row counts cost ~40 KiB, its first 0.43 MiB).
-    monkeypatch.setattr(pstate, "_LAST", {})
+    monkeypatch.setattr(pstate, "_LARGEST", {})
+    monkeypatch.setattr(pstate, "_SHAPES", set())
 
 
 @pytest.fixture
@@ -473,13 +474,17 @@ def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_k
     # A shape of its own, to measure what a kernel costs on this build: the
     # second row count's (on 2.11 a shape's first kernel costs ten times more).
     packed = _k.onednn_pack(torch.randn(120, 248))
+    charges = []
     for m in (3, 4):
-        _, per_kernel = pstate.run_first(("onednn", torch.float32, 120, 248, m, False),
-                                         lambda: _k.onednn_linear(torch.randn(m, 248), packed, None))
-    per_kernel = per_kernel or pstate.estimate("onednn")
+        key = ("onednn", torch.float32, 120, 248, m, False)
+        charges.append(pstate.run_first(key, lambda: _k.onednn_linear(torch.randn(m, 248), packed, None))[1]
+                       or pstate.estimate(key))
+    first, per_kernel = charges
     pstate._TOTAL[0] = 0  # the probe's kernels are not the model's (the fixture's count, restored after)
     torch.manual_seed(0)
-    model = EmbedHead(rows=max(64, 6 * per_kernel // (256 * 4))).eval()
+    # Room for the head's first kernel and about five more, as estimated.
+    room = int(pstate.MARGIN * (first + 6 * per_kernel))
+    model = EmbedHead(rows=max(64, room // (256 * 4))).eval()
     ref = copy.deepcopy(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     before = pstate.total()
@@ -497,6 +502,32 @@ def test_a_symbolic_row_count_keeps_copies_and_kernels_within_the_budget(fresh_k
     if pstate._HEAP is not None:  # glibc: each kernel measured (else charged an estimate)
         assert sum(r.stats.get("kernel_bytes", 0) for r in rows) > 0, [r.stats for r in rows]
     assert "kernel_bytes=" in str(wfpass.report(model))
+
+
+def test_a_kernel_is_estimated_from_the_largest_charge_of_its_class(fresh_kernel_count, monkeypatch):
+    """The budget refuses a kernel before it is made, on an estimate: the
+    largest charge measured for a new weight shape, or for one more row
+    count of a known shape, with headroom (state.MARGIN). Checked on a heap
+    that grows by what each call says, so the charges are exact."""
+    heap = [0]
+    monkeypatch.setattr(pstate, "_HEAP", lambda: heap[0])
+
+    def made(nbytes):
+        def call():
+            heap[0] += nbytes
+            return torch.empty(0)
+        return call
+
+    key = lambda n, m: ("onednn", torch.float32, n, 64, m, False)
+    assert pstate.estimate(key(8, 1)) == int(pstate.GUESS["onednn"] * pstate.MARGIN)  # nothing measured
+    assert pstate.run_first(key(8, 1), made(400_000))[1] == 400_000
+    # A known shape's next row count, none measured: at most its shape's first.
+    assert pstate.estimate(key(8, 2)) == int(400_000 * pstate.MARGIN)
+    pstate.run_first(key(8, 2), made(40_000))
+    pstate.run_first(key(8, 3), made(30_000))
+    assert pstate.estimate(key(8, 4)) == int(40_000 * pstate.MARGIN)  # the largest, not the last
+    assert pstate.estimate(key(16, 1)) == int(400_000 * pstate.MARGIN)  # a new shape: its own class
+    assert pstate.run_first(key(8, 3), made(30_000))[1] == 0 and pstate.total() == 470_000  # made once
 
 
 def test_max_bytes_bounds_the_copies_and_zero_allows_no_copy():

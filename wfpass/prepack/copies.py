@@ -268,8 +268,9 @@ def _kernel_over_budget(site, w0: torch.Tensor, m: int, kernel: str, skey: tuple
     # with the Python kernel alone every call comes here.
     if not _state.known(skey):
         budget = budget_of(site.max_bytes)
-        if budget is not None and _state.total() + _state.estimate(kernel) > budget:
-            _over_budget(site, w0, m, kernel, _state.estimate(kernel), budget, what="kernel")
+        need = _state.estimate(skey)
+        if budget is not None and _state.total() + need > budget:
+            _over_budget(site, w0, m, kernel, need, budget, what="kernel")
             return True
     return False
 
