@@ -396,8 +396,8 @@ def main(argv=None) -> None:
         table = kernel_crossover(shapes, lengths, log)
         text = "\n".join([
             "# RNN kernels on the CPU: where the per-step path stops being faster", "",
-            f"`benchmarks/rnn/bench_rnn.py --crossover` on {datetime.date.today()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s). Command:", "", "```", " ".join(["python"] + sys.argv), "```", "",
+            f"Machine: {cpu_words()}; {torch.get_num_threads()} torch thread(s); torch {torch.__version__}.", "",
+            f"`benchmarks/rnn/bench_rnn.py --crossover` on {datetime.date.today()}. Command:", "", "```", " ".join(["python"] + sys.argv), "```", "",
             "One-layer LSTM(hidden, hidden), kernels called directly (no compile): ATen's native kernel "
             "(the unfused path) against oneDNN's fused kernel. **x faster** = the fused kernel's time / the unfused "
             "path's time: above 1, the unfused path is faster. Medians of interleaved runs. Crossover N = the largest "
