@@ -198,9 +198,14 @@ def main() -> None:
         return
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     rows = []
-    # Every finished configuration is kept (JSON lines next to the table), so
-    # a run that stops part-way resumes where it stopped.
-    cache_path = (a.out.rsplit(".", 1)[0] + ".jsonl") if a.out else None
+    # Every finished configuration is kept (JSON lines under data/ beside the
+    # table, as the results pages keep their raw data), so a run that stops
+    # part-way resumes where it stopped.
+    cache_path = None
+    if a.out:
+        head, name = os.path.split(a.out)
+        cache_path = os.path.join(head, "data", name.rsplit(".", 1)[0] + ".jsonl")
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
     done = {}
     if cache_path and os.path.exists(cache_path):
         for line in open(cache_path):
