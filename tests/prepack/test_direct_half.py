@@ -175,3 +175,69 @@ def test_wfpass_direct_bf16dot_0_turns_the_dot_body_off():
     pytest_in_a_process({"WFPASS_DIRECT_BF16DOT": "0"}, "from wfpass import native; from wfpass.native import ops as _nops; "
                         "native.load(); assert not _nops.direct_bf16dot()",
                         ["tests/prepack/test_direct_half.py", "-k", "rounded_once"])
+
+
+@pytest.mark.parametrize("dtype", HALF or [torch.bfloat16])
+def test_one_and_two_rows_give_an_output_the_same_bits_in_any_call(dtype):
+    """One and two input rows over a half-precision weight whose rows are 4
+    KB apart read each weight row from a column of its own (``block_skew``
+    in direct_kernel.h, so a block's rows do not all sit in one L1 set): an
+    output's sum depends on its weight row and K alone, so a row's result
+    is the same bits alone, beside a second row, in a batched call and at 1
+    and 2 threads, and within one rounding of the exact sums (K: 4 KB rows,
+    a tail past the last whole line, less than one line, and rows 4 KB
+    apart whose K is shorter than their stride)."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for k, ld in ((2048, 2048), (1030, 1030), (53, 53), (5, 5), (2000, 2048)):
+            w, b = torch.randn(100, ld).to(dtype)[:, :k], torch.randn(100).to(dtype)
+            x = torch.randn(2, k).to(dtype)
+            torch.set_num_threads(1)
+            one, two = _nops.direct_linear(x[:1], w, b), _nops.direct_linear(x, w, b)
+            torch.set_num_threads(2)
+            assert torch.equal(one[0], two[0]), k
+            assert torch.equal(_nops.direct_linear(x, w, b), two), k
+            assert torch.equal(_nops.direct_linear(x.view(2, 1, k), w, b).view(2, -1), two), k
+            want = _want(x, w, b, dtype).double()
+            err = (two.double() - want).abs().max().item() / want.abs().max().item()
+            assert err <= {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype], (k, err)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _order_probe():
+    """A bf16 weight whose row 1 sums to 1 in the skewed order and to 0 at
+    one column: in lane 0, 2^24 at line 0, 1 at line 4 (where row 1 starts
+    when skewed: (1 * 64 lines) / 16), -2^24 at line 5. At one column
+    2^24 + 1 rounds to 2^24 and the row sums to 0; from line 4 it is
+    1 - 2^24 (exact), then + 2^24 = 1, the exact sum."""
+    w = torch.zeros(16, 2048)
+    w[1, 0], w[1, 4 * 32], w[1, 5 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    return w.to(torch.bfloat16), torch.ones(2, 2048, dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in HALF, reason="no bf16 direct kernel here")
+def test_the_skewed_order_is_the_one_that_runs_and_wfpass_direct_skew_0_turns_it_off():
+    """The default reads row 1 of a 4 KB-row bf16 weight from its own line
+    (the exact sum, 1, at one and two rows); WFPASS_DIRECT_SKEW=0 reads it
+    from line 0, where 2^24 + 1 loses the 1 (0). A 5632-wide weight (rows
+    not 4 KB apart) is read at one column either way."""
+    import os
+    import subprocess
+    import sys
+
+    w, x = _order_probe()
+    for m in (1, 2):
+        assert _nops.direct_linear(x[:m], w, None)[:, 1].eq(1).all(), m
+    code = ("import sys; sys.path.insert(0, 'tests/prepack'); from wfpass import native; native.load(); "
+            "from wfpass.native import ops as o; from test_direct_half import _order_probe; w, x = _order_probe(); "
+            "print([o.direct_linear(x[:m], w, None)[:, 1].tolist() for m in (1, 2)])")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WFPASS_DIRECT_SKEW="0"), cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[[0.0], [0.0, 0.0]]", r.stdout
+    wide = torch.zeros(16, 5632)
+    wide[1, 0], wide[1, 4 * 32], wide[1, 5 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    assert _nops.direct_linear(torch.ones(1, 5632, dtype=torch.bfloat16), wide.to(torch.bfloat16), None)[0, 1] == 0

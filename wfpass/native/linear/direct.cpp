@@ -90,6 +90,14 @@ Kind kind() {
   return k;
 }
 
+// Whether one and two input rows read each row of a half-precision weight
+// whose rows are 4 KB apart from a column of its own (block_skew in
+// direct_kernel.h), unless WFPASS_DIRECT_SKEW is 0 / false / no / off.
+bool skew_on() {
+  static const bool on = !says_off(switch_words("WFPASS_DIRECT_SKEW"));
+  return on;
+}
+
 #ifdef WFPASS_DIRECT_X86
 // The library is built with -O2 (native/__init__.py), where GCC leaves the
 // loops over a register block rolled and the accumulators in memory (4x
