@@ -227,11 +227,13 @@ def test_the_skewed_order_is_the_one_that_runs_and_wfpass_direct_skew_0_turns_it
     import subprocess
     import sys
 
+    assert _nops.direct_skew()
     w, x = _order_probe()
     for m in (1, 2):
         assert _nops.direct_linear(x[:m], w, None)[:, 1].eq(1).all(), m
     code = ("import sys; sys.path.insert(0, 'tests/prepack'); from wfpass import native; native.load(); "
             "from wfpass.native import ops as o; from test_direct_half import _order_probe; w, x = _order_probe(); "
+            "assert not o.direct_skew(); "
             "print([o.direct_linear(x[:m], w, None)[:, 1].tolist() for m in (1, 2)])")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WFPASS_DIRECT_SKEW="0"), cwd=root,

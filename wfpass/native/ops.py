@@ -9,7 +9,7 @@ import torch
 
 from . import fast_loop, loaded
 
-__all__ = ["direct_runs", "direct_isa", "direct_amx", "direct_bf16dot", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
+__all__ = ["direct_runs", "direct_isa", "direct_amx", "direct_bf16dot", "direct_skew", "direct_linear", "panel_packs", "panel_pack", "panel_linear"]
 
 
 def direct_runs(dtype: torch.dtype) -> bool:
@@ -46,6 +46,15 @@ def direct_bf16dot() -> bool:
     if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_bf16dot"):
         return False
     return bool(torch.ops.wfpass.native_direct_bf16dot())
+
+
+def direct_skew() -> bool:
+    """Does the ``"direct"`` kernel read each row of a half-precision weight
+    whose rows are 4 KB apart from a line of its own at one and two input
+    rows (``block_skew`` in direct_kernel.h; unless ``WFPASS_DIRECT_SKEW=0``)?"""
+    if not loaded() or not hasattr(torch.ops.wfpass, "native_direct_skew"):
+        return False
+    return bool(torch.ops.wfpass.native_direct_skew())
 
 
 def direct_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:

@@ -41,6 +41,7 @@ SCHEMAS: Dict[str, str] = {
     'native_direct_isa': '() -> str',
     'native_direct_amx': '() -> bool',
     'native_direct_bf16dot': '() -> bool',
+    'native_direct_skew': '() -> bool',
     # rnn
     'lstm_layer': '(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, bool reverse, int hidden_size, bool has_biases, bool train) -> (Tensor, Tensor, Tensor, Tensor)',
     'lstm_layer_backward': '(Tensor input, Tensor w_ih, Tensor w_hh, Tensor b_ih, Tensor b_hh, Tensor? hx, Tensor? cx, Tensor output, Tensor hy, Tensor cy, Tensor? grad_output, Tensor? grad_hy, Tensor? grad_cy, bool reverse, int hidden_size, bool has_biases, Tensor workspace) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)',
@@ -81,7 +82,8 @@ SCHEMAS: Dict[str, str] = {
 #: Ops a C++ source defines (with the C++ function that serves them);
 #: every other op is defined by Python (:func:`define`).
 CXX_DEFINED = ("_pack_put", "_pack_take_counts", "_pack_forget", "_panel_pack", "_panel_linear", "_direct_linear",
-               "native_direct", "native_direct_isa", "native_direct_amx", "native_direct_bf16dot", "_lstm_pack_put", "_lstm_pack_take_calls", "_lstm_pack_forget",
+               "native_direct", "native_direct_isa", "native_direct_amx", "native_direct_bf16dot", "native_direct_skew",
+               "_lstm_pack_put", "_lstm_pack_take_calls", "_lstm_pack_forget",
                "_gru_grad_loop", "native_fast_loop", "native_fast_isa", "native_openmp", "native_short_lstm_rows", "_cudnn_flat_buffer",
                "_cudnn_grad_buffer", "_cudnn_python_bodies")
 

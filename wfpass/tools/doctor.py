@@ -60,7 +60,8 @@ def _native_lines() -> List[str]:
         out.append(f"direct linear (float32, bfloat16, float16: dot products over the weight as it is, no copy): "
                    + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'}"
                       f"{'; bfloat16 at 4+ rows on AMX tiles (WFPASS_DIRECT_AMX=0: off)' if _nops.direct_amx() else ''}"
-                      f"{'; bfloat16 at 8+ rows by AVX-512 BF16 dot products (WFPASS_DIRECT_BF16DOT=0: off)' if _nops.direct_bf16dot() else ''})"
+                      f"{'; bfloat16 at 8+ rows by AVX-512 BF16 dot products (WFPASS_DIRECT_BF16DOT=0: off)' if _nops.direct_bf16dot() else ''}"
+                      f"{'; half rows 4 KB apart read skewed at 1-2 rows (WFPASS_DIRECT_SKEW=0: off)' if _nops.direct_skew() else ''})"
                       if isa else
                       "no (a CPU with neither AVX-512F nor AVX2 with FMA and F16C, or WFPASS_DIRECT=0)"))
         out.append(f"brgemm packed linear (float32, oneDNN's small-GEMM kernel over 64-column panels): "

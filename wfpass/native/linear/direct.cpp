@@ -464,6 +464,7 @@ TORCH_LIBRARY_FRAGMENT(wfpass, m) {
   m.def(WFPASS_SCHEMA_native_direct_isa, []() { return std::string(wfpass_direct::isa()); });
   m.def(WFPASS_SCHEMA_native_direct_amx, []() { return wfpass_direct::amx_on(); });
   m.def(WFPASS_SCHEMA_native_direct_bf16dot, []() { return wfpass_direct::dot_on(); });
+  m.def(WFPASS_SCHEMA_native_direct_skew, []() { return wfpass_direct::available() && wfpass_direct::skew_on(); });
 }
 
 TORCH_LIBRARY_IMPL(wfpass, CPU, m) { m.impl("_direct_linear", wfpass_direct::linear_op); }
