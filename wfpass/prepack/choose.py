@@ -108,7 +108,7 @@ __all__ = ["COPY_FREE", "copy_free", "MARGIN", "MKL_MARGIN", "ROUNDS", "SAMPLE_S
 #: packed candidate's time before the comparison: the plain GEMM runs inside
 #: the compiled graph, the packed kernel behind an op that checks its copy.
 #: Measured with ``benchmarks/prepack/profile_pack.py`` (one row, 1 thread, torch
-#: 2.13.0): 0.5-2.5 us with the C++ kernel (``wfpass/native``), 15-29 us
+#: 2.13.0): 0.5-2.5 us with the C++ kernel (``wfpass/native``), 15-29 us (19 us on an AMD EPYC)
 #: with the Python one; the high end of the first, the low end of the
 #: second, so a kernel that wins by more is still taken.
 OP_COST_NATIVE_S = 3e-6
