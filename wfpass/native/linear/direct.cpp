@@ -123,24 +123,10 @@ struct Isa {
   WFPASS_TARGET_INLINE static V loadw(const F16* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // reduce16 below leaves the sum of v[4 j + l] at element 4 l + j.
+  // sums below leaves the sum of v[4 j + l] at element 4 l + j.
   static constexpr int slot(int p) { return 4 * (p % 4) + p / 4; }
-  // The sums of 16 vectors' lanes at once: two 128-bit-lane shuffle stages,
-  // then in-lane unpacks, ~30 instructions where 16 separate reductions take ~130.
-  WFPASS_TARGET_INLINE static void sums(const V* v, float* out) {
-    V s[8], r[4];
-#pragma GCC unroll 16
-    for (int i = 0; i < 8; ++i)
-      s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-#pragma GCC unroll 16
-    for (int i = 0; i < 4; ++i)
-      r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-    const V a = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
-    const V b = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE)));
-  }
+  // The sums of 16 vectors' lanes at once (bf16dot::sums16).
+  WFPASS_TARGET_INLINE static void sums(const V* v, float* out) { bf16dot::sums16(v, out); }
 };
 
 #include "direct_kernel.h"
