@@ -72,9 +72,12 @@ def main(argv=None) -> int:
                                      text=True, check=True).stdout.split()
                 rows.setdefault((setting, v), []).append((float(out[-2]), float(out[-1])))
                 print(setting, v, out[-2:], flush=True)
-    lines = [f"Command: `python benchmarks/prepack/profile_train_faults.py --runs {a.runs}" + (f" --out {a.out}`" if a.out else "`"),
-             "", f"torch {__import__('torch').__version__}, {cpu_words()}, {os.cpu_count()} CPUs visible, 1 thread. "
-             "The decoder training step of `python -m wfpass bench` (4 layers, d_model 256, fp32, 8 tokens, "
+    import torch
+
+    lines = ["# CPU training steps and the allocator", "",
+             f"Machine: {cpu_words()}; {os.cpu_count()} CPUs visible; 1 torch thread; torch {torch.__version__}.", "",
+             f"Command: `python benchmarks/prepack/profile_train_faults.py --runs {a.runs}" + (f" --out {a.out}`" if a.out else "`"),
+             "", "The decoder training step of `python -m wfpass bench` (4 layers, d_model 256, fp32, 8 tokens, "
              "forward + backward + SGD step), each variant in a fresh process per run (a cold compile); ms per "
              "step (median of 7 rounds of 20 steps) and minor page faults per step, one entry per run. "
              "*thresholds raised*: `MALLOC_MMAP_THRESHOLD_=1000000000 MALLOC_TRIM_THRESHOLD_=1000000000`.", "",

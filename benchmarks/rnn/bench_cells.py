@@ -206,11 +206,16 @@ def main() -> None:
         head, name = os.path.split(a.out)
         cache_path = os.path.join(head, "data", name.rsplit(".", 1)[0] + ".jsonl")
         os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    # Only rows measured on this CPU with these threads resume: a row from
+    # another machine (or one that did not record its machine) would be
+    # printed under this machine's name.
+    here = {"cpu": cpu_words(), "threads": a.threads}
     done = {}
     if cache_path and os.path.exists(cache_path):
         for line in open(cache_path):
             r = json.loads(line)
-            done[(r["layers"], r["T"], r["mode"])] = r
+            if r.get("machine") == here:
+                done[(r["layers"], r["T"], r["mode"])] = r
     for layers in a.layers:
         for mode in a.modes:
             too_slow = False
@@ -229,6 +234,7 @@ def main() -> None:
                     sys.stderr.write(p.stderr[-3000:])
                     raise SystemExit(f"configuration layers={layers} T={T} {mode} failed")
                 r = json.loads(p.stdout.strip().splitlines()[-1])
+                r["machine"] = here
                 if cache_path:
                     with open(cache_path, "a") as f:
                         f.write(json.dumps(r) + "\n")

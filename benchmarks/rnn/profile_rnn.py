@@ -1,6 +1,6 @@
 """Where an RNN call's time goes: the measurements behind docs/results/rnn_profile.md.
 
-    python benchmarks/rnn/profile_rnn.py kernel   # oneDNN's LSTM layer kernel: eager, in wformat's graph, called directly
+    python benchmarks/rnn/profile_rnn.py kernel   # oneDNN's LSTM layer kernel (T=32): eager, in wformat's graph, called directly
     python benchmarks/rnn/profile_rnn.py floor    # the LM without its LSTM: torch.compile's own per-call cost
     python benchmarks/rnn/profile_rnn.py split    # the LM at T=16 batch 1: forward and forward+backward, eager vs wformat
     python benchmarks/rnn/profile_rnn.py guards   # Dynamo's guard evaluation per call
@@ -52,7 +52,9 @@ def _lm(T=16, B=1):
 def kernel() -> None:
     from torch.profiler import profile
 
-    base, wf, tok = _lm()
+    # 32 rows: an inference call of at most 16 rows (T x batch) runs on
+    # wfpass's C++ loop, not on oneDNN's layer, and would have no such event.
+    base, wf, tok = _lm(T=32)
     with torch.no_grad():
         wf(tok)
         x = base.emb(tok)
