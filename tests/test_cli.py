@@ -39,7 +39,7 @@ def test_every_option_has_help_and_no_markup():
     parser = cli.build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     parsers = [parser] + list(subs.choices.values())
-    assert set(subs.choices) == {"demo", "bench", "doctor"}
+    assert set(subs.choices) == {"demo", "bench", "doctor", "libraries"}
     for p in parsers:
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -165,3 +165,19 @@ def test_wfpass_report_env_prints_at_exit_with_live_counters():
     assert "wfpass report" in res.stderr and "fused_calls=3" in res.stderr and "q.weight, q.bias, k.weight" in res.stderr
     res = _run("-c", code, env={"WFPASS_REPORT": "0"})
     assert "wfpass report" not in res.stderr
+
+
+def test_bench_refuses_an_out_that_is_a_file_before_timing_anything(tmp_path, capsys):
+    """``--out`` names a folder: a file there is refused at once (exit 2,
+    the option named), not after the run's ten minutes, when the figures
+    could not be written."""
+    from wfpass.tools import bench, cli
+
+    page = tmp_path / "bench.md"
+    page.write_text("kept")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--out", str(page)])
+    assert e.value.code == 2 and "--out must name a folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--out must name a folder"):
+        bench.main(out=str(page))
+    assert page.read_text() == "kept"

@@ -218,6 +218,12 @@ def _rewrites(model: nn.Module) -> str:
 
 def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] = None, parts: Sequence[str] = PARTS,
          threads: Optional[int] = None, plot_file: bool = True, command: str = "python -m wfpass bench") -> int:
+    # Before the ten minutes of timing, not after them: a file where the
+    # folder should go would lose every figure.
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"bench: --out must name a folder (bench.md, bench.json and bench.png go into it); "
+                         f"{out!r} is a file")
+    os.makedirs(out, exist_ok=True)
     sizes = dataclasses.replace(QUICK if quick else FULL)
     if rounds is not None:
         sizes.rounds = rounds

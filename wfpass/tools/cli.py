@@ -6,6 +6,7 @@ answer at once, and each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="The torch release and whether wfpass was tested on it; for each dtype, whether oneDNN's LSTM "
                     "kernel and packed linears run on this CPU (probed with a tiny call); whether wfpass's C++ "
                     "kernels are built and in use, and if not, why (the compiler's first error); CUDA and cuDNN.")
+    sub.add_parser(
+        "libraries", help="the two libraries a C++ program loads to run a package wfpass.export made",
+        description="Builds (once per machine and torch version) and prints, one per line, the libraries a C++ "
+                    "program loads before torch::inductor::AOTIModelPackageLoader runs an AOTInductor package "
+                    "of a wfpass.export program: wfpass's C++ kernels, then its ops' definitions "
+                    "(docs/guide/export.md, examples/export_cpp/run_package.cpp).")
     return parser
 
 
@@ -126,6 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cmd == "bench":
         from . import bench
 
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            parser.error(f"--out must name a folder (bench.md, bench.json and bench.png go into it); {args.out!r} is a file")
         given = sys.argv[1:] if argv is None else list(argv)
         return bench.main(quick=args.quick, out=args.out, rounds=args.rounds,
                           parts=args.only or bench.PARTS, threads=args.threads, plot_file=not args.no_plot,
@@ -134,4 +143,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .doctor import doctor
 
         return doctor()
+    if args.cmd == "libraries":
+        from ..native.program import cxx_libraries
+
+        try:
+            paths = cxx_libraries()
+        except RuntimeError as e:
+            print(f"wfpass: {e}", file=sys.stderr)
+            return 1
+        print("\n".join(str(p) for p in paths))
+        return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
