@@ -60,6 +60,7 @@ SLOW = frozenset({
     "tests/rnn/test_varlen_rnn.py::test_inductor_training_steps",
     "tests/core/test_properties.py::test_random_models_and_lives_match_eager",
     "tests/test_readme.py::test_readme_python_block_runs_as_written",
+    "tests/deploy/test_export.py::test_the_cpp_example_runs_the_package_with_no_python",
     "tests/core/test_report.py::test_report_of_real_models_fits_120_and_80_columns_without_cutting_a_name[encodec]",
     "tests/core/test_report_truth.py::test_rows_add_up_to_the_calls_made_and_names_resolve",
     "tests/rnn/test_rnn_records.py::test_attention_decoder_cells_are_reported_not_folded",

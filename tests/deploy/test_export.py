@@ -227,6 +227,52 @@ def test_the_export_example_runs_its_package_in_a_fresh_process(tmp_path):
     assert (tmp_path / "lm_aoti.pt2").exists() and (tmp_path / "lm_program.pt2").exists()
 
 
+def test_the_two_libraries_run_the_ops_in_a_process_without_wfpass():
+    """The kernels' library and the definitions library that
+    ``python -m wfpass libraries`` prints, loaded into a process where only
+    torch was imported (as a C++ program loads them), define and serve the
+    ops an exported LSTM calls, with eager's values; the definitions are
+    the table's, and none of the kernels' own."""
+    from wfpass.native import program, schemas
+
+    if wfpass.native.load() is not None:
+        pytest.skip(f"wfpass's C++ kernels are not built here: {wfpass.native.load()}")
+    src = program.definitions_source()
+    for name, args in schemas.all_schemas().items():
+        assert (f'm.def("{name}{args}");' in src) == (name not in schemas.CXX_DEFINED), name
+    kernels, defs = program.cxx_libraries()
+    child = f"""
+import torch
+torch.ops.load_library({str(defs)!r})
+torch.ops.load_library({str(kernels)!r})
+torch.manual_seed(0)
+lstm = torch.nn.LSTM(8, 16).eval()
+x = torch.randn(40, 3, 8)
+with torch.no_grad():
+    want = lstm(x)[0]
+    got = torch.ops.wfpass.lstm_layer_fw(x, *lstm.parameters(), None, None, False, 16, True, False)[0]
+print(((got - want).abs().max() / want.abs().max()).item(), "wfpass" in __import__("sys").modules)
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    err, imported = r.stdout.split()
+    assert float(err) <= 1e-5 and imported == "False", r.stdout
+
+
+def test_the_cpp_example_runs_the_package_with_no_python(tmp_path):
+    """``examples/export_cpp.py`` (docs/guide/export.md): the package runs
+    from ``examples/export_cpp/run_package.cpp``, a C++ program
+    (``AOTIModelPackageLoader``) with wfpass's two libraries loaded, and
+    gives eager's values at lengths and batches the example did not have."""
+    if wfpass.native.load() is not None:
+        pytest.skip(f"wfpass's C++ kernels are not built here: {wfpass.native.load()}")
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "examples" / "export_cpp.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("equals eager") == 3, r.stdout
+
+
 class Encoder(nn.Module):
     """A packed batch: pack_padded_sequence -> RNN -> pad_packed_sequence
     (imported by name, as most models do)."""

@@ -20,7 +20,7 @@ from typing import Dict, Iterable, Sequence
 
 import torch
 
-__all__ = ["SCHEMAS", "schema", "define", "twins", "all_names", "cxx_header"]
+__all__ = ["SCHEMAS", "schema", "define", "twins", "all_schemas", "all_names", "cxx_header"]
 
 #: op name -> ``"(args) -> returns"``, by the format that calls it.
 SCHEMAS: Dict[str, str] = {
@@ -116,11 +116,17 @@ _WITH_TWINS = {"lstm_layer": False, "rnn_layer": False, "packed_layer": False, "
                "packed_lstm_runs": False, "cudnn_rnn": True, "cudnn_packed_rnn": True}
 
 
+def all_schemas() -> Dict[str, str]:
+    """Every op wfpass defines, twins included: name -> ``"(args) -> returns"``."""
+    out = dict(SCHEMAS)
+    for name, bodies in _WITH_TWINS.items():
+        out.update(twins(name, bodies))
+    return out
+
+
 def all_names() -> Iterable[str]:
     """Every op wfpass defines, twins included."""
-    yield from SCHEMAS
-    for name, bodies in _WITH_TWINS.items():
-        yield from twins(name, bodies)
+    yield from all_schemas()
 
 
 def cxx_header() -> str:

@@ -130,10 +130,15 @@ std::pair<Tensor, Tensor> packed_pair(const Tensor& input, const Tensor& w_ih, c
       }
     }
     if (attempt == 1) break;
-    // Asked outside the lock: Python answers through _lstm_pack_put.
-    static auto ask = c10::Dispatcher::singleton()
-                          .findSchemaOrThrow("wfpass::_lstm_pack_ask", "")
-                          .typed<void(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, bool)>();
+    // Asked outside the lock: Python answers through _lstm_pack_put. A C++
+    // program running an exported package has no Python to answer (the op
+    // is defined there, with no kernel: examples/export_cpp): the plain
+    // weights, as for a pair Python decided not to copy.
+    static auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("wfpass::_lstm_pack_ask", "");
+    if (!handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !handle.hasKernelForDispatchKey(c10::DispatchKey::CPU))
+      return {};
+    static auto ask = handle.typed<void(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, bool)>();
     ask.call(input, w_ih, w_hh, reverse, hidden_size, has_biases);
   }
   return {};
