@@ -140,8 +140,7 @@ WFPASS_TARGET_INLINE void block_skew(const float* x, int64_t ldx, const WT* w, i
     for (int j = 0; j < C; ++j) {
       const int64_t k = kj[j];
       typename Isa::V wv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) wv[v] = Isa::loadw(w + j * ldw + k + v * Isa::W);
+      Isa::line(w + j * ldw + k, wv);
       if (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i)
