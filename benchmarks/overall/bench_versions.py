@@ -38,7 +38,10 @@ def table(runs: list, command: str) -> str:
     from wfpass.tools.doctor import cpu_words  # the page names its CPU: figures differ by vendor
     cells = [(r["model"], r["step"], r["size"]) for r in runs[0]["rows"]]
     head = ["torch"] + [f"{m}, {s} ({z})" for m, s, z in cells] + ["all outputs checked", "wall time"]
-    lines = [f"Command: `{command}`  ",
+    releases = ", ".join(r["torch"] for r in runs)
+    lines = ["# python -m wfpass bench on each supported torch release", "",
+             f"Machine: {cpu_words()}; {os.cpu_count()} CPUs visible; {runs[0]['threads']} torch thread(s); torch {releases}.", "",
+             f"Command: `{command}`  ",
              f"{cpu_words()}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, {runs[0]['threads']} torch thread(s); "
              "each release in its own process, one after the other.",
              "",
