@@ -263,8 +263,7 @@ def _machine() -> str:
     """What a decision holds for: this CPU's model, the torch build, the
     threads, and the copy-free kernel's bodies (AMX tiles, AVX-512 BF16 dot
     products, the skewed one- and two-row reads: a decision measured with
-    other bodies is measured again). A body whose speed changes gets a new
-    word here: "skew2" since the skewed reads' fp16 lines are one load."""
+    other bodies is measured again; "skew2": fp16 lines read in one load)."""
     direct = _nops.direct_isa() + "+amx" * _nops.direct_amx() + "+bf16dot" * _nops.direct_bf16dot() + "+skew2" * _nops.direct_skew()
     return (f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | rule {RULE} | "
             f"direct {direct or 'none'}")
