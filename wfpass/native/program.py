@@ -97,4 +97,10 @@ def compile_command(source: str, output: str) -> List[str]:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
     flags = [f for f in _flags() if f not in ("-shared", "-fPIC", "-fopenmp", "-O2")]
-    return [cxx, "-O1"] + flags + [source] + _LIBS + ["-ldl", "-o", output]
+    # --no-as-needed: the program itself calls nothing in libtorch.so, so a
+    # linker that drops unused libraries (Ubuntu's default) leaves it out,
+    # and the package's own library, which needs it (torch 2.15), then
+    # finds no libtorch.so to load: the executable's rpath does not reach
+    # a dlopen'ed library's dependencies. Loaded with the program, the
+    # package's dependency is the library already there.
+    return [cxx, "-O1"] + flags + [source, "-Wl,--no-as-needed"] + _LIBS + ["-ldl", "-o", output]
