@@ -42,8 +42,7 @@ def table(runs: list, command: str) -> str:
     lines = ["# python -m wfpass bench on each supported torch release", "",
              f"Machine: {cpu_words()}; {os.cpu_count()} CPUs visible; {runs[0]['threads']} torch thread(s); torch {releases}.", "",
              f"Command: `{command}`  ",
-             f"{cpu_words()}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs visible, {runs[0]['threads']} torch thread(s); "
-             "each release in its own process, one after the other.",
+             f"Python {sys.version.split()[0]}; each release in its own process, one after the other.",
              "",
              "Each cell: **x faster than Inductor** = Inductor's median time / wformat's median time on that "
              "release (above 1: wformat is faster), from `python -m wfpass bench` (its rounds are interleaved). "

@@ -230,6 +230,13 @@ def _compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
+def _compiler_or_raise() -> str:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    return cxx
+
+
 def _first_error(stderr: str) -> str:
     """The compiler's first error line (what a user needs to fix), else its
     last line: with -w the first ``error`` is the cause and the rest follows
@@ -271,9 +278,7 @@ def _compile_and_link(cxx: str, flags: list, out: Path, work: Path) -> subproces
 
 
 def _build(target: Path) -> None:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    cxx = _compiler_or_raise()
     flags = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two processes building at once

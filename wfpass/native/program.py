@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from . import _LIBS, _cache_dir, _compiler, _first_error, _flags, _say, build, library_path
+from . import _LIBS, _cache_dir, _compiler, _compiler_or_raise, _first_error, _flags, _say, build, library_path
 from .schemas import CXX_DEFINED, all_schemas
 
 __all__ = ["definitions_source", "definitions_path", "cxx_libraries", "compile_command"]
@@ -58,9 +58,7 @@ def definitions_path() -> Path:
 
 
 def _build_definitions(target: Path) -> None:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    cxx = _compiler_or_raise()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as work:
         src, tmp = Path(work) / "program_ops.cpp", Path(work) / target.name
@@ -93,9 +91,7 @@ def compile_command(source: str, output: str) -> List[str]:
     into the executable ``output`` against this torch (its headers, its C++
     standard and ABI, its libraries, found at run time through an rpath),
     as the kernels' library is built."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    cxx = _compiler_or_raise()
     flags = [f for f in _flags() if f not in ("-shared", "-fPIC", "-fopenmp", "-O2")]
     # --no-as-needed: the program itself calls nothing in libtorch.so, so a
     # linker that drops unused libraries (Ubuntu's default) leaves it out,

@@ -216,13 +216,20 @@ def _rewrites(model: nn.Module) -> str:
     return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
+def out_problem(out: str) -> Optional[str]:
+    """Why ``out`` cannot take the bench's files, or None. Asked before the
+    ten minutes of timing, not after them: a file where the folder should
+    go would lose every figure."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out must name a folder (bench.md, bench.json and bench.png go into it); {out!r} is a file"
+    return None
+
+
 def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] = None, parts: Sequence[str] = PARTS,
          threads: Optional[int] = None, plot_file: bool = True, command: str = "python -m wfpass bench") -> int:
-    # Before the ten minutes of timing, not after them: a file where the
-    # folder should go would lose every figure.
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"bench: --out must name a folder (bench.md, bench.json and bench.png go into it); "
-                         f"{out!r} is a file")
+    problem = out_problem(out)
+    if problem is not None:
+        raise ValueError(f"bench: {problem}")
     os.makedirs(out, exist_ok=True)
     sizes = dataclasses.replace(QUICK if quick else FULL)
     if rounds is not None:
@@ -239,7 +246,6 @@ def main(quick: bool = False, out: str = "wfpass-bench", rounds: Optional[int] =
     results, stats = run(sizes, parts, progress)
     text = markdown(results, stats, sizes, command, time.perf_counter() - t0)
     print(text)
-    os.makedirs(out, exist_ok=True)
     table_path = os.path.join(out, "bench.md")
     with open(table_path, "w") as f:
         f.write(text)

@@ -6,7 +6,6 @@ answer at once, and each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
@@ -133,8 +132,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cmd == "bench":
         from . import bench
 
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            parser.error(f"--out must name a folder (bench.md, bench.json and bench.png go into it); {args.out!r} is a file")
+        problem = bench.out_problem(args.out)
+        if problem is not None:
+            parser.error(problem)
         given = sys.argv[1:] if argv is None else list(argv)
         return bench.main(quick=args.quick, out=args.out, rounds=args.rounds,
                           parts=args.only or bench.PARTS, threads=args.threads, plot_file=not args.no_plot,
