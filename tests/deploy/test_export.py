@@ -331,3 +331,34 @@ def test_packed_batch_exports_with_dynamic_lengths(rnn, width, total_length, sor
                 want = model(x, lengths)
             got = run(x, lengths)
             assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5, (b, t)
+
+
+def test_the_program_keeps_its_ops_through_run_decompositions():
+    """``run_decompositions()`` lowers a program to the core ATen opset (the
+    start of ExecuTorch's, ONNX's and other lowerings; stock's LSTM becomes
+    one cell per step there: 714 nodes at T 16). wfpass's ops are custom ops
+    with no decomposition: they stay one op per layer, T stays dynamic, and
+    the lowered program equals eager, a packed batch's too."""
+    torch.manual_seed(6)
+    model = Net(nn.LSTM(16, 32, 2, proj_size=8, bidirectional=True), 16).eval()
+    ep = wfpass.export(model, (_x(False, 5),), dynamic_shapes={"x": {0: Dim("T", min=1, max=400)}})
+    low = ep.run_decompositions()
+    ops = [str(n.target) for n in low.graph.nodes if n.op == "call_function"]
+    assert ops.count("wfpass.lstm_layer_fw.default") == 2 and len(low.graph.nodes) <= len(ep.graph.nodes), ops
+    for t in (1, 33, 300):
+        x = _x(False, t)
+        with torch.no_grad():
+            want = model(x)
+        got = low.module()(x)
+        assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5, t
+    enc = Encoder(nn.GRU(16, 24, 1, batch_first=True), 24, True, False).eval()
+    x, lengths = torch.randn(3, 9, 16), torch.tensor([9, 4, 6])
+    B, T = Dim("B", min=2, max=64), Dim("T", min=2, max=400)
+    low = wfpass.export(enc, (x, lengths), dynamic_shapes={"x": {0: B, 1: T}, "lengths": {0: B}}).run_decompositions()
+    ops = {str(n.target) for n in low.graph.nodes if n.op == "call_function"}
+    assert "wfpass.pack_padded.default" in ops and not any(o.startswith("aten.gru") for o in ops), ops
+    x, lengths = torch.randn(5, 40, 16), torch.tensor([40, 3, 17, 40, 1])
+    with torch.no_grad():
+        want = enc(x, lengths)
+    got = low.module()(x, lengths)
+    assert _rel(got[0], want[0]) <= 1e-5 and _rel(got[1], want[1]) <= 1e-5

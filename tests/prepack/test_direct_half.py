@@ -144,8 +144,9 @@ def test_the_amx_body_is_on_by_default_and_wfpass_direct_amx_0_turns_it_off():
                     reason="needs AVX-512 BF16 without AMX (with AMX the tiles take these rows)")
 def test_bf16_dot_products_take_prompt_rows_and_agree_with_the_widening_body():
     """At 8 or more rows (K a multiple of 32) a bf16 weight goes through
-    vdpbf16ps (direct_bf16dot.h): each row's result is the widening body's
-    for that row alone (1 row) within one rounding, at 8 to 70 rows (tiles
+    vdpbf16ps (direct_bf16dot.h): each row's result is the row's alone (1
+    row: the one-row dot body up to 4096 input features, else the widening
+    body) within one rounding, at 8 to 70 rows (tiles
     of 4 input rows and their rest), weight rows apart, N not a multiple of
     4, with a bias; and its bits are not the widening body's (the path is
     taken: a sum whose float32 rounding depends on which products meet
@@ -154,12 +155,14 @@ def test_bf16_dot_products_take_prompt_rows_and_agree_with_the_widening_body():
     if not _nops.direct_bf16dot():
         pytest.skip("the bf16 dot body is off here (WFPASS_DIRECT_BF16DOT=0 or no AVX-512 build)")
     _prompt_rows_agree_with_single_rows(((64, 2048, 2048), (45, 96, 96), (33, 64, 80)), (8, 9, 16, 17, 70))
-    # 2^24 + 1 - 2^24 over 32 inputs: the widening body sums inputs 0 and 16
-    # in one lane (2^24 - 2^24) and input 1 in another: 1. The dot body adds
-    # input 1 to input 0's lane first, 2^24 + 1, which float32 rounds to 2^24: 0.
-    x = torch.zeros(8, 32, dtype=torch.bfloat16)
+    # 2^24 + 1 - 2^24 in the first 32 inputs: the widening body sums inputs 0
+    # and 16 in one lane (2^24 - 2^24) and input 1 in another: 1. The dot
+    # body adds input 1 to input 0's lane first, 2^24 + 1, which float32
+    # rounds to 2^24: 0. K 4128: one row wider than 4096 takes the widening
+    # body (dot_takes), so the single row is the widening body's.
+    x = torch.zeros(8, 4128, dtype=torch.bfloat16)
     x[:, 0], x[:, 1], x[:, 16] = 2.0 ** 24, 1.0, -(2.0 ** 24)
-    w = torch.ones(16, 32, dtype=torch.bfloat16)
+    w = torch.ones(16, 4128, dtype=torch.bfloat16)
     assert _nops.direct_linear(x[:1], w, None).eq(1).all()
     assert _nops.direct_linear(x, w, None).eq(0).all()
 
@@ -190,7 +193,8 @@ def test_one_and_two_rows_give_an_output_the_same_bits_in_any_call(dtype):
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
-        for k, ld in ((2048, 2048), (1030, 1030), (53, 53), (5, 5), (2000, 2048)):
+        for k, ld in ((2048, 2048), (2048, 2080), (4096, 4096), (8192, 8192), (1030, 1030), (53, 53), (5, 5),
+                      (2000, 2048)):
             w, b = torch.randn(100, ld).to(dtype)[:, :k], torch.randn(100).to(dtype)
             x = torch.randn(2, k).to(dtype)
             torch.set_num_threads(1)
@@ -207,22 +211,25 @@ def test_one_and_two_rows_give_an_output_the_same_bits_in_any_call(dtype):
 
 
 def _order_probe():
-    """A bf16 weight whose row 1 sums to 1 in the skewed order and to 0 at
-    one column: in lane 0, 2^24 at line 0, 1 at line 4 (where row 1 starts
-    when skewed: (1 * 64 lines) / 16), -2^24 at line 5. At one column
-    2^24 + 1 rounds to 2^24 and the row sums to 0; from line 4 it is
-    1 - 2^24 (exact), then + 2^24 = 1, the exact sum."""
-    w = torch.zeros(16, 2048)
-    w[1, 0], w[1, 4 * 32], w[1, 5 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
-    return w.to(torch.bfloat16), torch.ones(2, 2048, dtype=torch.bfloat16)
+    """A bf16 weight of 8192 input features (rows 16 KB apart, wider than
+    the one- and two-row dot body takes: the widening body's skewed reads)
+    whose row 1 sums to 1 in the skewed order and to 0 at one column: in
+    lane 0, 2^24 at line 0, 1 at line 16 (where row 1 starts when skewed:
+    (1 * 256 lines) / 16), -2^24 at line 17. At one column 2^24 + 1 rounds
+    to 2^24 and the row sums to 0; from line 16 it is 1 - 2^24 (exact),
+    then + 2^24 = 1, the exact sum."""
+    w = torch.zeros(16, 8192)
+    w[1, 0], w[1, 16 * 32], w[1, 17 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    return w.to(torch.bfloat16), torch.ones(2, 8192, dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(torch.bfloat16 not in HALF, reason="no bf16 direct kernel here")
 def test_the_skewed_order_is_the_one_that_runs_and_wfpass_direct_skew_0_turns_it_off():
-    """The default reads row 1 of a 4 KB-row bf16 weight from its own line
-    (the exact sum, 1, at one and two rows); WFPASS_DIRECT_SKEW=0 reads it
-    from line 0, where 2^24 + 1 loses the 1 (0). A 5632-wide weight (rows
-    not 4 KB apart) is read at one column either way."""
+    """The default reads row 1 of a bf16 weight whose rows are a multiple
+    of 4 KB apart from its own line (the exact sum, 1, at one and two
+    rows); WFPASS_DIRECT_SKEW=0 reads it from line 0, where 2^24 + 1 loses
+    the 1 (0). A 5632-wide weight (rows not 4 KB apart) is read at one
+    column either way."""
     import os
     import subprocess
     import sys
@@ -243,3 +250,42 @@ def test_the_skewed_order_is_the_one_that_runs_and_wfpass_direct_skew_0_turns_it
     wide = torch.zeros(16, 5632)
     wide[1, 0], wide[1, 4 * 32], wide[1, 5 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
     assert _nops.direct_linear(torch.ones(1, 5632, dtype=torch.bfloat16), wide.to(torch.bfloat16), None)[0, 1] == 0
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words() or _nops.direct_isa() != "avx512f",
+                    reason="needs AVX-512 BF16 without AMX")
+def test_one_and_two_bf16_rows_stream_the_weight_through_the_dot_body():
+    """Where K is at most 4096 (a multiple of 32), one and two bf16 rows
+    take the dot body's row-streaming loop (stream_rows in
+    direct_bf16dot.h): line s of a weight row sums into the s % 4-th of its
+    row's 4 accumulators. Row 0 has 2^24 at line 0, 1 at line 1, -2^24 at
+    line 4: the streaming sums give the exact 1 (lines 0 and 4 cancel in
+    one accumulator, the 1 sits in another); the widening body reads row 0
+    from line 0 on into one accumulator, where 2^24 + 1 loses the 1 (0), as
+    it does with WFPASS_DIRECT_BF16DOT=0. At 4128 input features the
+    widening body runs (0)."""
+    import os
+    import subprocess
+    import sys
+
+    def probe(k):
+        w = torch.zeros(16, k)
+        w[0, 0], w[0, 32], w[0, 4 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+        return w.to(torch.bfloat16), torch.ones(2, k, dtype=torch.bfloat16)
+
+    native.load()
+    assert _nops.direct_bf16dot()
+    w, x = probe(2048)
+    for m in (1, 2):
+        assert _nops.direct_linear(x[:m], w, None)[:, 0].eq(1).all(), m
+    w, x = probe(4128)
+    assert _nops.direct_linear(x[:1], w, None)[0, 0] == 0
+    code = ("import torch; from wfpass import native; native.load(); from wfpass.native import ops as o; "
+            "assert not o.direct_bf16dot(); w = torch.zeros(16, 2048); "
+            "w[0, 0], w[0, 32], w[0, 128] = 2.0 ** 24, 1.0, -(2.0 ** 24); w = w.to(torch.bfloat16); "
+            "x = torch.ones(2, 2048, dtype=torch.bfloat16); "
+            "print([o.direct_linear(x[:m], w, None)[:, 0].tolist() for m in (1, 2)])")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WFPASS_DIRECT_BF16DOT="0"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[[0.0], [0.0, 0.0]]", r.stdout

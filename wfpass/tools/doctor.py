@@ -40,6 +40,16 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _dot_words() -> str:
+    """Which bf16 rows the direct kernel's AVX-512 BF16 dot body takes
+    (direct.cpp, dot_takes): with AMX on, the prompt rows the tiles leave;
+    without, also a decode step's one and two rows."""
+    from ..native import ops as _nops
+
+    rows = "8+ rows" if _nops.direct_amx() else "1-2 rows (up to 4096 input features) and 8+ rows"
+    return f"; bfloat16 at {rows} by AVX-512 BF16 dot products (WFPASS_DIRECT_BF16DOT=0: off)"
+
+
 def _native_lines() -> List[str]:
     """What the C++ kernels give on this machine (built here if needed)."""
     import torch
@@ -60,7 +70,7 @@ def _native_lines() -> List[str]:
         out.append(f"direct linear (float32, bfloat16, float16: dot products over the weight as it is, no copy): "
                    + (f"yes ({'AVX-512F' if isa == 'avx512f' else 'AVX2 with FMA'}"
                       f"{'; bfloat16 at 4+ rows on AMX tiles (WFPASS_DIRECT_AMX=0: off)' if _nops.direct_amx() else ''}"
-                      f"{'; bfloat16 at 8+ rows by AVX-512 BF16 dot products (WFPASS_DIRECT_BF16DOT=0: off)' if _nops.direct_bf16dot() else ''}"
+                      f"{_dot_words() if _nops.direct_bf16dot() else ''}"
                       f"{'; half rows 4 KB apart read skewed at 1-2 rows (WFPASS_DIRECT_SKEW=0: off)' if _nops.direct_skew() else ''})"
                       if isa else
                       "no (a CPU with neither AVX-512F nor AVX2 with FMA and F16C, or WFPASS_DIRECT=0)"))

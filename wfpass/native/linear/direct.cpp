@@ -224,9 +224,9 @@ bool amx_on() {
 #endif
 }
 
-// The AVX-512 BF16 body (direct_bf16dot.h) for a prompt's bf16 rows where
-// AMX is not in use, with the AVX-512 build, unless WFPASS_DIRECT_BF16DOT is
-// 0 / false / no / off.
+// The AVX-512 BF16 bodies (direct_bf16dot.h) for a prompt's and a decode
+// step's bf16 rows where AMX is not in use, with the AVX-512 build, unless
+// WFPASS_DIRECT_BF16DOT is 0 / false / no / off.
 bool dot_on() {
 #ifdef WFPASS_DIRECT_X86
   static const bool on =
@@ -278,10 +278,17 @@ bool amx_takes(at::ScalarType dt, int64_t M, int64_t N, int64_t K) {
 // (AVX-512 BF16, no AMX), 1 thread, the 1.06 GB model's five weight shapes
 // cycling through 256 MiB: at 16 rows 1081-5716 us against the widening
 // body's 1465-7967 (0.69-0.74x), at 8 rows 0.87-0.96x, at 4 rows level to
-// 1.33x slower (2048x5632), so 4-7 rows keep the widening body. One rule
-// for the one-weight op and the group, as amx_takes.
+// 1.33x slower (2048x5632), so 4-7 rows keep the widening body. And a
+// decode step's one or two rows where K is at most 4096 (stream_rows in
+// direct_bf16dot.h: one rule for both counts, so a row's result is the same
+// bits alone and beside a second; wider rows keep the widening body at
+// both). Measured on a CPU without AMX only: with AMX on, one and two rows
+// keep the widening body. One rule for the one-weight op and the group, as
+// amx_takes.
 bool dot_takes(at::ScalarType dt, int64_t M, int64_t N, int64_t K) {
-  return dt == at::kBFloat16 && M >= 8 && K % 32 == 0 && !amx_takes(dt, M, N, K) && dot_on();
+  if (dt != at::kBFloat16 || K % 32 != 0 || !dot_on()) return false;
+  if (M <= 2) return K <= 4096 && !amx_on();
+  return M >= 8 && !amx_takes(dt, M, N, K);
 }
 
 // bf16 rows by vdpbf16ps, the input and the weight as they are; blocks of
