@@ -193,10 +193,13 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
                                  for r in wfpass.last_report().find("linear", "rewritten")]
         elif variant in ("stock_static", "stock_decomposed"):
             shapes = [(16, b) for b in BATCHES]
+
+            def stock_program(b):  # one T and one B a program (stock's LSTM specializes both)
+                e = torch.export.export(model, inputs(16, b))
+                return e.run_decompositions() if variant == "stock_decomposed" else e
+
             try:
-                ep = torch.export.export(model, inputs(16, 1))  # one T and one B a package: compiled at each B below
-                if variant == "stock_decomposed":
-                    ep = ep.run_decompositions()
+                ep = stock_program(1)  # compiled at each B below
             except Exception as e:  # noqa: BLE001 - what a user meets, in the table
                 return {**out, "skipped": f"export failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
         else:
@@ -220,8 +223,7 @@ def worker(model_name: str, variant: str, reps: int) -> dict:
             try:
                 if variant in ("stock_static", "stock_decomposed"):
                     for b in BATCHES:  # stock's static program is for batch 1: export and compile one per batch too
-                        e_b = torch.export.export(model, inputs(16, b)) if b != 1 else ep
-                        e_b = e_b.run_decompositions() if variant == "stock_decomposed" and b != 1 else e_b
+                        e_b = stock_program(b) if b != 1 else ep
                         packages[b] = torch._inductor.aoti_compile_and_package(e_b, package_path=f"{d}/m{b}.pt2")
                     out["compile_s"] = (time.perf_counter() - t0) / len(BATCHES)
                 else:

@@ -252,6 +252,15 @@ def test_the_skewed_order_is_the_one_that_runs_and_wfpass_direct_skew_0_turns_it
     assert _nops.direct_linear(torch.ones(1, 5632, dtype=torch.bfloat16), wide.to(torch.bfloat16), None)[0, 1] == 0
 
 
+def _stream_probe(k):
+    """A bf16 weight of k input features whose row 0 has 2^24 at line 0, 1
+    at line 1 and -2^24 at line 4 (lane 0), and an input of ones: 1 in the
+    streaming loop's order, 0 read from line 0 into one accumulator."""
+    w = torch.zeros(16, k)
+    w[0, 0], w[0, 32], w[0, 4 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
+    return w.to(torch.bfloat16), torch.ones(2, k, dtype=torch.bfloat16)
+
+
 @pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words() or _nops.direct_isa() != "avx512f",
                     reason="needs AVX-512 BF16 without AMX")
 def test_one_and_two_bf16_rows_stream_the_weight_through_the_dot_body():
@@ -268,24 +277,19 @@ def test_one_and_two_bf16_rows_stream_the_weight_through_the_dot_body():
     import subprocess
     import sys
 
-    def probe(k):
-        w = torch.zeros(16, k)
-        w[0, 0], w[0, 32], w[0, 4 * 32] = 2.0 ** 24, 1.0, -(2.0 ** 24)
-        return w.to(torch.bfloat16), torch.ones(2, k, dtype=torch.bfloat16)
-
     native.load()
     assert _nops.direct_bf16dot()
-    w, x = probe(2048)
+    w, x = _stream_probe(2048)
     for m in (1, 2):
         assert _nops.direct_linear(x[:m], w, None)[:, 0].eq(1).all(), m
-    w, x = probe(4128)
+    w, x = _stream_probe(4128)
     assert _nops.direct_linear(x[:1], w, None)[0, 0] == 0
-    code = ("import torch; from wfpass import native; native.load(); from wfpass.native import ops as o; "
-            "assert not o.direct_bf16dot(); w = torch.zeros(16, 2048); "
-            "w[0, 0], w[0, 32], w[0, 128] = 2.0 ** 24, 1.0, -(2.0 ** 24); w = w.to(torch.bfloat16); "
-            "x = torch.ones(2, 2048, dtype=torch.bfloat16); "
+    code = ("import sys; sys.path.insert(0, 'tests/prepack'); from wfpass import native; native.load(); "
+            "from wfpass.native import ops as o; from test_direct_half import _stream_probe; "
+            "w, x = _stream_probe(2048); assert not o.direct_bf16dot(); "
             "print([o.direct_linear(x[:m], w, None)[:, 0].tolist() for m in (1, 2)])")
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WFPASS_DIRECT_BF16DOT="0"),
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WFPASS_DIRECT_BF16DOT="0"), cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[[0.0], [0.0, 0.0]]", r.stdout
