@@ -167,6 +167,41 @@ def test_bf16_dot_products_take_prompt_rows_and_agree_with_the_widening_body():
     assert _nops.direct_linear(x, w, None).eq(0).all()
 
 
+@pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words(),
+                    reason="needs AVX-512 BF16 without AMX (with AMX the tiles take these rows)")
+def test_bf16_prompt_rows_over_a_wide_weight_are_summed_in_k_chunks():
+    """A prompt's rows over more than 2048 input features run in equal K
+    chunks (prompt_rows in direct_bf16dot.h, so 4 weight rows of a chunk stay
+    in L1), each chunk's sums added into the float32 output: rows agree with
+    the single rows and the exact sums within one rounding at 8 to 33 rows,
+    K 4160 (weight rows apart, N not a multiple of 4) and 5632; the output's
+    bits do not depend on how the weight rows split over threads; and the
+    chunks are the ones that run (below)."""
+    native.load()
+    if not _nops.direct_bf16dot():
+        pytest.skip("the bf16 dot body is off here (WFPASS_DIRECT_BF16DOT=0 or no AVX-512 build)")
+    _prompt_rows_agree_with_single_rows(((37, 4160, 4192), (24, 5632, 5632)), (8, 13, 16, 33))
+    torch.manual_seed(1)
+    w, x = torch.randn(300, 5632).to(torch.bfloat16), torch.randn(16, 5632).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(_nops.direct_linear(x, w, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    # 5632 features: 3 chunks of 59 lines (1888 features). 2^24 in chunk 0,
+    # 1 + 1 at the start of chunk 1 (the first in lane 0 with the 2^24, the
+    # second in lane 1), -2^24 in chunk 2. Summed lane by lane over the
+    # whole K, 2^24 + 1 rounds to 2^24 and the result is 1; by chunks, the
+    # chunk's 2 meets 2^24 in the output (2^24 + 2, exact), so 2: the exact sum.
+    x = torch.zeros(8, 5632, dtype=torch.bfloat16)
+    x[:, 0], x[:, 1888], x[:, 1890], x[:, 3776] = 2.0 ** 24, 1.0, 1.0, -(2.0 ** 24)
+    assert _nops.direct_linear(x, torch.ones(16, 5632, dtype=torch.bfloat16), None).eq(2).all()
+
+
 @pytest.mark.skipif("avx512_bf16" not in cpu_words() or "amx_bf16" in cpu_words() or _nops.direct_isa() != "avx512f",
                     reason="needs AVX-512 BF16 without AMX")
 def test_wfpass_direct_bf16dot_0_turns_the_dot_body_off():

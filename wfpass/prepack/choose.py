@@ -261,10 +261,10 @@ def _cpu_name() -> str:
 
 def _machine() -> str:
     """What a decision holds for: this CPU's model, the torch build, the
-    threads, and the copy-free kernel's bodies (AMX tiles, AVX-512 BF16 dot
-    products, also at 1-2 rows: "bf16dot2", the skewed 1-2-row reads, fp16
-    lines in one load: "skew2"; decisions timed on other bodies are timed again)."""
-    direct = _nops.direct_isa() + "+amx" * _nops.direct_amx() + "+bf16dot2" * _nops.direct_bf16dot() + "+skew2" * _nops.direct_skew()
+    threads, the copy-free kernel's bodies (AMX tiles, AVX-512 BF16 dots at
+    1-2 rows and in K chunks: "bf16dot3", skewed 1-2-row reads, fp16 lines in
+    one load: "skew2"); decisions timed on other bodies are timed again."""
+    direct = _nops.direct_isa() + "+amx" * _nops.direct_amx() + "+bf16dot3" * _nops.direct_bf16dot() + "+skew2" * _nops.direct_skew()
     return (f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | rule {RULE} | "
             f"direct {direct or 'none'}")
 

@@ -4,7 +4,7 @@
 // 16 float32 sums, reading the input and the weight as they are (no
 // widening of either). A tile of R input rows x 4 weight rows (R <= 4),
 // over K in steps of 32 (one 64-byte line of each row), the sums reduced
-// once at the end. Every product of two bf16 values is exact in float32, so
+// once per K chunk (prompt_rows) and added in float32. Every product of two bf16 values is exact in float32, so
 // the sums are float32 sums of the exact products, as the widening body's
 // are, in another order; the output is rounded once, as there.
 // Why: without it, 16 prompt rows of a bf16 model on an AMD EPYC (AVX-512
@@ -47,67 +47,124 @@ __attribute__((target("avx512f"), always_inline)) inline void sums16(const __m51
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE)));
 }
 
-// y[i * ldy + j] = x_i . w_j (+ bias[j]), R input rows (leading dim K) x C
-// weight rows (leading dim ldw), K % 32 == 0. With PF, the C rows at pf
-// are fetched into L2 meanwhile.
-template <int R, int C, bool PF>
-WFPASS_DOT_TARGET inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t ldw, const float* bias,
-                                   float* y, int64_t ldy, const uint16_t* pf) {
+// y[i * ldy + j] (+)= x_i[k0:k1] . w_j[k0:k1], R input rows (leading dim
+// ldx) x C weight rows (leading dim ldw), k0, k1 multiples of 32: the
+// first of a row's K chunks writes its sums (+ bias[j]), the others add
+// theirs. NPF lines of the rows at pf, pf + pfs rows, ... are fetched
+// into L1 meanwhile, one per line of K.
+template <int R, int C, int NPF>
+WFPASS_DOT_TARGET inline void tile(const uint16_t* x, int64_t ldx, int64_t k0, int64_t k1, const uint16_t* w,
+                                   int64_t ldw, const float* bias, float* y, int64_t ldy, bool first,
+                                   const uint16_t* pf, int64_t pfs) {
   __m512 acc[R][C];
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
+  for (int64_t k = k0; k < k1; k += 32) {
     __m512bh xv[R];
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+    for (int i = 0; i < R; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+#pragma GCC unroll 4
+    for (int p = 0; p < NPF; ++p) _mm_prefetch(reinterpret_cast<const char*>(pf + p * pfs * ldw + k), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T1);
 #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
     }
   }
+  alignas(64) float t[16];
   if constexpr (R == 4 && C == 4) {
     // A whole tile's 16 sums at once (sums16), ~30 instructions where 16
     // separate reductions take ~130: at 16 rows of a 2048-wide weight the
     // separate ones were an eighth of the tile's work.
-    alignas(64) float t[16];
     sums16(&acc[0][0], t);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) y[i * ldy + j] = t[4 * j + i] + (bias != nullptr ? bias[j] : 0.f);
   } else {
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-      for (int j = 0; j < C; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+      for (int j = 0; j < C; ++j) t[4 * j + i] = _mm512_reduce_add_ps(acc[i][j]);
   }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      float& out = y[i * ldy + j];
+      out = first ? t[4 * j + i] + (bias != nullptr ? bias[j] : 0.f) : out + t[4 * j + i];
+    }
 }
 
-// Every input row (M of them) against weight rows r0 .. r1 - 1 of N: 4 at a
-// time, the 4 rows' lines read from memory by the first tile of input rows
-// (which fetches the lines of the rows kAhead further on, as the widening
-// body does) and from cache by the others.
-constexpr int64_t kAhead = 16;
+// One tile of R <= 4 input rows, NPF picked at run time (0, 1, 2 or 4).
 template <int C>
-WFPASS_DOT_TARGET inline void panel(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w,
-                                    int64_t ldw, const float* bias, float* y, bool pf_ok) {
-  const uint16_t* pf = pf_ok ? w + kAhead * ldw : w;
-  int64_t i = 0;
-  if (i + 4 <= M) {
-    tile<4, C, true>(x, K, w, ldw, bias, y, N, pf);
-    i += 4;
+WFPASS_DOT_TARGET inline void tile_rows(int64_t R, int npf, const uint16_t* x, int64_t ldx, int64_t k0, int64_t k1,
+                                        const uint16_t* w, int64_t ldw, const float* bias, float* y, int64_t ldy,
+                                        bool first, const uint16_t* pf, int64_t pfs) {
+#define WFPASS_DOT_TILE(RR)                                                                    \
+  switch (npf) {                                                                               \
+    case 0: return tile<RR, C, 0>(x, ldx, k0, k1, w, ldw, bias, y, ldy, first, pf, pfs);       \
+    case 1: return tile<RR, C, 1>(x, ldx, k0, k1, w, ldw, bias, y, ldy, first, pf, pfs);       \
+    case 2: return tile<RR, C, 2>(x, ldx, k0, k1, w, ldw, bias, y, ldy, first, pf, pfs);       \
+    default: return tile<RR, C, 4>(x, ldx, k0, k1, w, ldw, bias, y, ldy, first, pf, pfs);      \
   }
-  for (; i + 4 <= M; i += 4) tile<4, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr);
-  switch (M - i) {
-    case 3: tile<3, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
-    case 2: tile<2, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
-    case 1: tile<1, C, false>(x + i * K, K, w, ldw, bias, y + i * N, N, nullptr); break;
-    default: break;
+  switch (R) {
+    case 4: WFPASS_DOT_TILE(4)
+    case 3: WFPASS_DOT_TILE(3)
+    case 2: WFPASS_DOT_TILE(2)
+    default: WFPASS_DOT_TILE(1)
+  }
+#undef WFPASS_DOT_TILE
+}
+
+// A prompt's rows (M >= 3) against weight rows r0 .. r1 - 1: panels of 4
+// weight rows, each against every tile of 4 input rows (the last tile the
+// M % 4 rest), over K in chunks of at most kChunk elements.
+// - The tiles run forward over one panel and backward over the next, so
+//   the tile a panel ends with starts the next from L1 (16 rows of a
+//   2048-wide input are 64 KB, more than the 48 KB L1 of the CPU measured:
+//   every panel read the whole input from L2 again).
+// - The first min(tiles, 4) tiles fetch the next panel's 4 rows into L1
+//   (one row each at 16 rows, two at 8, four at 4), while the panel's
+//   rows come in from memory: a 2048-wide bf16 row is one 4 KB page,
+//   which the hardware stream prefetchers do not cross.
+// - A K wider than kChunk is cut into equal chunks, each over all panels
+//   in turn, the sums of each chunk added into the float32 output: a
+//   chunk's 4 weight rows (<= 16 KB) then stay in L1 across the tiles
+//   (a 5632-wide panel is 44 KB).
+// Measured on an AMD EPYC (Zen 5-class, AVX-512 BF16, no AMX), 1 thread,
+// against the 4x4-tile body it replaces (each panel against each tile
+// over the whole K, the next-but-three panel fetched into L2 by the first
+// tile), each weight cycling through 48-384 MiB of copies: 16 rows 1.16x
+// (2048x2048), 1.29x (11264x2048), 1.37x (2048x5632), 1.27x (3072x2048);
+// 8 rows 1.12-1.37x; 13 rows 1.23x (docs/results/decode_stream_amd_1thread.md
+// has the run against oneDNN's packed copy). Each output's sum is the
+// same for any split of the weight rows over threads (chunks and tiles
+// depend on M and K only).
+constexpr int64_t kChunk = 2048;
+WFPASS_DOT_TARGET inline void prompt_rows(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w,
+                                          int64_t ldw, const float* bias, float* y, int64_t r0, int64_t r1) {
+  const int64_t tiles = (M + 3) / 4, fetchers = std::min<int64_t>(tiles, 4);
+  const int64_t lines = K / 32, chunks = (lines * 32 + kChunk - 1) / kChunk, per = (lines + chunks - 1) / chunks;
+  const int64_t n4 = r0 + (r1 - r0) / 4 * 4;  // the panels' end; rows n4 .. r1 - 1 one at a time
+  int64_t pass = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * per * 32, k1 = std::min(K, (c + 1) * per * 32);
+    const bool first = c == 0;
+    for (int64_t n = r0; n < n4; n += 4, ++pass) {
+      // The next panel, or the next chunk's first panel after the last.
+      const uint16_t* next = n + 8 <= n4 ? w + (n + 4) * ldw : (c + 1 < chunks ? w + r0 * ldw + (k1 - k0) : nullptr);
+      for (int64_t q = 0; q < tiles; ++q) {
+        const int64_t t = (pass & 1) ? tiles - 1 - q : q;
+        const int npf = (q < fetchers && next != nullptr) ? static_cast<int>(4 / fetchers) : 0;
+        tile_rows<4>(std::min<int64_t>(4, M - 4 * t), npf, x + 4 * t * K, K, k0, k1, w + n * ldw, ldw,
+                     bias != nullptr ? bias + n : nullptr, y + 4 * t * N + n, N, first,
+                     next != nullptr ? next + q * ldw : nullptr, fetchers);
+      }
+    }
+    for (int64_t n = n4; n < r1; ++n)
+      for (int64_t t = 0; t < tiles; ++t)
+        tile_rows<1>(std::min<int64_t>(4, M - 4 * t), 0, x + 4 * t * K, K, k0, k1, w + n * ldw, ldw,
+                     bias != nullptr ? bias + n : nullptr, y + 4 * t * N + n, N, first, nullptr, 0);
   }
 }
 
@@ -182,10 +239,7 @@ WFPASS_DOT_TARGET inline void rows(int64_t M, int64_t N, int64_t K, const uint16
                                    const float* bias, float* y, int64_t r0, int64_t r1) {
   if (M == 1) return stream_rows<1>(N, K, x, w, ldw, bias, y, r0, r1);  // a decode step (dot_takes)
   if (M == 2) return stream_rows<2>(N, K, x, w, ldw, bias, y, r0, r1);
-  int64_t n = r0;
-  for (; n + 4 <= r1; n += 4)
-    panel<4>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, n + kAhead + 4 <= N);
-  for (; n < r1; ++n) panel<1>(M, N, K, x, w + n * ldw, ldw, bias != nullptr ? bias + n : nullptr, y + n, false);
+  prompt_rows(M, N, K, x, w, ldw, bias, y, r0, r1);
 }
 
 }  // namespace bf16dot
