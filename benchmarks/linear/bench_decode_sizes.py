@@ -22,7 +22,8 @@ figure's passes are apart in time.
 ``--linears``: the share of the floor each linear shape of the 1 GB
 model reaches at one row in bf16 (its weight cycling through copies that
 fill 512 MiB, as a model's calls find it), direct kernel against the plain
-GEMM (oneDNN).
+GEMM (oneDNN), and the prompt's 16 rows on the direct kernel against
+oneDNN's packed copy.
 """
 from __future__ import annotations
 
@@ -161,11 +162,15 @@ def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) 
 
 
 def linears(threads: int) -> list:
-    """Per linear shape of the 1 GB model in bf16, one row: direct and the
-    plain GEMM, the weight cycling through 512 MiB of copies."""
+    """Per linear shape of the 1 GB model in bf16, the weight cycling through
+    512 MiB of copies: one row (a decode step) on the direct kernel and the
+    plain GEMM, and the prompt's 16 rows on the direct kernel and on
+    oneDNN's packed copy (the copy the decision rule weighs it against),
+    all interleaved round by round in one process."""
     import torch
 
     from wfpass import native
+    from wfpass._torch import kernels as _k
     from wfpass.native import ops as _nops
 
     native.load()
@@ -180,23 +185,29 @@ def linears(threads: int) -> list:
     for label, (n, k) in shapes.items():
         nbytes = n * k * 2
         ws = [torch.randn(n, k).to(torch.bfloat16) for _ in range(max(2, (512 << 20) // nbytes))]
-        x = torch.randn(1, k).to(torch.bfloat16)
-        res = {}
-        for kernel, f in (("direct", lambda w: _nops.direct_linear(x, w, None)),
-                          ("plain", lambda w: torch.nn.functional.linear(x, w))):
-            for w in ws:
-                f(w)
-            ts = []
-            for _ in range(5):
+        packs = [_k.onednn_pack(w) for w in ws] if _k.onednn_packs(torch.bfloat16) else []
+        x1, x16 = torch.randn(1, k).to(torch.bfloat16), torch.randn(16, k).to(torch.bfloat16)
+        kernels = {"direct": (ws, lambda w: _nops.direct_linear(x1, w, None)),
+                   "plain": (ws, lambda w: torch.nn.functional.linear(x1, w)),
+                   "direct16": (ws, lambda w: _nops.direct_linear(x16, w, None))}
+        if packs:
+            kernels["onednn16"] = (packs, lambda p: _k.onednn_linear(x16, p, None))
+        ts: dict = {kk: [] for kk in kernels}
+        for _ in range(7):
+            for kk, (args, f) in kernels.items():
+                f(args[0])
                 t = time.perf_counter()
-                for w in ws:
+                for w in args:
                     f(w)
-                ts.append((time.perf_counter() - t) / len(ws))
-            res[kernel] = statistics.median(ts)
-        rows.append({"linear": label, "shape": [n, k], "bytes": nbytes, "bandwidth": bw,
-                     **{f"{kk}_us": v * 1e6 for kk, v in res.items()},
-                     **{f"{kk}_share": nbytes / v / 1e9 / bw for kk, v in res.items()}})
-        del ws
+                ts[kk].append((time.perf_counter() - t) / len(args))
+        res = {kk: statistics.median(v) for kk, v in ts.items()}
+        row = {"linear": label, "shape": [n, k], "bytes": nbytes, "bandwidth": bw,
+               **{f"{kk}_us": v * 1e6 for kk, v in res.items()},
+               **{f"{kk}_share": nbytes / res[kk] / 1e9 / bw for kk in ("direct", "plain")}}
+        if packs:  # the median over rounds of oneDNN's time over the direct kernel's, round by round
+            row["onednn16_over_direct16"] = statistics.median(o / d for o, d in zip(ts["onednn16"], ts["direct16"]))
+        rows.append(row)
+        del ws, packs
     return rows
 
 
@@ -248,13 +259,19 @@ def _md(runs: list, lin: list, command: str) -> str:
               "`WFPASS_DIRECT_AMX=0` (the direct kernel without its AMX body for bf16 prompt rows, which is on by "
               "default where the CPU has AMX)."]
     if lin:
-        lines += ["", "## Per linear, bf16, one row, 1 thread", "",
-                  "Each weight of the 1GB model's shapes cycling through copies that fill 512 MiB; share: "
-                  "bytes read per second over the read bandwidth.", "",
-                  "| linear | shape | direct us | share | plain GEMM us | share |", "|---|---|---|---|---|---|"]
+        lines += ["", "## Per linear, bf16, 1 thread", "",
+                  "Each weight of the 1GB model's shapes cycling through copies that fill 512 MiB, the kernels "
+                  "interleaved round by round in one process (median of 7 rounds); share: bytes read per second "
+                  "over the read bandwidth. 16 rows: the prompt's calls, on the direct kernel and on oneDNN's "
+                  "packed copy of the weight; oneDNN / direct: the median of the rounds' ratios (below 0.85 the "
+                  "decision rule would keep the copy).", "",
+                  "| linear | shape | 1 row: direct us | share | plain GEMM us | share | 16 rows: direct us "
+                  "| oneDNN packed us | oneDNN / direct |", "|---|---|---|---|---|---|---|---|---|"]
         for r in lin:
+            pk = (f"{r['onednn16_us']:.0f} | {r['onednn16_over_direct16']:.2f}" if "onednn16_us" in r else "- | -")
             lines.append(f"| {r['linear']} | {r['shape'][0]}x{r['shape'][1]} | {r['direct_us']:.0f} | "
-                         f"{r['direct_share']:.2f} | {r['plain_us']:.0f} | {r['plain_share']:.2f} |")
+                         f"{r['direct_share']:.2f} | {r['plain_us']:.0f} | {r['plain_share']:.2f} | "
+                         f"{r['direct16_us']:.0f} | {pk} |")
     return "\n".join(lines) + "\n"
 
 
