@@ -228,14 +228,19 @@ def _md(runs: list, lin: list, command: str) -> str:
              "step alone ((24 new tokens - 4 new tokens) / 20), median of the rounds of every pass. The floor is "
              "the weights' bytes over the read bandwidth measured in the same process (1 GiB, `torch.dot` / "
              "`torch.mv`, best of 5). Each run in its own process, one after another.", "",
-             "| model | dtype | threads | weights | floor ms | backend | ms/token | x floor | x freezing | RSS growth "
-             "| peak RSS | wformat's linears |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | dtype | threads | weights | floor ms | backend | ms/token | x floor | x freezing | x own floor "
+             "| x freezing, own floors | RSS growth | peak RSS | wformat's linears |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (r["model"], r["dtype"], r["threads"])  # noqa: E731
     groups: dict = {}
     for r in runs:
         groups.setdefault(key(r), {}).setdefault(r["backend"], []).append(r)
     for (model, dtype, threads), by in groups.items():
         med = {b: statistics.median([m for r in rs for m in r["ms"]]) for b, rs in by.items()}
+        # Each process against the floor its own bandwidth gives: this machine's read bandwidth moves between
+        # processes (up to 1.5x within an hour here), which a ratio of two processes' ms/token carries along.
+        own = {b: statistics.median([statistics.median(r["ms"]) / (r["weights"] / r["bandwidth"] / 1e6) for r in rs])
+               for b, rs in by.items()}
         bw = statistics.median([r["bandwidth"] for rs in by.values() for r in rs])
         w = next(iter(by.values()))[0]["weights"]
         floor = w / bw / 1e6
@@ -244,15 +249,19 @@ def _md(runs: list, lin: list, command: str) -> str:
                 continue
             r = by[b][-1]
             vs = f"{med['freezing'] / med[b]:.2f}x" if "freezing" in med else "-"
+            vs_own = f"{own['freezing'] / own[b]:.2f}x" if "freezing" in own else "-"
             extra = ""
             if b.startswith("wformat") and "wformat" in r:
                 k = r["wformat"]
                 extra = (f"direct {k['direct_calls']}, packed {k['packed_calls']}, plain {k['plain_calls']} calls; "
                          f"copies {k['packed_bytes'] / 2**20:.0f} MiB")
             lines.append(f"| {model} | {dtype} | {threads} | {w / 1e9:.3f} GB | {floor:.1f} | {b} | {med[b]:.1f} | "
-                         f"{med[b] / floor:.2f} | {vs} | {r['rss_growth'] / 1e9:+.2f} GB | {r['peak'] / 1e9:.2f} GB | "
+                         f"{med[b] / floor:.2f} | {vs} | {own[b]:.2f} | {vs_own} | {r['rss_growth'] / 1e9:+.2f} GB | {r['peak'] / 1e9:.2f} GB | "
                          f"{extra} |")
     lines += ["", "x freezing: `freezing=True`'s ms/token over this backend's (above 1: faster than freezing). "
+              "x own floor: the median over this backend's processes of its ms/token over the floor its own "
+              "process measured; x freezing, own floors: `freezing=True`'s x own floor over this backend's (the "
+              "comparison with each process's bandwidth taken out). "
               "wformat's linears: the calls of its linear kernels during the last `generate()` pair and the "
               "bytes of the packed copies it holds. wformat_nocopy: wformat with `prepack={\"max_bytes\": 0}` "
               "(no prepacked copy; the direct kernel or the plain GEMM). wformat_noamx: wformat with "
@@ -288,7 +297,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-linears", action="store_true", help="without the per-linear table")
     ap.add_argument("--out")
     ap.add_argument("--json")
+    ap.add_argument("--from-json", help="write --out from the JSON of an earlier run (its runs and command)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            got = json.load(f)
+        with open(a.out, "w") as f:
+            f.write(_md(got["runs"], got["linears"], got["command"]))
+        return 0
     if a.worker:
         m, d, b, t = a.worker
         print(json.dumps(worker(m, d, b, int(t), a.rounds)), flush=True)
@@ -319,7 +335,7 @@ def main(argv=None) -> int:
     command = "python benchmarks/linear/bench_decode_sizes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"runs": runs, "linears": lin}, f, indent=1)
+            json.dump({"runs": runs, "linears": lin, "command": command.strip()}, f, indent=1)
     if a.out:
         with open(a.out, "w") as f:
             f.write(_md(runs, lin, command.strip()))
