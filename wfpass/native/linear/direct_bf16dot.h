@@ -132,14 +132,16 @@ WFPASS_DOT_TARGET inline void tile_rows(int64_t R, int npf, const uint16_t* x, i
 //   chunk's 4 weight rows (<= 16 KB) then stay in L1 across the tiles
 //   (a 5632-wide panel is 44 KB).
 // Measured on an AMD EPYC (Zen 5-class, AVX-512 BF16, no AMX), 1 thread,
-// against the 4x4-tile body it replaces (each panel against each tile
-// over the whole K, the next-but-three panel fetched into L2 by the first
-// tile), each weight cycling through 48-384 MiB of copies: 16 rows 1.16x
-// (2048x2048), 1.29x (11264x2048), 1.37x (2048x5632), 1.27x (3072x2048);
-// 8 rows 1.12-1.37x; 13 rows 1.23x (docs/results/decode_stream_amd_1thread.md
-// has the run against oneDNN's packed copy). Each output's sum is the
-// same for any split of the weight rows over threads (chunks and tiles
-// depend on M and K only).
+// in a standalone timing of this body beside the 4x4-tile body it
+// replaces (each panel against each tile over the whole K, the panel 16
+// rows on fetched into L2 by the first tile), interleaved, each weight
+// cycling through 48-384 MiB of copies: 16 rows 1.16x (2048x2048), 1.29x
+// (11264x2048), 1.37x (2048x5632), 1.27x (3072x2048); 8 rows 1.12-1.37x;
+// 13 rows 1.23x. Against oneDNN's packed copy at 16 rows, oneDNN's time
+// is now 0.88-1.02x of this body's (0.71-0.84x before), so the decision
+// rule makes no copy for a prompt (docs/results/decode_prompt_amd.md).
+// Each output's sum is the same for any split of the weight rows over
+// threads (chunks and tiles depend on M and K only).
 constexpr int64_t kChunk = 2048;
 WFPASS_DOT_TARGET inline void prompt_rows(int64_t M, int64_t N, int64_t K, const uint16_t* x, const uint16_t* w,
                                           int64_t ldw, const float* bias, float* y, int64_t r0, int64_t r1) {
