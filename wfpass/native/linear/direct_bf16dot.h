@@ -4,9 +4,10 @@
 // 16 float32 sums, reading the input and the weight as they are (no
 // widening of either). A tile of R input rows x 4 weight rows (R <= 4),
 // over K in steps of 32 (one 64-byte line of each row), the sums reduced
-// once per K chunk (prompt_rows) and added in float32. Every product of two bf16 values is exact in float32, so
-// the sums are float32 sums of the exact products, as the widening body's
-// are, in another order; the output is rounded once, as there.
+// once per K chunk (prompt_rows) and added in float32. Every product of
+// two bf16 values is exact in float32, so the sums are float32 sums of
+// the exact products, as the widening body's are, in another order; the
+// output is rounded once, as there.
 // Why: without it, 16 prompt rows of a bf16 model on an AMD EPYC (AVX-512
 // BF16, no AMX) ran faster from oneDNN's packed copies, and the decision
 // rule kept a copy of most of the model (946 MiB for 1.06 GB of weights).
@@ -124,9 +125,9 @@ WFPASS_DOT_TARGET inline void tile_rows(int64_t R, int npf, const uint16_t* x, i
 //   2048-wide input are 64 KB, more than the 48 KB L1 of the CPU measured:
 //   every panel read the whole input from L2 again).
 // - The first min(tiles, 4) tiles fetch the next panel's 4 rows into L1
-//   (one row each at 16 rows, two at 8, four at 4), while the panel's
-//   rows come in from memory: a 2048-wide bf16 row is one 4 KB page,
-//   which the hardware stream prefetchers do not cross.
+//   (one row each at 16 rows, two at 8, 2-1-1 at 12, four at 4), while
+//   the panel's rows come in from memory: a 2048-wide bf16 row is one
+//   4 KB page, which the hardware stream prefetchers do not cross.
 // - A K wider than kChunk is cut into equal chunks, each over all panels
 //   in turn, the sums of each chunk added into the float32 output: a
 //   chunk's 4 weight rows (<= 16 KB) then stay in L1 across the tiles
@@ -157,7 +158,8 @@ WFPASS_DOT_TARGET inline void prompt_rows(int64_t M, int64_t N, int64_t K, const
       const uint16_t* next = n + 8 <= n4 ? w + (n + 4) * ldw : (c + 1 < chunks ? w + r0 * ldw + (k1 - k0) : nullptr);
       for (int64_t q = 0; q < tiles; ++q) {
         const int64_t t = (pass & 1) ? tiles - 1 - q : q;
-        const int npf = (q < fetchers && next != nullptr) ? static_cast<int>(4 / fetchers) : 0;
+        // Tile q fetches rows q, q + fetchers, ... of the 4 (all 4 are fetched whatever the tile count).
+        const int npf = (q < fetchers && next != nullptr) ? static_cast<int>((4 - q + fetchers - 1) / fetchers) : 0;
         tile_rows<4>(std::min<int64_t>(4, M - 4 * t), npf, x + 4 * t * K, K, k0, k1, w + n * ldw, ldw,
                      bias != nullptr ? bias + n : nullptr, y + 4 * t * N + n, N, first,
                      next != nullptr ? next + q * ldw : nullptr, fetchers);
