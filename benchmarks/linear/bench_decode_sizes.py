@@ -237,8 +237,9 @@ def _md(runs: list, lin: list, command: str) -> str:
         groups.setdefault(key(r), {}).setdefault(r["backend"], []).append(r)
     for (model, dtype, threads), by in groups.items():
         med = {b: statistics.median([m for r in rs for m in r["ms"]]) for b, rs in by.items()}
-        # Each process against the floor its own bandwidth gives: this machine's read bandwidth moves between
-        # processes (up to 1.5x within an hour here), which a ratio of two processes' ms/token carries along.
+        # Each process against the floor its own bandwidth gives: a machine's read bandwidth can move between
+        # processes (up to 2x within an hour on the AMD EPYC of docs/results/decode_prompt_amd.md), which a
+        # ratio of two processes' ms/token carries along.
         own = {b: statistics.median([statistics.median(r["ms"]) / (r["weights"] / r["bandwidth"] / 1e6) for r in rs])
                for b, rs in by.items()}
         bw = statistics.median([r["bandwidth"] for rs in by.values() for r in rs])
@@ -256,8 +257,8 @@ def _md(runs: list, lin: list, command: str) -> str:
                 extra = (f"direct {k['direct_calls']}, packed {k['packed_calls']}, plain {k['plain_calls']} calls; "
                          f"copies {k['packed_bytes'] / 2**20:.0f} MiB")
             lines.append(f"| {model} | {dtype} | {threads} | {w / 1e9:.3f} GB | {floor:.1f} | {b} | {med[b]:.1f} | "
-                         f"{med[b] / floor:.2f} | {vs} | {own[b]:.2f} | {vs_own} | {r['rss_growth'] / 1e9:+.2f} GB | {r['peak'] / 1e9:.2f} GB | "
-                         f"{extra} |")
+                         f"{med[b] / floor:.2f} | {vs} | {own[b]:.2f} | {vs_own} | {r['rss_growth'] / 1e9:+.2f} GB | "
+                         f"{r['peak'] / 1e9:.2f} GB | {extra} |")
     lines += ["", "x freezing: `freezing=True`'s ms/token over this backend's (above 1: faster than freezing). "
               "x own floor: the median over this backend's processes of its ms/token over the floor its own "
               "process measured; x freezing, own floors: `freezing=True`'s x own floor over this backend's (the "
