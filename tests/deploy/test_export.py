@@ -197,6 +197,59 @@ def test_a_subclass_with_its_own_forward_is_left_to_torch_export_and_said():
     assert "forward" not in model.rnn.__dict__
 
 
+CUDA_BUILD = torch.version.cuda is not None
+
+
+def _fake_cuda():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason=f"needs a CUDA build of torch for fake CUDA tensors (this torch, "
+                    f"{torch.__version__}, is a CPU build)")
+@pytest.mark.parametrize("train", [False, True])
+def test_a_cuda_rnn_is_one_cudnn_op_where_asked_and_left_to_torch_export_by_default(train):
+    """On CUDA, as under torch.compile, cuDNN is opt-in: by default the RNN
+    is left to torch.export (whose LSTM specializes T: its error, naming why
+    wfpass left it); with rnn={"cuda": "cudnn"} the program holds one
+    wfpass cuDNN op for all layers, T symbolic, a packed batch's too.
+    Checked on fake CUDA tensors (no GPU runs here)."""
+    dyn = {"x": {0: Dim("T", min=2, max=400)}}
+    with _fake_cuda():
+        model = Net(nn.LSTM(16, 32, 2, device="cuda"), 32).train(train)
+        model.inp, model.head = nn.Linear(8, 16, device="cuda"), nn.Linear(32, 8, device="cuda")
+        x = torch.randn(5, 3, 8, device="cuda")
+        with pytest.raises(Exception, match="specialized") as err:
+            wfpass.export(model, (x,), dynamic_shapes=dyn)
+        assert "left these RNNs to torch.export" in "".join(getattr(err.value, "__notes__", []))
+        (row,) = wfpass.last_report().find("rnn", "skipped")
+        assert "on cuda" in row.reason and "'cudnn'" in row.reason
+        static = wfpass.export(model, (x,))  # stock's trace, as without wfpass
+        assert not any(str(n.target).startswith("wfpass.") for n in static.graph.nodes)
+
+        ep = wfpass.export(model, (x,), dynamic_shapes=dyn, rnn={"cuda": "cudnn"})
+        ops = [str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("wfpass.", "aten.lstm", "aten._cudnn"))]
+        assert ops == ["wfpass.cudnn_rnn.default" if train else "wfpass.cudnn_rnn_fw.default"], ops
+        (row,) = wfpass.last_report().find("rnn", "rewritten")
+        assert "cuDNN, one op for the 2 layer(s), whatever T" in row.reason and "flattens a copy" in row.reason
+        y, h_n = ep.module()(torch.randn(17, 3, 8, device="cuda"))  # another length: the fakes' shapes
+        assert tuple(y.shape) == (17, 3, 8) and tuple(h_n.shape) == (2, 3, 32)
+        assert "forward" not in model.rnn.__dict__
+
+        enc = Encoder(nn.GRU(16, 24, 2, batch_first=True, bidirectional=True, device="cuda"), 48, True, False)
+        enc.head = nn.Linear(48, 8, device="cuda")
+        enc.train(train)
+        xs, lengths = torch.randn(3, 9, 16, device="cuda"), torch.tensor([9, 4, 6])
+        B, T = Dim("B", min=2, max=64), Dim("T", min=2, max=400)
+        ep = wfpass.export(enc, (xs, lengths), dynamic_shapes={"x": {0: B, 1: T}, "lengths": {0: B}},
+                           rnn={"cuda": "cudnn"})
+        ops = [str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("wfpass.", "aten.gru"))]
+        rnn_op = "wfpass.cudnn_packed_rnn.default" if train else "wfpass.cudnn_packed_rnn_fw.default"
+        assert ops == ["wfpass.pack_padded.default", rnn_op, "wfpass.pad_packed.default"], ops
+
+
 def test_errors_name_what_is_wrong():
     model = Net(nn.LSTM(16, 32), 32).eval()
     with pytest.raises(TypeError, match="nn.Module"):

@@ -58,8 +58,7 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
     norms = _bn.candidates(model, report) if config.runs("fp32_batchnorm") else {}
     while True:  # traced again only if the trace shows a BatchNorm that cannot take float32 (it is then left)
         traced = Report(report.title)  # the RNN rows of the trace that is kept
-        with _rnn.swapped(model, config, traced), _bn.in_fp32(norms) as fp32:
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
+        program, fp32 = _trace(model, args, kwargs, dynamic_shapes, strict, config, norms, traced, report)
         bad = _bn.check(program, norms)
         for name, why in bad.items():
             report.add("batchnorm", "skipped", f"{name!r}: {why}", [f"{name}.{r}" for r in norms.pop(name)])
@@ -77,6 +76,24 @@ def export(model: nn.Module, args: Tuple, kwargs: Optional[Dict[str, Any]] = Non
                          **dict(model.named_buffers(remove_duplicate=False))})
     set_last(report)
     return program
+
+
+def _trace(model, args, kwargs, dynamic_shapes, strict, config, norms, traced: Report, report: Report):
+    """``torch.export.export`` with the RNNs swapped and the BatchNorms in
+    float32: the program and the BatchNorms' float32 tensors."""
+    try:
+        with _rnn.swapped(model, config, traced), _bn.in_fp32(norms) as fp32:
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict), fp32
+    except Exception as e:
+        # torch.export's own error (a T that specialized, ...): the RNNs left
+        # to it are often why, so the error names them and the report
+        # (wfpass.last_report()) has their rows.
+        report.extend(traced)
+        set_last(report)
+        left = traced.find("rnn", "skipped")
+        if left:
+            e.add_note("wfpass.export left these RNNs to torch.export as they are: " + "; ".join(r.reason for r in left))
+        raise
 
 
 def _note_left_alone(model: nn.Module, config: Config, report: Report) -> None:

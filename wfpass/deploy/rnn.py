@@ -21,11 +21,16 @@ the model's keys, nothing is copied); they are registered for the CPU by
 the C++ kernels (Python kernels where those are not built), with fakes, so
 AOTInductor calls them as extern kernels. Nothing is installed for good:
 the module's ``forward`` is swapped for the trace only (:func:`swapped`).
+
+On CUDA, as under ``torch.compile``, an RNN is left to ``torch.export`` by
+default (cuDNN is opt-in until measured on a GPU); with ``rnn={"cuda":
+"cudnn"}`` it is one ``wfpass::cudnn_rnn_fw`` call for all its layers
+(``wfpass::cudnn_packed_rnn_fw`` for a packed batch), T symbolic, over the
+weights in cuDNN's layout (``rnn/cuda/cudnn.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import types
 from typing import Iterator, List, Optional
 
@@ -37,6 +42,7 @@ from .._torch import kernels as _kernels
 from ..config import Config, default_seq_threshold
 from ..core.records import Report
 from ..rnn.paths import RnnForward
+from ..rnn.guards import flat_layout
 from ..rnn.plan import plan_call
 from ..rnn.varlen.sequence import PackedRnnForward
 from ..rnn.spec import RnnSpec, flat_weight_names, overrides_forward, rnn_mode
@@ -49,24 +55,46 @@ _SPECIALIZING = ("loop", "aten")
 
 
 def spec_of(mod: nn.RNNBase, name: str, config: Config) -> RnnSpec:
-    """The module's ``RnnSpec`` (the weights one after another, as the CPU
-    kernels read them)."""
+    """The module's ``RnnSpec``, with its flat block's layout (cuDNN's on
+    CUDA, the weights one after another elsewhere: ``rnn.guards.flat_layout``,
+    as a compiled graph's)."""
     ws = [getattr(mod, n) for n in flat_weight_names(mod)]
-    ends = list(itertools.accumulate(w.numel() for w in ws))
-    return RnnSpec(name=f"{name!r} ({type(mod).__name__})", mode=rnn_mode(mod), input_size=mod.input_size,
+    mode = rnn_mode(mod)
+    offsets, numel = flat_layout(ws, mode, mod.input_size, mod.hidden_size, mod.proj_size, mod.num_layers,
+                                 mod.batch_first, mod.bidirectional)
+    return RnnSpec(name=f"{name!r} ({type(mod).__name__})", mode=mode, input_size=mod.input_size,
                    hidden_size=mod.hidden_size, proj_size=mod.proj_size, num_layers=mod.num_layers,
                    bidirectional=mod.bidirectional, batch_first=mod.batch_first, has_biases=mod.bias,
-                   dropout=float(mod.dropout), offsets=tuple([0] + ends[:-1]), numel=ends[-1],
+                   dropout=float(mod.dropout), offsets=tuple(offsets), numel=numel,
                    threshold=default_seq_threshold(ws[0].device.type) if config.rnn.seq_threshold is None
                    else config.rnn.seq_threshold, options=config.rnn)
 
 
-def _skip_reason(mod: nn.Module) -> Optional[str]:
+#: Where a CUDA RNN is left to ``torch.export`` (``rnn.cuda="eager"``, the default).
+CUDA_LEFT = ("on cuda: traced as it is (torch's own RNN call, so T may specialize), as torch.compile leaves a CUDA RNN "
+             "to PyTorch's cuDNN path by default; rnn={'cuda': 'cudnn'} puts wfpass's cuDNN op in the program "
+             "(checked on fake CUDA tensors, not yet measured on a GPU)")
+
+
+#: What a program's cuDNN op reads (``rnn/cuda/cudnn.py``, ``flat_buffer``).
+CUDNN_BUFFER = ("; it reads cuDNN's flat buffer where the weights are views of one in cuDNN's layout (as "
+                "torch's RNN modules keep them on a GPU), else flattens a copy of them per call, as eager PyTorch "
+                "does for such weights (an AOTInductor package loads each weight apart)")
+
+
+def _skip_reason(mod: nn.Module, config: Config) -> Optional[str]:
     if overrides_forward(mod):
         return (f"its class {type(mod).__name__} defines its own forward: traced as it is (torch's own RNN call, so T may "
                 "specialize)")
     if rnn_mode(mod) is None:
         return f"{type(mod).__name__} overrides the methods nn.RNNBase.forward calls"
+    device = getattr(mod, flat_weight_names(mod)[0]).device.type
+    if device == "cuda" and config.rnn.cuda != "cudnn":
+        return CUDA_LEFT
+    if device not in ("cpu", "cuda"):
+        return f"on {device}: traced as it is (wfpass's RNN ops run on the CPU and, with rnn={{'cuda': 'cudnn'}}, CUDA)"
+    if not config.runs("fuse_rnn"):
+        return "the RNN format is not in passes="
     return None
 
 
@@ -75,7 +103,10 @@ def _forward_for(spec: RnnSpec, path: str, training: bool):
     # between layers); in eval mode their twins without, which keep no
     # workspace for a backward.
     fwd = RnnForward(spec, path, train=training, need_grad=None if training else False)
-    varlen = PackedRnnForward(spec, "packed", training)
+    # A packed batch: cuDNN's packed mode where the dense calls take cuDNN,
+    # else wfpass's C++ layer loop.
+    varlen = PackedRnnForward(spec, "cudnn" if path == "cudnn" else "packed", training,
+                              need_grad=None if training else False)
     names = None
 
     def forward(self, input, hx=None):
@@ -181,9 +212,7 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
             if not isinstance(mod, nn.RNNBase):
                 continue
             params = [f"{name}.{n}" if name else n for n in flat_weight_names(mod)]
-            why = _skip_reason(mod)
-            if why is None and not config.runs("fuse_rnn"):
-                why = "the RNN format is not in passes="
+            why = _skip_reason(mod, config)
             if why is not None:
                 report.add("rnn", "skipped", f"{name}: {why}", params)
                 continue
@@ -197,10 +226,11 @@ def swapped(model: nn.Module, config: Config, report: Report) -> Iterator[List[n
             mod.__dict__["forward"] = types.MethodType(_forward_for(spec, path, mod.training), mod)
             done.append(mod)
             kernel = plan.kernel if path == plan.path else "wfpass's C++ loop (wfpass::packed_layer)"
+            ops = "one op per layer and direction" if path != "cudnn" else f"one op for the {spec.num_layers} layer(s)"
             report.add("rnn", "rewritten",
-                       f"{spec.mode}, {spec.summary()}; T=symbolic: {kernel}, one op per layer and direction, "
-                       f"whatever T{'; with gradient formulas (training mode)' if mod.training else ''}", params,
-                       kernel=kernel, path=path)
+                       f"{spec.mode}, {spec.summary()}; T=symbolic: {kernel}, {ops}, whatever T"
+                       f"{'; with gradient formulas (training mode)' if mod.training else ''}"
+                       f"{CUDNN_BUFFER if path == 'cudnn' else ''}", params, kernel=kernel, path=path)
         with _packing_ops():
             yield done
     finally:

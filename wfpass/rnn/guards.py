@@ -147,17 +147,25 @@ def _build_spec(s: RnnCall, config: Config) -> Tuple[Optional[RnnSpec], Optional
         threshold=default_seq_threshold(ws[0].device.type) if config.rnn.seq_threshold is None else config.rnn.seq_threshold,
         options=config.rnn,
     )
-    layout = None
-    if ws[0].device.type == "cuda":
-        layout = _kernels.cudnn_flat_layout(ws, per, spec["input_size"], s.mode, hidden, proj_size, num_layers,
-                                           bool(batch_first), bool(bidirectional))
-        if layout is None:
-            layout = cudnn_layout_without_gpu([tuple(w.shape) for w in ws], num_layers * D, gates * hidden)
-    else:  # the CPU kernels read each layer's weights one after another
-        ends = list(itertools.accumulate(w.numel() for w in ws))
-        layout = ([0] + ends[:-1], ends[-1])
-    offsets, numel = layout
+    offsets, numel = flat_layout(ws, s.mode, spec["input_size"], hidden, proj_size, int(num_layers),
+                                 bool(batch_first), bool(bidirectional))
     return RnnSpec(offsets=tuple(offsets), numel=numel, **spec), None
+
+
+def flat_layout(ws, mode: str, input_size: int, hidden: int, proj_size: int, num_layers: int, batch_first: bool,
+                bidirectional: bool):
+    """Each weight's element offset in the flat block and the block's size:
+    cuDNN's own layout on CUDA (asked of cuDNN where there is a GPU), the
+    weights one after another elsewhere (as the CPU kernels read them)."""
+    if ws[0].device.type == "cuda":
+        D = 2 if bidirectional else 1
+        layout = _kernels.cudnn_flat_layout(ws, len(ws) // (num_layers * D), input_size, mode, hidden, proj_size,
+                                           num_layers, batch_first, bidirectional)
+        if layout is None:
+            layout = cudnn_layout_without_gpu([tuple(w.shape) for w in ws], num_layers * D, GATES[mode] * hidden)
+        return layout
+    ends = list(itertools.accumulate(w.numel() for w in ws))
+    return [0] + ends[:-1], ends[-1]
 
 
 def cudnn_layout_without_gpu(shapes, pseudo_layers: int, gate_rows: int):

@@ -48,7 +48,7 @@ torch's, are ``pad_ops.py``; this module is the RNN over the packed batch.
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -222,8 +222,11 @@ class PackedRnnForward:
     passed one by one (views of the flat block; the CPU kernel reads each
     where it is, so a lost layout changes no result)."""
 
-    def __init__(self, spec, path: str, train: bool):
-        self.spec, self.path, self.train = spec, path, train
+    def __init__(self, spec, path: str, train: bool, need_grad: Optional[bool] = None):
+        # need_grad: None decides per call from grad mode (a compiled graph);
+        # False takes the op without a gradient formula, which keeps no
+        # workspace (an eval-mode exported program, traced with grad on).
+        self.spec, self.path, self.train, self.need_grad = spec, path, train, need_grad
         self.__name__ = self.__qualname__ = f"rnn_packed_{path}"
 
     __module__ = __name__
@@ -233,7 +236,7 @@ class PackedRnnForward:
         if self.path == "cudnn":  # cuDNN's own packed mode, from the flat buffer
             from ..cuda.cudnn_varlen import cudnn_packed_call
 
-            need_grad = torch.is_grad_enabled() and any(
+            need_grad = self.need_grad is not False and torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (data, *hx, *weights))
             return cudnn_packed_call(spec, data, batch_sizes, list(hx), weights, need_grad, self.train)
         return torch.ops.wfpass.packed_rnn(data, batch_sizes, list(hx), list(weights), spec.mode, spec.has_biases,
