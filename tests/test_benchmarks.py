@@ -351,3 +351,24 @@ def _ratio_of_printed(x: float, a: float, b: float) -> bool:
     and then."""
     lo, hi = (a - 0.05) / (b + 0.05), (a + 0.05) / max(b - 0.05, 1e-9)
     return lo - 0.006 <= x <= hi + 0.006
+
+
+def test_decode_profile_page_is_its_json_and_events_land_in_their_parts():
+    """docs/results/decode_profile_amd.md's table is what profile_decode.py
+    renders from the run's JSON (no figure typed by hand), and the
+    profiler's events land in the part their names say."""
+    import json
+    import types
+
+    mod = _load("profile_decode")
+    data = json.loads((ROOT / "docs/results/data/decode_profile_amd.json").read_text())
+    page = (ROOT / "docs/results/decode_profile_amd.md").read_text()
+    table = [line for line in mod._md(data["runs"], data["command"]).splitlines() if line.startswith("|")]
+    assert table and all(line in page for line in table)
+    events = [types.SimpleNamespace(key=k, self_cpu_time_total=t * 1e3) for k, t in (
+        ("wfpass::packed_linear", 5.0), ("aten::_scaled_dot_product_flash_attention_for_cpu", 2.0),
+        ("graph_2_cpp_fused__scaled_dot_product_flash_attention_for_cpu_mul_1", 0.5),
+        ("## Call CompiledFxGraph fabc ##", 1.0), ("TorchDynamo Cache Lookup", 0.25), ("aten::copy_", 0.125))]
+    got = mod._parts(events)
+    assert got["linears"] == 5.0 and got["attention"] == 2.0 and got["Inductor's fused kernels"] == 0.5
+    assert got["Inductor's wrapper code"] == 1.0 and got["Dynamo's guards"] == 0.25 and got["other ATen ops"] == 0.125
