@@ -94,9 +94,11 @@ class RnnOptions:
                    two lengths in a row.
     cuda:          RNNs on CUDA: ``"eager"`` (default) leaves them to a
                    graph break, and PyTorch's own cuDNN path runs them, as
-                   without wfpass; ``"cudnn"`` puts each into the compiled
-                   graph as one cuDNN call reading the flat block (checked
-                   on fake CUDA tensors, not yet measured on a GPU).
+                   without wfpass (``wfpass.export`` leaves it to
+                   ``torch.export``); ``"cudnn"`` puts each into the compiled
+                   graph (and the exported program) as one cuDNN call
+                   reading the flat block (checked on fake CUDA tensors,
+                   not yet measured on a GPU).
     cpu_kernel:    the kernels of a float32 CPU RNN above the threshold:
                    ``"auto"`` (default) wfpass's C++ loop where it was
                    measured faster than eager's kernels (docs/rnn.md): every
