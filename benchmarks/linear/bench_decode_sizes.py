@@ -1,4 +1,4 @@
-"""Decode at real sizes: HF LLaMA ``generate()`` from 40 MB to 2.1 GB of
+"""Decode at real sizes: HF LLaMA ``generate()`` from 22 MB to 2.1 GB of
 weights in float32, bfloat16 and float16, eager / Inductor / Inductor
 ``freezing=True`` / wformat, one process per (model, dtype, backend, threads)
 run, and how far each is from the memory-bandwidth floor.
@@ -38,6 +38,8 @@ import time
 
 MODELS = {
     # name: LlamaConfig fields (untied embedding and head, vocab 8000)
+    "20MB": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=2),
     "40MB": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2),
     "1GB": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=11, num_attention_heads=16,
@@ -222,7 +224,8 @@ def _md(runs: list, lin: list, command: str) -> str:
 
     lines = ["# Decode at real sizes: distance to the memory-bandwidth floor", "",
              f"Machine: {_cpu()}; torch {torch.__version__}. Command: `{command}`.", "",
-             "HF `LlamaForCausalLM` built from a config (untied head, vocab 8000): 40MB is hidden 512, FF 1408, "
+             "HF `LlamaForCausalLM` built from a config (untied head, vocab 8000): 20MB is hidden 384, FF 1024, "
+             "3 layers (6 heads, 2 KV heads); 40MB is hidden 512, FF 1408, "
              "4 layers (8 heads, 2 KV heads); 1GB is hidden 2048, FF 5632, 11 layers (16 heads, 4 KV heads); the "
              "name is its size in bf16. `generate()` greedy, batch 1, 16-token prompt; ms/token is the decode "
              "step alone ((24 new tokens - 4 new tokens) / 20), median of the rounds of every pass. The floor is "
