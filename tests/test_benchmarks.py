@@ -12,6 +12,8 @@ import re
 import pytest
 import torch
 
+from wftest import needs_cuda_build
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +121,7 @@ def test_pass_time_benchmark_runs_and_checks_the_tree_it_imported(tmp_path):
         mod.main(["--trees", str(tmp_path), "--models", "cell_loop", "--rounds", "1", "--reps", "1"])
 
 
-@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake CUDA tensors)")
+@needs_cuda_build
 def test_gpu_benchmark_check_compiles_every_model_to_the_expected_graph():
     """``bench_gpu.py --check``: what a GPU session will measure compiles, on
     fake CUDA, to one graph per model with each RNN one cuDNN call."""

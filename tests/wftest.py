@@ -127,6 +127,22 @@ class Capture:
         return sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and pred(n.target))
 
 
+#: A CUDA build of torch: it makes fake CUDA tensors on a machine without a
+#: GPU (a CPU build refuses them even when fake).
+CUDA_BUILD = torch.version.cuda is not None
+needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason=f"needs a CUDA build of torch for fake CUDA tensors "
+                                      f"(this torch, {torch.__version__}, is a CPU build)")
+
+
+def fake_mode():
+    """A ``FakeTensorMode`` with a shape environment, for graphs traced on
+    fake (CUDA) tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
 def needs_gpu(reason: str = "needs a GPU"):
     """Decorator for a test that needs a CUDA GPU: skipped without one, and
     marked ``gpu``, so that ``python -m pytest -m gpu`` on a GPU machine runs

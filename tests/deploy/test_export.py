@@ -14,6 +14,7 @@ from torch import nn
 from torch.export import Dim
 
 import wfpass
+from wftest import fake_mode, needs_cuda_build
 
 
 class Net(nn.Module):
@@ -197,18 +198,7 @@ def test_a_subclass_with_its_own_forward_is_left_to_torch_export_and_said():
     assert "forward" not in model.rnn.__dict__
 
 
-CUDA_BUILD = torch.version.cuda is not None
-
-
-def _fake_cuda():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return FakeTensorMode(shape_env=ShapeEnv())
-
-
-@pytest.mark.skipif(not CUDA_BUILD, reason=f"needs a CUDA build of torch for fake CUDA tensors (this torch, "
-                    f"{torch.__version__}, is a CPU build)")
+@needs_cuda_build
 @pytest.mark.parametrize("train", [False, True])
 def test_a_cuda_rnn_is_one_cudnn_op_where_asked_and_left_to_torch_export_by_default(train):
     """On CUDA, as under torch.compile, cuDNN is opt-in: by default the RNN
@@ -217,7 +207,7 @@ def test_a_cuda_rnn_is_one_cudnn_op_where_asked_and_left_to_torch_export_by_defa
     wfpass cuDNN op for all layers, T symbolic, a packed batch's too.
     Checked on fake CUDA tensors (no GPU runs here)."""
     dyn = {"x": {0: Dim("T", min=2, max=400)}}
-    with _fake_cuda():
+    with fake_mode():
         model = Net(nn.LSTM(16, 32, 2, device="cuda"), 32).train(train)
         model.inp, model.head = nn.Linear(8, 16, device="cuda"), nn.Linear(32, 8, device="cuda")
         x = torch.randn(5, 3, 8, device="cuda")

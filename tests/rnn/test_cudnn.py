@@ -25,10 +25,8 @@ from wfpass.tools.bench_models import built_in_dtype
 from wfpass.rnn.cuda import cudnn
 from wfpass.rnn.paths import RnnForward
 from wfpass.core.storage import fused_storage_of
-from wftest import needs_gpu
+from wftest import fake_mode as _fake_mode, needs_cuda_build, needs_gpu
 
-CUDA_BUILD = torch.version.cuda is not None
-needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="needs a CUDA build of torch (fake CUDA tensors)")
 gpu = needs_gpu()
 
 VARIANTS = {
@@ -81,13 +79,6 @@ def _cuda_autocast(dtype):
     with mock.patch.object(torch.cuda, "is_available", lambda: True), \
             mock.patch.object(torch.cuda, "is_bf16_supported", lambda *a, **k: True):
         return torch.autocast("cuda", dtype=dtype)
-
-
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return FakeTensorMode(shape_env=ShapeEnv())
 
 
 def _input(kw, device):

@@ -21,7 +21,7 @@ import wfpass  # noqa: F401 - defines the ops
 from wfpass import native
 from wfpass._torch import kernels
 from wfpass.rnn.cuda import cudnn, cudnn_varlen  # noqa: F401 - the packed op's schema
-from wftest import needs_gpu
+from wftest import needs_cuda_build, needs_gpu
 
 gpu = needs_gpu()
 needs_cxx = pytest.mark.skipif(not native.loaded(), reason=f"the C++ kernels are not in use: {native.status()}")
@@ -154,7 +154,7 @@ def test_the_gradient_buffer_is_cudnns_own_where_the_python_rule_keeps_it_and_a_
 
 
 @needs_cxx
-@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (fake CUDA tensors)")
+@needs_cuda_build
 def test_every_op_with_a_cxx_body_passes_opcheck_on_fake_cuda_tensors():
     """torch.library's opcheck (schema, autograd registration, fake
     kernel, AOTAutograd with dynamic shapes) of each op the C++ bodies

@@ -27,10 +27,8 @@ from wfpass.rnn.guards import cudnn_layout_without_gpu
 from wfpass.rnn.varlen.sequence import PackedRnnForward
 from wfpass.rnn.varlen.meta import note_batch
 from wfpass.rnn.spec import GATES, RnnSpec, flat_weight_names, rnn_mode
-from wftest import needs_gpu
+from wftest import fake_mode as _fake_mode, needs_cuda_build, needs_gpu
 
-CUDA_BUILD = torch.version.cuda is not None
-needs_cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="needs a CUDA build of torch (fake CUDA tensors)")
 gpu = needs_gpu()
 
 I, H = 8, 16
@@ -44,13 +42,6 @@ KINDS = {
     "lstm-proj": (nn.LSTM, dict(proj_size=4)),
 }
 OPS = torch.ops.wfpass
-
-
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return FakeTensorMode(shape_env=ShapeEnv())
 
 
 def _spec(rnn: nn.Module) -> RnnSpec:
