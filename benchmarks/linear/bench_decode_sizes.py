@@ -107,6 +107,42 @@ def bandwidth() -> float:
     return best
 
 
+def compile_forward(model, backend: str) -> None:
+    """``model.forward`` compiled for ``backend`` (BACKENDS + EXTRA; eager:
+    left as it is). ``freezing`` turns Inductor's freezing on for the
+    process: a worker runs one backend."""
+    import torch
+
+    import wfpass
+
+    if backend == "freezing":
+        import torch._inductor.config as ic
+
+        ic.freezing = True
+    if backend == "wformat_nocopy":
+        model.forward = torch.compile(model.forward, backend=wfpass.backend(prepack={"max_bytes": 0}))
+    elif backend == "wformat_noamx":  # the worker's environment turns the AMX body off (main)
+        model.forward = torch.compile(model.forward, backend="wformat")
+    elif backend != "eager":
+        model.forward = torch.compile(model.forward, backend="inductor" if backend == "freezing" else backend)
+
+
+def generate_timer(model):
+    """``gen(n)``: seconds of a greedy ``generate()`` of exactly ``n`` new
+    tokens after the fixed PROMPT-token prompt."""
+    import torch
+
+    prompt = torch.randint(0, 8000, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+    def gen(n):
+        with torch.no_grad():
+            t = time.perf_counter()
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return time.perf_counter() - t
+
+    return gen
+
+
 def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) -> dict:
     import torch
 
@@ -119,26 +155,10 @@ def worker(name: str, dtype_name: str, backend: str, threads: int, rounds: int) 
     dtype = getattr(torch, dtype_name)
     model = _model(name, dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    prompt = torch.randint(0, 8000, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     _trim()
     rss0, _ = _rss()
-    if backend == "freezing":
-        import torch._inductor.config as ic
-
-        ic.freezing = True
-    if backend == "wformat_nocopy":
-        model.forward = torch.compile(model.forward, backend=wfpass.backend(prepack={"max_bytes": 0}))
-    elif backend == "wformat_noamx":  # the worker's environment turns the AMX body off (main)
-        model.forward = torch.compile(model.forward, backend="wformat")
-    elif backend != "eager":
-        model.forward = torch.compile(model.forward, backend="inductor" if backend == "freezing" else backend)
-
-    def gen(n):
-        with torch.no_grad():
-            t = time.perf_counter()
-            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            return time.perf_counter() - t
-
+    compile_forward(model, backend)
+    gen = generate_timer(model)
     t = time.perf_counter()
     gen(LONG)
     first = time.perf_counter() - t

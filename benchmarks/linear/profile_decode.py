@@ -25,9 +25,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode_sizes as b  # noqa: E402  (its model, timing and floor; torch is imported inside)
 
 #: The parts of a token, in the page's order: (name, test on a profiler event's key).
 PARTS = (
@@ -41,7 +41,7 @@ PARTS = (
                                                        "AOTDispatcher Runtime Wrapper"))),
 )
 BACKENDS = ("freezing", "wformat")
-SHORT, LONG = 4, 24
+SHORT, LONG = b.SHORT, b.LONG  # the decode steps bench_decode_sizes times
 
 
 def _parts(events) -> dict:
@@ -62,26 +62,16 @@ def worker(backend: str, threads: int, rounds: int) -> dict:
     import torch._inductor.config as ic
     from torch.profiler import ProfilerActivity, profile
 
-    import bench_decode_sizes as b
-    import wfpass  # noqa: F401  (registers backend="wformat")
     from wfpass._torch.aot import disable_compile_caches
 
     torch.set_num_threads(threads)
     disable_compile_caches()
     torch._dynamo.config.recompile_limit = 64
     ic.cpp.enable_kernel_profile = True  # each fused kernel a profiler event
-    ic.freezing = backend == "freezing"
     model = b._model("1GB", torch.bfloat16)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.forward = torch.compile(model.forward, backend="inductor" if backend == "freezing" else backend)
-    prompt = torch.randint(0, 8000, (1, b.PROMPT), generator=torch.Generator().manual_seed(1))
-
-    def gen(n):
-        with torch.no_grad():
-            t = time.perf_counter()
-            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            return time.perf_counter() - t
-
+    b.compile_forward(model, backend)
+    gen = b.generate_timer(model)
     gen(LONG)
     gen(LONG)
     plain = []
